@@ -1,0 +1,73 @@
+"""tripwire: masked, counted, reported faults for GPU kernels, safe under CUDA-graph capture.
+
+Importing tripwire reads no setting, initialises no CUDA context, starts no thread and allocates no device memory
+(``tests/test_import.py`` proves it). The default monitor is built on first use.
+
+Triton device helpers live in :mod:`tripwire.triton`; reference guarded kernels in :mod:`tripwire.kernels`; numeric
+instruments in :mod:`tripwire.numerics`; several ranks in :mod:`tripwire.distributed`.
+"""
+
+from __future__ import annotations
+
+from ._default import (
+    check,
+    configure,
+    counter,
+    default_monitor,
+    drain,
+    poll,
+    prealloc,
+    register_post_capture_hook,
+    reset,
+    run_post_capture_hooks,
+    snapshot,
+    start,
+    stop,
+)
+from .config import MODES, Settings, load_settings
+from .errors import CaptureError, GuardTripped
+from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
+from .monitor import Hit, Monitor
+from .sites import Site, SiteRegistry, register_site, sites
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # sites
+    "Site",
+    "SiteRegistry",
+    "register_site",
+    "sites",
+    # arena and lifecycle
+    "prealloc",
+    "counter",
+    "start",
+    "check",
+    "drain",
+    "stop",
+    "register_post_capture_hook",
+    "run_post_capture_hooks",
+    # tools
+    "snapshot",
+    "reset",
+    "poll",
+    "Hit",
+    # monitor and settings
+    "Monitor",
+    "default_monitor",
+    "configure",
+    "Settings",
+    "load_settings",
+    "MODES",
+    # errors
+    "GuardTripped",
+    "CaptureError",
+    # counter encoding
+    "GUARD_BIAS",
+    "SLOTS",
+    "encode",
+    "encode_neg",
+    "decode",
+    "decode_neg",
+    "__version__",
+]

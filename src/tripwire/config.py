@@ -1,0 +1,127 @@
+"""Settings: ``TRIPWIRE_*`` environment variables and the same names as keyword arguments.
+
+Validation fails closed. A setting that is present but broken (an unknown mode, ``nan``, ``0``, ``-1``, ``abc``, an
+empty string) raises ``ValueError`` naming the variable and the value: a typo must never silently disarm the
+instrument by falling back to a default. Only an *absent* variable takes the default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+__all__ = ["MODES", "Settings", "load_settings"]
+
+MODES = ("raise", "warn", "off")
+
+# name -> (environment variable, default)
+_ENV = {
+    "mode": ("TRIPWIRE_MODE", "warn"),
+    "interval": ("TRIPWIRE_INTERVAL", 0.05),
+    "idle_tail": ("TRIPWIRE_IDLE_TAIL", 2.0),
+    "report_every": ("TRIPWIRE_REPORT_EVERY", 10.0),
+    "capacity": ("TRIPWIRE_CAPACITY", 1024),
+    "heartbeat": ("TRIPWIRE_HEARTBEAT", 60.0),
+}
+
+
+def _parse_mode(var: str, raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"{var}={raw!r}: the mode must be a string, one of {', '.join(MODES)}")
+    mode = raw.strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"{var}={raw!r} is not a mode; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _parse_seconds(var: str, raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise ValueError(f"{var}={raw!r}: expected a positive number of seconds, got a bool")
+    try:
+        value = float(raw.strip()) if isinstance(raw, str) else float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{var}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{var}={raw!r}: expected a finite number of seconds > 0")
+    return value
+
+
+def _parse_capacity(var: str, raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError(f"{var}={raw!r}: expected a positive whole number of rows, got a bool")
+    if isinstance(raw, int):
+        value = raw
+    else:
+        text = raw.strip() if isinstance(raw, str) else raw
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{var}={raw!r} is not a whole number of rows") from None
+    if value <= 0:
+        raise ValueError(f"{var}={raw!r}: expected a whole number of rows > 0")
+    if value > 1 << 20:
+        raise ValueError(f"{var}={raw!r}: more than {1 << 20} rows is not a counter arena but a mistake")
+    return value
+
+
+_PARSERS = {
+    "mode": _parse_mode,
+    "interval": _parse_seconds,
+    "idle_tail": _parse_seconds,
+    "report_every": _parse_seconds,
+    "heartbeat": _parse_seconds,
+    "capacity": _parse_capacity,
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings of one :class:`tripwire.Monitor`.
+
+    ``mode``: ``raise`` (any hit arms the stop), ``warn`` (report; fatal sites arm) or ``off`` (no reader at all).
+    ``interval``: seconds between reader ticks. ``idle_tail``: seconds without a ``check()`` after which the reader
+    stops copying. ``report_every``: the least seconds between two WARNING lines of one site. ``capacity``: rows per
+    device arena, fixed for the process. ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
+    """
+
+    mode: str = "warn"
+    interval: float = 0.05
+    idle_tail: float = 2.0
+    report_every: float = 10.0
+    capacity: int = 1024
+    heartbeat: float = 60.0
+
+    def __post_init__(self) -> None:
+        # Validate keyword-built settings exactly like environment ones: the same fail-closed rules.
+        for f in fields(self):
+            var = _ENV[f.name][0]
+            object.__setattr__(self, f.name, _PARSERS[f.name](f"{f.name} ({var})", getattr(self, f.name)))
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        unknown = set(overrides) - set(_ENV)
+        if unknown:
+            raise TypeError(f"unknown tripwire setting(s) {sorted(unknown)}; known: {sorted(_ENV)}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Read the ``TRIPWIRE_*`` variables (``env`` defaults to ``os.environ``), then apply keyword overrides.
+
+    A keyword argument that is not ``None`` wins over its variable. Every value is validated; a broken variable
+    raises even when a keyword overrides it, because a broken deployment setting is a bug worth hearing about.
+    """
+    env = os.environ if env is None else env
+    unknown = set(overrides) - set(_ENV)
+    if unknown:
+        raise TypeError(f"unknown tripwire setting(s) {sorted(unknown)}; known: {sorted(_ENV)}")
+    values: dict[str, Any] = {}
+    for name, (var, default) in _ENV.items():
+        raw = env.get(var)
+        values[name] = default if raw is None else _PARSERS[name](var, raw)
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = _PARSERS[name](name, value)
+    return Settings(**values)

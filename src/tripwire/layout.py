@@ -1,0 +1,69 @@
+"""The counter row layout and its integer encoding (pure Python: no torch, no triton).
+
+Every site and instrument owns one row of ``SLOTS`` int64 words in its device's arena.
+
+Guard rows (sites):
+    slot 0 ``COUNT``       hits, plain count
+    slot 1 ``MAX_ROW``     max offending row, biased
+    slot 2 ``MAX_VALUE``   max offending value, biased
+    slot 3 ``NEG_MIN``     max of the negated offending value, biased (so min survives atomic_max on zeros)
+    slot 4 ``FIRST_ROW``   first offender's row, biased, claimed by compare-and-swap from 0
+    slot 5 ``FIRST_VALUE`` first offender's value, biased, written only by the CAS winner
+    slots 6, 7 spare
+
+Encoding: a stored word is ``v + GUARD_BIAS`` with ``GUARD_BIAS = 2**62``. A zeroed buffer then means "nothing
+recorded" and atomic_max works for negative values too. The round-trip holds for ``-2**62 < v < 2**62``
+(``encode`` refuses anything outside); indices, rows and positions of real kernels are far inside it.
+The four extremes are independent lifetime extremes, not pairs: the max row and the max value may come from
+different hits. Only slots 4/5 are one real observed pair.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "COUNT",
+    "FIRST_ROW",
+    "FIRST_VALUE",
+    "GUARD_BIAS",
+    "MAX_ROW",
+    "MAX_VALUE",
+    "NEG_MIN",
+    "SLOTS",
+    "VALUE_MAX",
+    "VALUE_MIN",
+    "decode",
+    "decode_neg",
+    "encode",
+    "encode_neg",
+]
+
+SLOTS = 8
+COUNT, MAX_ROW, MAX_VALUE, NEG_MIN, FIRST_ROW, FIRST_VALUE = 0, 1, 2, 3, 4, 5
+GUARD_BIAS = 1 << 62
+# Exclusive bounds of what round-trips: v + BIAS must be in (0, 2**63) and BIAS - v as well.
+VALUE_MIN = -GUARD_BIAS + 1
+VALUE_MAX = GUARD_BIAS - 1
+
+
+def encode(v: int) -> int:
+    """The stored word for value ``v``; ValueError outside ``[VALUE_MIN, VALUE_MAX]``."""
+    if not VALUE_MIN <= v <= VALUE_MAX:
+        raise ValueError(f"{v} is outside the encodable range [{VALUE_MIN}, {VALUE_MAX}]")
+    return v + GUARD_BIAS
+
+
+def encode_neg(v: int) -> int:
+    """The stored word of the NEG_MIN slot for value ``v`` (the negated value, biased)."""
+    if not VALUE_MIN <= v <= VALUE_MAX:
+        raise ValueError(f"{v} is outside the encodable range [{VALUE_MIN}, {VALUE_MAX}]")
+    return GUARD_BIAS - v
+
+
+def decode(word: int) -> int | None:
+    """The value of a biased slot, or None when the slot is 0 (nothing recorded)."""
+    return None if word == 0 else int(word) - GUARD_BIAS
+
+
+def decode_neg(word: int) -> int | None:
+    """The minimum from the NEG_MIN slot, or None when nothing was recorded."""
+    return None if word == 0 else GUARD_BIAS - int(word)

@@ -1,0 +1,602 @@
+"""The monitor: the sites' reported state, the armed stop, the reader thread and the lifecycle.
+
+Lifecycle in an engine::
+
+    tripwire.prealloc(device)        # before any capture: arena + the reader's mirror, stream and event
+    ... warm-up, capture graphs ...
+    tripwire.start()                 # post-capture hooks, then the reader thread (unless mode is off)
+    loop: tripwire.check(); step()   # one attribute read per step; raises GuardTripped when armed
+    shutdown: tripwire.drain()       # a final synchronous read: a hit on the last step is not lost
+
+Reporting: a rise first seen in copy k is confirmed and reported from copy k+1 (kernels bump the count before the
+extremes, so copy k may hold the count without them). Reports are aggregated per site and device: at most one line
+per ``report_every`` seconds, carrying the delta since the last line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from .arena import Arena, normalize_device
+from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
+from .config import Settings, load_settings
+from .errors import CaptureError, GuardTripped
+from .layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, decode, decode_neg
+from .reader import DeviceReader
+from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
+
+__all__ = ["Hit", "Monitor", "RowReporter", "register_reporter"]
+
+log = logging.getLogger("tripwire")
+
+# A confirmation waits at most this many extra copies for a first-offender pair that has not landed yet.
+_MAX_EXTRA_CONFIRM_COPIES = 3
+
+
+@dataclass(frozen=True)
+class Hit:
+    """Decoded guard row. ``first_row``/``first_value`` are one real hit; the extremes are independent lifetime
+    extremes (the max row and the max value may come from different hits). None where nothing was recorded."""
+
+    count: int
+    first_row: int | None
+    first_value: int | None
+    max_row: int | None
+    max_value: int | None
+    min_value: int | None
+
+    @classmethod
+    def from_row(cls, row: np.ndarray) -> Hit:
+        return cls(
+            count=int(row[COUNT]),
+            first_row=decode(int(row[FIRST_ROW])),
+            first_value=decode(int(row[FIRST_VALUE])),
+            max_row=decode(int(row[MAX_ROW])),
+            max_value=decode(int(row[MAX_VALUE])),
+            min_value=decode_neg(int(row[NEG_MIN])),
+        )
+
+
+class RowReporter(Protocol):
+    """Turns confirmed rises of one kind of row into reports. ``count_slots``: the slots whose sum rising means
+    new events. ``confirm`` runs under the monitor's lock on the reader thread (or drain's caller); ``tick`` runs on
+    every poll with the latest rows of every device (for heartbeats)."""
+
+    count_slots: tuple[int, ...]
+
+    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None: ...
+
+    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None: ...
+
+
+_REPORTER_FACTORIES: dict[str, Callable[[], RowReporter]] = {}
+
+
+def register_reporter(kind: str, factory: Callable[[], RowReporter]) -> None:
+    """Plug in the reporter for rows of ``kind`` (numeric instruments do this at import)."""
+    _REPORTER_FACTORIES[kind] = factory
+
+
+def _fmt(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def guard_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
+    fatal = " (FATAL site: the masked value was written somewhere durable)" if site.fatal else ""
+    new = f"{delta} new, {hit.count} total" if delta is not None else f"{hit.count} total"
+    desc = f" [{site.description}]" if site.description else ""
+    return (
+        f"tripwire: MASKED FAULT at site {site.name!r} on {device}{fatal}: {new} out-of-range accesses were "
+        f"masked, NOT computed correctly.{desc} First offender: row {_fmt(hit.first_row)}, value "
+        f"{_fmt(hit.first_value)}. Lifetime extremes (independent, not one hit): max row {_fmt(hit.max_row)}, "
+        f"value min {_fmt(hit.min_value)} max {_fmt(hit.max_value)}. Look at the metadata entry at the first "
+        f"offender's row."
+    )
+
+
+class _GuardReporter:
+    count_slots = (COUNT,)
+
+    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
+        hit = Hit.from_row(row)
+        monitor.emit(
+            (device, site.id),
+            hit.count,
+            now,
+            lambda delta: guard_message(site, device, hit, delta=delta),
+        )
+        if monitor.settings.mode == "raise" or site.fatal:
+            monitor.arm(monitor.tripped_for(site, device, hit))
+
+    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None:
+        return None
+
+
+for _kind in GUARD_KINDS:
+    register_reporter(_kind, _GuardReporter)
+
+
+@dataclass
+class _Emitted:
+    logged_total: int = 0
+    logged_at: float = float("-inf")
+    total: int = 0
+    render: Callable[[int], str] | None = None  # set while a line is deferred by the window
+    level: int = logging.WARNING
+
+
+class Monitor:
+    """Holds the reported state of every row, the armed stop and the reader thread.
+
+    Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
+    ``heartbeat``), validated exactly like the ``TRIPWIRE_*`` variables it overrides. A fresh Monitor has its own
+    arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str | None = None,
+        interval: float | None = None,
+        idle_tail: float | None = None,
+        report_every: float | None = None,
+        capacity: int | None = None,
+        heartbeat: float | None = None,
+        registry: SiteRegistry | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.settings: Settings = load_settings(
+            env,
+            mode=mode,
+            interval=interval,
+            idle_tail=idle_tail,
+            report_every=report_every,
+            capacity=capacity,
+            heartbeat=heartbeat,
+        )
+        self.registry = registry if registry is not None else default_registry()
+        self.arena = Arena(self.registry, self.settings.capacity)
+        self._lock = threading.RLock()
+        self._readers: dict[torch.device, DeviceReader] = {}
+        # The armed stop. check() reads only this attribute (and sets _active).
+        self._tripped: GuardTripped | None = None
+        self._active = True
+        self._last_active = time.monotonic()
+        self._thread: threading.Thread | None = None
+        self._stop_evt = threading.Event()
+        self._started = False
+        self._hooks: list[Callable[[], Any]] = []
+        self._hooks_run = 0
+        self._tick_hooks: list[Callable[[Monitor], None]] = []
+        self._arm_listeners: list[Callable[[GuardTripped], None]] = []
+        self._reporters: dict[str, RowReporter] = {}
+        # Per device: reported progress per row, and the rows pending confirmation (row -> extra copies waited).
+        self._reported: dict[str, np.ndarray] = {}
+        self._pending: dict[str, dict[int, int]] = {}
+        self._latest: dict[str, np.ndarray] = {}
+        self._emitted: dict[tuple[str, int], _Emitted] = {}
+        self._kind_index: tuple[int, dict[str, np.ndarray]] = (-1, {})
+        self._relaxed: str | None = None  # how the reader thread's capture mode was relaxed
+        self._relax_tried = False
+        self.ticks = 0
+        self.idle_skips = 0
+        self.loop_errors = 0
+
+    # ------------------------------------------------------------------ arena
+    def prealloc(self, device: torch.device | str | int) -> torch.Tensor:
+        """Allocate ``device``'s arena and its reader's pinned mirror, side stream and event. Call it before any
+        capture (raises CaptureError inside one, leaving the capture usable). Idempotent."""
+        dev = normalize_device(device)
+        with self._lock:
+            if is_capturing() and (self.arena.get(dev) is None or dev not in self._readers):
+                raise CaptureError(
+                    f"tripwire.prealloc({str(dev)!r}) inside a CUDA-graph capture: the arena and the reader's "
+                    f"mirror must be allocated before capturing"
+                )
+            t = self.arena.prealloc(dev)
+            if dev not in self._readers:
+                self._readers[dev] = DeviceReader(dev, t)
+            return t
+
+    def counter(self, site: Site, device: torch.device | str | int) -> torch.Tensor:
+        """``site``'s int64 ``[8]`` row on ``device``, for a kernel argument. The hot path is one dict lookup; the
+        first call for a (site, device) may allocate the arena, which raises CaptureError inside a capture."""
+        hit = self.arena._views.get((id(site), device))
+        if hit is not None and hit[0] is site:
+            return hit[1]
+        dev = normalize_device(device)
+        if self.arena.get(dev) is None or dev not in self._readers:
+            self.registry.resolve(site)  # a bad site is the clearer error
+            if is_capturing():
+                raise CaptureError(
+                    f"tripwire: counter({getattr(site, 'name', site)!r}, {str(dev)!r}) inside a CUDA-graph capture "
+                    f"but no arena exists for {dev}; call tripwire.prealloc({str(dev)!r}) before capturing"
+                )
+            self.prealloc(dev)
+        return self.arena.counter(site, device)
+
+    # ------------------------------------------------------------------ the stop
+    def check(self) -> None:
+        """Raise the armed :class:`GuardTripped`, if any. Call it at the top of each engine step.
+
+        It reads one attribute and sets one flag (the reader's idle detection); it never touches the GPU. The raise
+        is late by up to about two reader intervals, and local to this process unless
+        :func:`tripwire.distributed.coordinate` is on.
+        """
+        tripped = self._tripped
+        if tripped is not None:
+            raise tripped
+        self._active = True
+
+    @property
+    def armed(self) -> GuardTripped | None:
+        return self._tripped
+
+    def arm(self, exc: GuardTripped) -> None:
+        """Arm the stop with ``exc`` (the first arming wins; later ones are logged, not lost)."""
+        with self._lock:
+            if self._tripped is not None:
+                log.debug("tripwire: already armed; also: %s", exc)
+                return
+            self._tripped = exc
+            listeners = list(self._arm_listeners)
+        log.error("tripwire: stop ARMED: %s", exc)
+        for fn in listeners:
+            try:
+                fn(exc)
+            except Exception:
+                log.exception("tripwire: an arm listener failed")
+
+    def tripped_for(self, site: Site, device: str, hit: Hit) -> GuardTripped:
+        return GuardTripped(
+            guard_message(site, device, hit) + " The engine was stopped by tripwire.check().",
+            site=site.name,
+            device=device,
+            count=hit.count,
+            first_row=hit.first_row,
+            first_value=hit.first_value,
+            fatal=site.fatal,
+        )
+
+    def add_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
+        """Call ``fn(exc)`` when the stop is armed (used by tripwire.distributed to publish it)."""
+        if not callable(fn):
+            raise TypeError(f"an arm listener must be callable, got {fn!r}")
+        self._arm_listeners.append(fn)
+
+    def add_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
+        """Call ``fn(monitor)`` on every reader tick, idle ones included (tripwire.distributed polls its store)."""
+        if not callable(fn):
+            raise TypeError(f"a tick hook must be callable, got {fn!r}")
+        self._tick_hooks.append(fn)
+
+    def remove_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
+        if fn in self._tick_hooks:
+            self._tick_hooks.remove(fn)
+
+    # ------------------------------------------------------------------ lifecycle
+    def register_post_capture_hook(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` once at :meth:`start` (or at once, if start already ran). A failing hook is logged and does
+        not stop the others or the engine."""
+        if not callable(fn):
+            raise TypeError(f"a post-capture hook must be callable, got {fn!r}")
+        with self._lock:
+            self._hooks.append(fn)
+            run_now = self._started
+        if run_now:
+            self.run_post_capture_hooks()
+
+    def run_post_capture_hooks(self) -> None:
+        """Run every hook that has not run yet, each once, in registration order."""
+        while True:
+            with self._lock:
+                if self._hooks_run >= len(self._hooks):
+                    return
+                fn = self._hooks[self._hooks_run]
+                self._hooks_run += 1
+            try:
+                fn()
+            except Exception:
+                log.exception("tripwire: post-capture hook %r failed; continuing with the others", fn)
+
+    def start(self) -> None:
+        """Run the post-capture hooks, then start the reader thread unless mode is off. Idempotent.
+
+        Call it after warm-up and capture. The reader relaxes its own capture mode, so later captures (new batch
+        sizes, torch.compile's lazily recorded graphs) stay safe too.
+        """
+        with self._lock:
+            first = not self._started
+            self._started = True
+            self._active = True
+            self._last_active = time.monotonic()
+        if first:
+            self.run_post_capture_hooks()
+        if self.settings.mode == "off":
+            return
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop_evt.clear()
+            self._thread = threading.Thread(target=self._run, name="tripwire-reader", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop and join the reader thread (reports already made stay made; use drain for a final read)."""
+        with self._lock:
+            thread = self._thread
+            self._stop_evt.set()
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.error("tripwire: the reader thread did not stop within %s s", timeout)
+        with self._lock:
+            if self._thread is thread:
+                self._thread = None
+
+    @property
+    def reader_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        interval = self.settings.interval
+        while not self._stop_evt.wait(interval):
+            try:
+                self._poll(on_reader_thread=True)
+            except Exception as e:  # the loop itself failed: log, arm, keep going
+                self.loop_errors += 1
+                log.exception("tripwire: reader tick failed")
+                self.arm(
+                    GuardTripped(
+                        f"tripwire: the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the "
+                        f"engine is stopped",
+                        site="<reader>",
+                        device="*",
+                        count=0,
+                    )
+                )
+
+    # ------------------------------------------------------------------ reading
+    def poll(self) -> None:
+        """One reader tick on the calling thread (tests and tools). Never waits on the GPU."""
+        self._poll(on_reader_thread=False)
+
+    def _relax_once(self) -> None:
+        if self._relax_tried or not torch.cuda.is_initialized():
+            return
+        self._relax_tried = True
+        self._relaxed = relax_thread_capture_mode()
+        if self._relaxed is None:
+            install_capture_watch()
+
+    def _poll(self, *, on_reader_thread: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.ticks += 1
+            if self._active:
+                self._active = False
+                self._last_active = now
+            pending = any(self._pending.values())
+            idle = not pending and now - self._last_active > self.settings.idle_tail
+            if idle:
+                self.idle_skips += 1
+            else:
+                self._read_all(now, on_reader_thread=on_reader_thread)
+            self._flush_due(now)
+            for reporter in list(self._reporters.values()):
+                reporter.tick(self, self._latest, now)
+        for fn in list(self._tick_hooks):
+            try:
+                fn(self)
+            except Exception:
+                log.exception("tripwire: tick hook %r failed", fn)
+
+    def _read_all(self, now: float, *, on_reader_thread: bool) -> None:
+        n = min(len(self.registry), self.settings.capacity)
+        for dev, reader in list(self._readers.items()):
+            if reader.lost is not None:
+                continue
+            if reader.is_cuda and on_reader_thread:
+                self._relax_once()  # before this thread's first CUDA call
+                if self._relaxed is None and visible_captures() > 0:
+                    continue  # fallback: pause while a capture we can see is in progress
+            try:
+                rows = reader.poll(n)
+            except Exception as e:
+                self._lose(reader, e)
+                continue
+            if rows is not None:
+                self._process(reader.name, rows, now, final=False)
+
+    def _lose(self, reader: DeviceReader, e: BaseException) -> None:
+        # Stop polling this device, but KEEP its arena: captured graphs still write there.
+        reader.lost = e
+        log.error("tripwire: reading the counters of %s failed (%s: %s); no longer polling it", reader.name,
+                  type(e).__name__, e)
+        self.arm(
+            GuardTripped(
+                f"tripwire: lost the reader of {reader.name} ({type(e).__name__}: {e}); fatal-site hits there can no "
+                f"longer be seen, so the engine is stopped",
+                site="<reader>",
+                device=reader.name,
+                count=0,
+            )
+        )
+
+    def _reporter(self, kind: str) -> RowReporter:
+        rep = self._reporters.get(kind)
+        if rep is None:
+            factory = _REPORTER_FACTORIES.get(kind)
+            if factory is None:
+                raise KeyError(f"no reporter registered for rows of kind {kind!r}")
+            rep = self._reporters[kind] = factory()
+        return rep
+
+    def _kinds(self, n: int) -> dict[str, np.ndarray]:
+        cached_n, index = self._kind_index
+        if cached_n != n:
+            groups: dict[str, list[int]] = {}
+            for site in self.registry.all()[:n]:
+                groups.setdefault(site.kind, []).append(site.id)
+            index = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
+            self._kind_index = (n, index)
+        return index
+
+    def _process(self, device: str, rows: np.ndarray, now: float, *, final: bool) -> None:
+        n = rows.shape[0]
+        self._latest[device] = rows
+        reported = self._reported.get(device)
+        if reported is None or reported.shape[0] < self.settings.capacity:
+            grown = np.zeros(self.settings.capacity, dtype=np.int64)
+            if reported is not None:
+                grown[: reported.shape[0]] = reported
+            reported = self._reported[device] = grown
+        pending = self._pending.setdefault(device, {})
+        progress = np.zeros(n, dtype=np.int64)
+        for kind, ids in self._kinds(n).items():
+            slots = list(self._reporter(kind).count_slots)
+            progress[ids] = rows[ids][:, slots].sum(axis=1)
+        # A counter that went down was zeroed behind our back (reset of another kind): follow it, report nothing.
+        down = progress < reported[:n]
+        reported[:n][down] = progress[down]
+        # 1) Confirm what an earlier copy saw rise, with THIS copy's row (it has the extremes).
+        for rid in sorted(pending):
+            site = self.registry.by_id(rid)
+            row = rows[rid]
+            if (
+                not final
+                and site.kind in GUARD_KINDS
+                and row[FIRST_ROW] == 0
+                and pending[rid] < _MAX_EXTRA_CONFIRM_COPIES
+            ):
+                pending[rid] += 1  # the first-offender pair has not landed: wait one more copy
+                continue
+            del pending[rid]
+            reported[rid] = progress[rid]
+            self._reporter(site.kind).confirm(self, device, site, row, now)
+        # 2) New rises: pending now, reported from the next copy (or at once when this read is final).
+        for rid in np.nonzero(progress > reported[:n])[0].tolist():
+            if final:
+                site = self.registry.by_id(rid)
+                reported[rid] = progress[rid]
+                self._reporter(site.kind).confirm(self, device, site, rows[rid], now)
+            elif rid not in pending:
+                pending[rid] = 0
+
+    # ------------------------------------------------------------------ aggregated logging
+    def emit(
+        self, key: tuple[str, int], total: int, now: float, render: Callable[[int], str], level: int = logging.WARNING
+    ) -> None:
+        """Log ``render(delta)`` for ``key`` now, or defer it until ``report_every`` has passed since the key's
+        last line (then one line carries the whole delta). Nothing is dropped: deferred lines flush on later ticks
+        and at drain."""
+        st = self._emitted.get(key)
+        if st is None:
+            st = self._emitted[key] = _Emitted()
+        st.total = total
+        st.level = level
+        if now - st.logged_at >= self.settings.report_every:
+            self._log_line(st, render, now)
+        else:
+            st.render = render
+
+    def _log_line(self, st: _Emitted, render: Callable[[int], str], now: float) -> None:
+        delta = st.total - st.logged_total
+        st.logged_total, st.logged_at, st.render = st.total, now, None
+        log.log(st.level, "%s", render(delta))
+
+    def _flush_due(self, now: float, *, force: bool = False) -> None:
+        for st in self._emitted.values():
+            if st.render is not None and (force or now - st.logged_at >= self.settings.report_every):
+                self._log_line(st, st.render, now)
+
+    # ------------------------------------------------------------------ tools
+    def drain(self, raise_on_fatal: bool = False) -> dict[tuple[str, str], Hit]:
+        """The final synchronous read, for shutdown and stage ends.
+
+        Synchronises each device, reads every arena through its mirror, reports what the reader had not yet (no
+        confirmation wait: the read is complete), flushes aggregated lines, and returns the snapshot. With
+        ``raise_on_fatal``, raises GuardTripped for a fatal-site hit (or any hit under raise). Under ``off`` it
+        reads nothing and returns ``{}``. Blocking: never call it on the step path or inside a capture.
+        """
+        if self.settings.mode == "off":
+            return {}
+        if is_capturing():
+            raise CaptureError("tripwire.drain() synchronises the device and cannot run inside a CUDA-graph capture")
+        now = time.monotonic()
+        snap: dict[tuple[str, str], Hit] = {}
+        with self._lock:
+            n = min(len(self.registry), self.settings.capacity)
+            for _dev, reader in list(self._readers.items()):
+                if reader.lost is not None:
+                    log.error("tripwire: drain skips %s, whose reader was lost (%s)", reader.name, reader.lost)
+                    continue
+                try:
+                    rows = reader.read_now(n)
+                except Exception as e:
+                    self._lose(reader, e)
+                    continue
+                self._process(reader.name, rows, now, final=True)
+                snap.update(self._decode(reader.name, rows))
+            self._flush_due(now, force=True)
+        if raise_on_fatal:
+            for (device, name), hit in snap.items():
+                site = self.registry.get(name)
+                if site.fatal or self.settings.mode == "raise":
+                    armed = self._tripped
+                    raise armed if armed is not None else self.tripped_for(site, device, hit)
+        return snap
+
+    def _decode(self, device: str, rows: np.ndarray) -> dict[tuple[str, str], Hit]:
+        out: dict[tuple[str, str], Hit] = {}
+        for rid in np.nonzero(rows[:, COUNT])[0].tolist():
+            site = self.registry.by_id(rid)
+            if site.kind in GUARD_KINDS:
+                out[(device, site.name)] = Hit.from_row(rows[rid])
+        return out
+
+    def snapshot(self) -> dict[tuple[str, str], Hit]:
+        """``{(device, site_name): Hit}`` for every guard row with a non-zero count. A synchronous read (it waits
+        for each device's current stream): a tool's call, never the step path's."""
+        n = min(len(self.registry), self.settings.capacity)
+        out: dict[tuple[str, str], Hit] = {}
+        for dev, t in self.arena.items():
+            out.update(self._decode(str(dev), t[:n].cpu().numpy()))
+        return out
+
+    def read_rows(self, device: torch.device | str | int) -> np.ndarray:
+        """A synchronous copy of ``device``'s registered rows (tools and numeric instruments' ``totals()``)."""
+        dev = normalize_device(device)
+        t = self.arena.get(dev)
+        n = min(len(self.registry), self.settings.capacity)
+        if t is None:
+            return np.zeros((n, 8), dtype=np.int64)
+        return t[:n].cpu().numpy()
+
+    def reset(self) -> None:
+        """Zero the counters, forget reported counts and pending confirmations, and disarm -- all three, or the next
+        hit would be invisible. Synchronous (waits for the zeroing and any copy in flight): a tool's call."""
+        if is_capturing():
+            raise CaptureError("tripwire.reset() cannot run inside a CUDA-graph capture")
+        with self._lock:
+            self.arena.zero_()
+            for dev, reader in self._readers.items():
+                if reader.is_cuda:
+                    torch.cuda.synchronize(dev)
+                reader.discard()  # a copy in flight may hold pre-zero counts
+            self._reported.clear()
+            self._pending.clear()
+            self._latest.clear()
+            self._emitted.clear()
+            self._tripped = None
+
+    def readers(self) -> dict[str, DeviceReader]:
+        return {r.name: r for r in self._readers.values()}

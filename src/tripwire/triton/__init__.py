@@ -1,0 +1,94 @@
+"""Triton device helpers that record masked faults into a site's counter row.
+
+A kernel receives its site's row (``tripwire.counter(site, device)``, an int64 ``[8]`` view) as ``ctr_ptr`` and
+calls one of:
+
+* :func:`record_hit` ``(ctr_ptr, row, value)`` -- one hit; call it under the kernel's own ``if bad:``.
+* :func:`record_hits` ``(ctr_ptr, bad, rows, values)`` -- a block of lanes: one reduction and at most one set of
+  atomics per program (no atomics at all when no lane is bad, which is the hot path).
+* :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None)`` -> ``(safe_idx, ok)``: the index clamped into
+  ``[lo, hi)`` and the in-range mask; out-of-range lanes (within ``mask``) are recorded. Always use ``ok`` to mask
+  the access too: ``safe_idx`` is only in range when ``hi > lo``.
+
+Write order: the count is bumped first and the extremes after it, so a reader copy that sees a new count may miss
+the extremes; the reader therefore reports from the *next* copy. The first offender is claimed with a
+compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so (slot 4, slot 5) is one real hit.
+"First" within a program means the lowest row, then the lowest value in that row; across programs, whichever
+program wins the CAS.
+
+Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs.
+All of this runs unchanged under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
+
+__all__ = ["GUARD_BIAS", "guard_index", "record_hit", "record_hits"]
+
+# A constexpr, because a plain module-level int is not readable from a @triton.jit body.
+GUARD_BIAS = tl.constexpr(_GUARD_BIAS_INT)
+# Larger than any encoded word: the neutral element of the "lowest row" reduction.
+_NO_ROW = tl.constexpr((1 << 63) - 1)
+
+
+@triton.jit
+def record_hit(ctr_ptr, row, value):
+    """Record one hit at (row, value). Call under the kernel's ``if bad:``; every lane that calls it counts once."""
+    r = row.to(tl.int64) + GUARD_BIAS
+    v = value.to(tl.int64) + GUARD_BIAS
+    nv = GUARD_BIAS - value.to(tl.int64)
+    # Count first (see the module docstring for why the reader waits one copy for the rest).
+    tl.atomic_add(ctr_ptr + 0, tl.full([], 1, tl.int64))
+    tl.atomic_max(ctr_ptr + 1, r)
+    tl.atomic_max(ctr_ptr + 2, v)
+    tl.atomic_max(ctr_ptr + 3, nv)
+    # The comparand must be int64 like the slot (an int32 literal 0 is mis-typed by the interpreter).
+    old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(r), r)
+    if old == 0:
+        tl.atomic_xchg(ctr_ptr + 5, v)
+
+
+@triton.jit
+def record_hits(ctr_ptr, bad, rows, values):
+    """Record every lane where ``bad`` is true. ``bad``, ``rows`` and ``values`` broadcast against each other
+    (a scalar row with a block of values is fine). One reduction; atomics only when some lane is bad."""
+    r = rows.to(tl.int64)
+    v = values.to(tl.int64)
+    b64 = (bad != 0).to(tl.int64)
+    # Broadcast all three to one block shape (at least 1-D, so the reductions below always have an axis).
+    zero = r * 0 + v * 0 + b64 * 0 + tl.zeros([1], tl.int64)
+    r = r + zero
+    v = v + zero
+    b = (b64 + zero) != 0
+    n = tl.sum(b.to(tl.int64), axis=None)
+    if n > 0:
+        rb = r + GUARD_BIAS
+        vb = v + GUARD_BIAS
+        tl.atomic_add(ctr_ptr + 0, n)
+        tl.atomic_max(ctr_ptr + 1, tl.max(tl.where(b, rb, 0), axis=None))
+        tl.atomic_max(ctr_ptr + 2, tl.max(tl.where(b, vb, 0), axis=None))
+        tl.atomic_max(ctr_ptr + 3, tl.max(tl.where(b, GUARD_BIAS - v, 0), axis=None))
+        # A real pair: the lowest bad row, and the lowest bad value within that row.
+        first_r = tl.min(tl.where(b, rb, _NO_ROW), axis=None)
+        first_v = tl.min(tl.where(b & (rb == first_r), vb, _NO_ROW), axis=None)
+        old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(first_r), first_r)
+        if old == 0:
+            tl.atomic_xchg(ctr_ptr + 5, first_v)
+
+
+@triton.jit
+def guard_index(idx, lo, hi, ctr_ptr, row, mask=None):
+    """``(safe_idx, ok)``: ``idx`` clamped into ``[lo, hi)`` and the in-range mask. Lanes out of range (and inside
+    ``mask``, when given) are recorded at ``(row, idx)``. Mask the guarded access with ``ok``."""
+    ok = (idx >= lo) & (idx < hi)
+    bad = ok == 0
+    if mask is not None:
+        bad = bad & mask
+        ok = ok & mask
+    record_hits(ctr_ptr, bad, row, idx)
+    safe = tl.minimum(tl.maximum(idx, lo), hi - 1)
+    return safe, ok
