@@ -56,6 +56,12 @@ class GuardTripped(RuntimeError):
 
 def _rebuild_guard_tripped(message, site, device, count, first_row, first_value, rank, fatal):  # type: ignore[no-untyped-def]
     return GuardTripped(
-        message, site=site, device=device, count=count, first_row=first_row, first_value=first_value, rank=rank,
+        message,
+        site=site,
+        device=device,
+        count=count,
+        first_row=first_row,
+        first_value=first_value,
+        rank=rank,
         fatal=fatal,
     )

@@ -91,11 +91,15 @@ def _fmt(v: int | None) -> str:
 
 def guard_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
     fatal = " (FATAL site: the masked value was written somewhere durable)" if site.fatal else ""
-    new = f"{delta} new, {hit.count} total" if delta is not None else f"{hit.count} total"
+    new = (
+        f"{delta} new out-of-range accesses masked ({hit.count} total)"
+        if delta is not None
+        else (f"{hit.count} out-of-range accesses masked")
+    )
     desc = f" [{site.description}]" if site.description else ""
     return (
-        f"tripwire: MASKED FAULT at site {site.name!r} on {device}{fatal}: {new} out-of-range accesses were "
-        f"masked, NOT computed correctly.{desc} First offender: row {_fmt(hit.first_row)}, value "
+        f"tripwire: MASKED FAULT at site {site.name!r} on {device}{fatal}: {new}; those lanes did NOT compute a "
+        f"correct result.{desc} First offender: row {_fmt(hit.first_row)}, value "
         f"{_fmt(hit.first_value)}. Lifetime extremes (independent, not one hit): max row {_fmt(hit.max_row)}, "
         f"value min {_fmt(hit.min_value)} max {_fmt(hit.max_value)}. Look at the metadata entry at the first "
         f"offender's row."
@@ -103,7 +107,7 @@ def guard_message(site: Site, device: str, hit: Hit, *, delta: int | None = None
 
 
 class _GuardReporter:
-    count_slots = (COUNT,)
+    count_slots: tuple[int, ...] = (COUNT,)
 
     def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
         hit = Hit.from_row(row)
@@ -401,7 +405,7 @@ class Monitor:
 
     def _read_all(self, now: float, *, on_reader_thread: bool) -> None:
         n = min(len(self.registry), self.settings.capacity)
-        for dev, reader in list(self._readers.items()):
+        for reader in list(self._readers.values()):
             if reader.lost is not None:
                 continue
             if reader.is_cuda and on_reader_thread:
@@ -419,8 +423,12 @@ class Monitor:
     def _lose(self, reader: DeviceReader, e: BaseException) -> None:
         # Stop polling this device, but KEEP its arena: captured graphs still write there.
         reader.lost = e
-        log.error("tripwire: reading the counters of %s failed (%s: %s); no longer polling it", reader.name,
-                  type(e).__name__, e)
+        log.error(
+            "tripwire: reading the counters of %s failed (%s: %s); no longer polling it",
+            reader.name,
+            type(e).__name__,
+            e,
+        )
         self.arm(
             GuardTripped(
                 f"tripwire: lost the reader of {reader.name} ({type(e).__name__}: {e}); fatal-site hits there can no "

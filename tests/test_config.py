@@ -1,0 +1,91 @@
+import math
+
+import pytest
+
+from tripwire import Monitor, Settings, load_settings
+
+VARS = {
+    "TRIPWIRE_INTERVAL": "interval",
+    "TRIPWIRE_IDLE_TAIL": "idle_tail",
+    "TRIPWIRE_REPORT_EVERY": "report_every",
+    "TRIPWIRE_HEARTBEAT": "heartbeat",
+}
+
+
+def test_defaults_with_variables_absent():
+    s = load_settings({})
+    assert s == Settings()
+    assert (s.mode, s.interval, s.idle_tail, s.report_every, s.capacity) == ("warn", 0.05, 2.0, 10.0, 1024)
+
+
+def test_environment_is_read():
+    s = load_settings(
+        {
+            "TRIPWIRE_MODE": " RAISE ",
+            "TRIPWIRE_INTERVAL": "0.001",
+            "TRIPWIRE_IDLE_TAIL": "5",
+            "TRIPWIRE_REPORT_EVERY": "1.5",
+            "TRIPWIRE_CAPACITY": "64",
+        }
+    )
+    assert (s.mode, s.interval, s.idle_tail, s.report_every, s.capacity) == ("raise", 0.001, 5.0, 1.5, 64)
+
+
+@pytest.mark.parametrize("bad", ["loud", "", "warning", "0", "on"])
+def test_bad_mode_rejected_with_name(bad):
+    with pytest.raises(ValueError, match="TRIPWIRE_MODE") as e:
+        load_settings({"TRIPWIRE_MODE": bad})
+    assert repr(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("var", sorted(VARS))
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "0", "-1", "abc", "", "  "])
+def test_bad_seconds_rejected_with_name(var, bad):
+    with pytest.raises(ValueError, match=var) as e:
+        load_settings({var: bad})
+    assert repr(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "0", "-1", "abc", "", "1.5", str(1 << 30)])
+def test_bad_capacity_rejected(bad):
+    with pytest.raises(ValueError, match="TRIPWIRE_CAPACITY"):
+        load_settings({"TRIPWIRE_CAPACITY": bad})
+
+
+def test_keyword_overrides_environment():
+    s = load_settings({"TRIPWIRE_MODE": "raise", "TRIPWIRE_INTERVAL": "1"}, mode="off", interval=0.2)
+    assert (s.mode, s.interval) == ("off", 0.2)
+
+
+def test_broken_variable_raises_even_when_overridden():
+    # Fail closed: a broken deployment setting is reported, not papered over by a keyword.
+    with pytest.raises(ValueError, match="TRIPWIRE_MODE"):
+        load_settings({"TRIPWIRE_MODE": "loud"}, mode="warn")
+
+
+@pytest.mark.parametrize(
+    "kw", [{"mode": "loud"}, {"interval": 0}, {"interval": math.nan}, {"idle_tail": -1}, {"capacity": 0}]
+)
+def test_bad_keywords_rejected(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        Monitor(env={}, **kw)
+
+
+def test_bool_is_not_a_number():
+    with pytest.raises(ValueError):
+        load_settings({}, interval=True)
+
+
+def test_unknown_keyword_rejected():
+    with pytest.raises(TypeError, match="unknown tripwire setting"):
+        load_settings({}, intervall=1.0)
+
+
+def test_monitor_reads_environment(monkeypatch):
+    monkeypatch.setenv("TRIPWIRE_MODE", "off")
+    monkeypatch.setenv("TRIPWIRE_INTERVAL", "0.5")
+    m = Monitor()
+    assert (m.settings.mode, m.settings.interval) == ("off", 0.5)
+    monkeypatch.setenv("TRIPWIRE_INTERVAL", "nan")
+    with pytest.raises(ValueError, match="TRIPWIRE_INTERVAL"):
+        Monitor()

@@ -1,0 +1,81 @@
+"""Importing tripwire (and its subpackages) must not read settings, initialise CUDA, start a thread or allocate.
+
+Each check runs in a fresh interpreter, and each has a control: the same probe after a call that DOES the thing
+(start a reader, allocate an arena, initialise CUDA) shows the probe can see it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+PROBE = r"""
+import json, os, sys, threading
+import torch
+mods = sys.argv[1].split(",")
+for m in mods:
+    __import__(m)
+import tripwire, tripwire.arena, tripwire._default
+exec(sys.argv[2])
+print(json.dumps({
+    "threads": sorted(t.name for t in threading.enumerate()),
+    "cuda_initialized": torch.cuda.is_initialized(),
+    "arenas": len(tripwire.arena._IMMORTAL),
+    "default_monitor_built": tripwire._default._monitor is not None,
+}))
+"""
+
+
+def probe(mods: list[str], after: str = "", env_extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, ",".join(mods), after],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def available_modules() -> list[str]:
+    mods = ["tripwire", "tripwire.triton"]
+    for m in ("tripwire.kernels", "tripwire.numerics", "tripwire.distributed"):
+        try:
+            __import__(m)
+        except ImportError:
+            continue
+        mods.append(m)
+    return mods
+
+
+def test_import_is_lean():
+    # A broken setting in the environment must not break the import (settings are read on first use).
+    r = probe(available_modules(), env_extra={"TRIPWIRE_MODE": "loud", "TRITON_INTERPRET": "1"})
+    assert r == {"threads": ["MainThread"], "cuda_initialized": False, "arenas": 0, "default_monitor_built": False}
+
+
+def test_control_probe_sees_threads_and_arenas():
+    r = probe(["tripwire"], "tripwire.counter(tripwire.register_site('x'), 'cpu'); tripwire.start()")
+    assert "tripwire-reader" in r["threads"] and r["arenas"] == 1 and r["default_monitor_built"]
+
+
+@pytest.mark.gpu
+def test_control_probe_sees_cuda_init():
+    assert torch.cuda.is_available()
+    r = probe(["tripwire"], "tripwire.prealloc('cuda')")
+    assert r["cuda_initialized"] and r["arenas"] == 1
+
+
+@pytest.mark.gpu
+def test_import_is_lean_on_a_gpu_machine():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = probe(available_modules(), env_extra=env)
+    assert r["cuda_initialized"] is False and r["threads"] == ["MainThread"] and r["arenas"] == 0

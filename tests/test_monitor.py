@@ -1,0 +1,403 @@
+"""The monitor on CPU arenas: confirmation, modes, arming, loss, hooks, reset, aggregation, idle."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+import tripwire
+from tripwire import GuardTripped, Monitor
+from tripwire.arena import _IMMORTAL
+from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
+
+
+def write_count(ctr: torch.Tensor, n: int = 1) -> None:
+    """What a kernel does first: bump the count (the extremes land after it)."""
+    ctr[COUNT] += n
+
+
+def write_extremes(ctr: torch.Tensor, row: int, value: int) -> None:
+    ctr[MAX_ROW] = max(int(ctr[MAX_ROW]), encode(row))
+    ctr[MAX_VALUE] = max(int(ctr[MAX_VALUE]), encode(value))
+    ctr[NEG_MIN] = max(int(ctr[NEG_MIN]), encode_neg(value))
+    if int(ctr[FIRST_ROW]) == 0:
+        ctr[FIRST_ROW] = encode(row)
+        ctr[FIRST_VALUE] = encode(value)
+
+
+def hit(ctr: torch.Tensor, row: int, value: int, n: int = 1) -> None:
+    write_count(ctr, n)
+    write_extremes(ctr, row, value)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tripwire" and r.levelno == logging.WARNING]
+
+
+@pytest.fixture(autouse=True)
+def _caplog_level(caplog):
+    caplog.set_level(logging.INFO, logger="tripwire")
+
+
+def test_rise_is_reported_one_copy_later_with_confirming_extremes(registry, monitor, caplog):
+    s = registry.register("k.site", description="block table row")
+    ctr = monitor.counter(s, "cpu")
+    write_count(ctr, 2)  # copy k sees the count without extremes
+    monitor.poll()
+    assert warnings(caplog) == []
+    write_extremes(ctr, 17, 4096)
+    write_extremes(ctr, 3, -1)
+    monitor.poll()  # copy k+1 confirms, with its extremes
+    (line,) = warnings(caplog)
+    assert "MASKED FAULT" in line and "'k.site'" in line and "cpu" in line
+    assert "First offender: row 17, value 4096" in line
+    assert "max row 17, value min -1 max 4096" in line and "independent" in line
+    assert "2 new out-of-range accesses masked (2 total)" in line
+    assert monitor.armed is None  # warn mode, not fatal
+
+
+def test_confirmation_waits_for_first_offender_pair(registry, monitor, caplog):
+    s = registry.register("k.site")
+    ctr = monitor.counter(s, "cpu")
+    write_count(ctr)
+    monitor.poll()
+    monitor.poll()  # pair has not landed: wait
+    assert warnings(caplog) == []
+    write_extremes(ctr, 1, 99)
+    monitor.poll()
+    assert "row 1, value 99" in warnings(caplog)[0]
+
+
+def test_confirmation_does_not_wait_forever(registry, monitor, caplog):
+    s = registry.register("k.site")
+    write_count(monitor.counter(s, "cpu"))
+    for _ in range(6):
+        monitor.poll()
+    (line,) = warnings(caplog)
+    assert "row -, value -" in line  # reported, with what there is
+
+
+def test_raise_mode_arms_on_any_hit(registry):
+    m = Monitor(registry=registry, capacity=64, mode="raise")
+    s = registry.register("k.nonfatal")
+    hit(m.counter(s, "cpu"), 5, 77)
+    m.check()
+    m.poll()
+    m.check()  # first sight: not yet confirmed
+    m.poll()
+    with pytest.raises(GuardTripped) as e:
+        m.check()
+    exc = e.value
+    assert (exc.site, exc.device, exc.count, exc.first_row, exc.first_value, exc.rank) == (
+        "k.nonfatal",
+        "cpu",
+        1,
+        5,
+        77,
+        None,
+    )
+    assert isinstance(exc, RuntimeError) and "MASKED FAULT" in str(exc) and "row 5" in str(exc)
+    with pytest.raises(GuardTripped):  # stays armed
+        m.check()
+
+
+def test_warn_mode_arms_only_fatal(registry, monitor):
+    a = registry.register("k.a")
+    b = registry.register("k.b", fatal=True)
+    hit(monitor.counter(a, "cpu"), 1, 2)
+    monitor.poll()
+    monitor.poll()
+    monitor.check()  # non-fatal under warn: reported, not armed
+    hit(monitor.counter(b, "cpu"), 3, 4)
+    monitor.poll()
+    monitor.poll()
+    with pytest.raises(GuardTripped) as e:
+        monitor.check()
+    assert e.value.site == "k.b" and e.value.fatal
+
+
+def test_off_mode_reads_nothing(registry):
+    m = Monitor(registry=registry, capacity=64, mode="off")
+    s = registry.register("k.fatal", fatal=True)
+    ctr = m.counter(s, "cpu")
+    hit(ctr, 1, 2)
+    m.start()
+    assert not m.reader_alive  # no reader thread at all
+    assert m.drain(raise_on_fatal=True) == {}
+    m.check()
+    assert int(ctr[COUNT]) == 1  # kernels still count
+
+
+def test_drain_reports_what_the_reader_had_not(registry, monitor, caplog):
+    s = registry.register("k.fatal", fatal=True)
+    hit(monitor.counter(s, "cpu"), 9, -7, n=3)
+    snap = monitor.drain()  # no poll before: the last step's hit
+    hit_ = snap[("cpu", "k.fatal")]
+    assert (hit_.count, hit_.first_row, hit_.first_value, hit_.min_value, hit_.max_value) == (3, 9, -7, -7, -7)
+    assert len(warnings(caplog)) == 1
+    with pytest.raises(GuardTripped):
+        monitor.drain(raise_on_fatal=True)
+
+
+def test_drain_raise_on_fatal_only_for_fatal_under_warn(registry, monitor):
+    s = registry.register("k.nonfatal")
+    hit(monitor.counter(s, "cpu"), 1, 1)
+    assert ("cpu", "k.nonfatal") in monitor.drain(raise_on_fatal=True)
+
+
+def test_reader_loss_arms_and_keeps_the_buffer(registry, monitor, caplog):
+    s = registry.register("k.site")
+    ctr = monitor.counter(s, "cpu")
+    arena = monitor.arena.get(torch.device("cpu"))
+    reader = monitor.readers()["cpu"]
+
+    def broken(n):
+        raise RuntimeError("device fell off the bus")
+
+    reader.poll = broken
+    monitor.poll()
+    assert reader.lost is not None
+    with pytest.raises(GuardTripped, match="lost the reader of cpu"):
+        monitor.check()
+    assert any(t is arena for t in _IMMORTAL)  # kept alive forever
+    assert monitor.counter(s, "cpu").data_ptr() == ctr.data_ptr() == arena[s.id].data_ptr()
+    monitor.poll()  # no longer polled: no second error
+    assert sum("failed" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 1
+
+
+def test_reader_loop_exception_logs_arms_and_keeps_going(registry, caplog):
+    m = Monitor(registry=registry, capacity=64, interval=0.005)
+    calls = {"n": 0}
+    orig = m._read_all
+
+    def flaky(now, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("boom")
+        return orig(now, **kw)
+
+    m._read_all = flaky
+    m.start()
+    deadline = time.monotonic() + 5
+    while calls["n"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    m.stop()
+    assert calls["n"] >= 5 and m.loop_errors == 1
+    assert m.armed is not None and "reader loop failed" in str(m.armed)
+
+
+def test_hooks(registry):
+    m = Monitor(registry=registry, capacity=64, mode="off")
+    ran = []
+
+    def bad():
+        ran.append("bad")
+        raise RuntimeError("hook broke")
+
+    m.register_post_capture_hook(lambda: ran.append(1))
+    m.register_post_capture_hook(bad)
+    m.register_post_capture_hook(lambda: ran.append(2))
+    assert ran == []
+    m.start()
+    assert ran == [1, "bad", 2]  # a failing hook does not stop the others
+    m.start()  # idempotent: hooks run once
+    assert ran == [1, "bad", 2]
+    m.register_post_capture_hook(lambda: ran.append(3))  # late: runs at once
+    assert ran == [1, "bad", 2, 3]
+    with pytest.raises(TypeError, match="callable"):
+        m.register_post_capture_hook("not a function")
+
+
+def test_start_is_idempotent_one_thread(registry):
+    import threading
+
+    m = Monitor(registry=registry, capacity=64, interval=0.01)
+    m.start()
+    m.start()
+    try:
+        assert [t.name for t in threading.enumerate()].count("tripwire-reader") == 1
+    finally:
+        m.stop()
+    assert not m.reader_alive
+
+
+def _hit_and_confirm(m, ctr, row, value):
+    hit(ctr, row, value)
+    m.poll()
+    m.poll()
+
+
+def test_reset_makes_the_next_hit_visible(registry, caplog):
+    m = Monitor(registry=registry, capacity=64, mode="raise")
+    s = registry.register("k.site")
+    ctr = m.counter(s, "cpu")
+    _hit_and_confirm(m, ctr, 1, 10)
+    assert m.armed is not None
+    m.reset()
+    assert m.armed is None and int(ctr[COUNT]) == 0
+    m.check()
+    _hit_and_confirm(m, ctr, 2, 20)
+    assert m.armed is not None and m.armed.first_row == 2 and m.armed.count == 1
+    assert len(warnings(caplog)) == 2
+
+
+@pytest.mark.parametrize("skip", ["zero", "forget", "disarm"])
+def test_reset_control_skipping_one_part_loses_the_next_hit(registry, caplog, skip):
+    """Control: a reset that skips any one of its three parts makes the next hit invisible or misreported."""
+    m = Monitor(registry=registry, capacity=64, mode="raise")
+    s = registry.register("k.site")
+    ctr = m.counter(s, "cpu")
+    for i in range(3):
+        _hit_and_confirm(m, ctr, i, 10 + i)  # 3 hits reported
+    first = m.armed
+    if skip != "zero":
+        m.arena.zero_()
+    if skip != "forget":
+        m._reported.clear()
+        m._pending.clear()
+        m._emitted.clear()
+    if skip != "disarm":
+        m._tripped = None
+    caplog.clear()
+    _hit_and_confirm(m, ctr, 7, 70)
+    lines = warnings(caplog)
+    if skip == "forget":
+        assert lines == []  # count 1 <= reported 3: the new hit is invisible
+    elif skip == "zero":
+        assert m.armed is not None and m.armed.first_row != 7  # the stale first offender is reported instead
+    else:
+        assert m.armed is first  # still armed with the old hit: the new one is not what check() raises
+
+
+def test_aggregation_bounds_lines_and_keeps_delta(registry, caplog):
+    m = Monitor(registry=registry, capacity=64, report_every=3600)
+    s = registry.register("k.hot")
+    ctr = m.counter(s, "cpu")
+    for i in range(100):
+        hit(ctr, i, i)
+        m.poll()
+    m.poll()
+    lines = warnings(caplog)
+    # the first rise is confirmed by the next copy, which already holds the second hit
+    assert len(lines) == 1 and "2 new out-of-range accesses masked (2 total)" in lines[0]
+    m.drain()  # flushes the deferred line with the whole delta
+    lines = warnings(caplog)
+    assert len(lines) == 2 and "98 new out-of-range accesses masked (100 total)" in lines[1]
+
+
+def test_aggregation_window_flushes_on_tick(registry, caplog):
+    m = Monitor(registry=registry, capacity=64, report_every=0.05)
+    s = registry.register("k.hot")
+    ctr = m.counter(s, "cpu")
+    for i in range(10):
+        hit(ctr, i, i)
+        m.poll()
+    time.sleep(0.06)
+    m.poll()
+    lines = warnings(caplog)
+    assert len(lines) == 2 and "8 new out-of-range accesses masked (10 total)" in lines[1]
+
+
+def test_aggregation_control_without_window_floods(registry, caplog):
+    """Control: with a window shorter than a tick, every confirmation (every second tick) logs a line."""
+    m = Monitor(registry=registry, capacity=64, report_every=1e-9)
+    s = registry.register("k.hot")
+    ctr = m.counter(s, "cpu")
+    for i in range(20):
+        hit(ctr, i, i)
+        m.poll()
+    assert len(warnings(caplog)) == 10
+
+
+def test_idle_skip_and_resume(registry):
+    m = Monitor(registry=registry, capacity=64, idle_tail=0.05)
+    s = registry.register("k.site")
+    ctr = m.counter(s, "cpu")
+    reader = m.readers()["cpu"]
+    m.check()
+    m.poll()
+    copies = reader.copies
+    time.sleep(0.08)
+    for _ in range(5):
+        m.poll()
+    assert reader.copies == copies and m.idle_skips == 5  # idle: no copies after the tail
+    m.check()  # resumes on check
+    m.poll()
+    assert reader.copies == copies + 1
+    # never while a confirmation is pending
+    hit(ctr, 1, 1)
+    m.poll()  # first sight
+    time.sleep(0.08)
+    m.poll()  # idle by time, but pending: copies and confirms
+    assert reader.copies == copies + 3
+    assert int(m._reported["cpu"][s.id]) == 1
+
+
+def test_idle_control_without_tail_keeps_copying(registry):
+    m = Monitor(registry=registry, capacity=64, idle_tail=3600)
+    registry.register("k.site")
+    m.prealloc("cpu")
+    reader = m.readers()["cpu"]
+    for _ in range(5):
+        m.poll()
+    assert reader.copies == 5
+
+
+def test_reader_thread_end_to_end(registry, caplog):
+    m = Monitor(registry=registry, capacity=64, interval=0.005, mode="warn")
+    s = registry.register("k.fatal", fatal=True)
+    ctr = m.counter(s, "cpu")
+    m.start()
+    try:
+        hit(ctr, 4, 44)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                m.check()
+            except GuardTripped as e:
+                assert (e.site, e.first_row, e.first_value) == ("k.fatal", 4, 44)
+                break
+            time.sleep(0.002)
+        else:
+            pytest.fail("the reader never armed")
+    finally:
+        m.stop()
+
+
+def test_counter_argument_errors(registry, monitor):
+    s = registry.register("k.site")
+    with pytest.raises(ValueError, match="CUDA and CPU"):
+        monitor.counter(s, "meta")
+    with pytest.raises(ValueError, match="another registry"):
+        monitor.counter(tripwire.SiteRegistry(capacity=4).register("x"), "cpu")
+    small = Monitor(registry=registry, capacity=1)
+    registry.register("k.other")
+    with pytest.raises(ValueError, match="raise the monitor's capacity"):
+        small.counter(registry.get("k.other"), "cpu")
+
+
+def test_counter_is_cached_view(registry, monitor):
+    s = registry.register("k.site")
+    a = monitor.counter(s, "cpu")
+    b = monitor.counter(s, torch.device("cpu"))
+    assert a is monitor.counter(s, "cpu")
+    assert a.data_ptr() == b.data_ptr() and a.shape == (8,) and a.dtype == torch.int64
+
+
+def test_snapshot_and_module_level_default(monkeypatch):
+    m = tripwire.configure(mode="warn", interval=0.01)
+    try:
+        s = tripwire.register_site("test_monitor.default", description="x")
+        ctr = tripwire.counter(s, "cpu")
+        tripwire.reset()
+        hit(ctr, 2, 3)
+        snap = tripwire.snapshot()
+        assert snap[("cpu", "test_monitor.default")].count == 1
+        tripwire.reset()
+        assert ("cpu", "test_monitor.default") not in tripwire.snapshot()
+        assert tripwire.default_monitor() is m
+    finally:
+        tripwire.stop()
