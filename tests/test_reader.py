@@ -53,7 +53,8 @@ def test_tick_never_waits_on_busy_stream(registry, cuda_monitor):
     elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
     assert busy_still, "the compute stream finished early: the test did not overlap"
-    assert max(lat) < 1e-3 and statistics.median(lat) < 2e-4, (max(lat), statistics.median(lat))
+    # measured on an H200: p50 ~20 us at 1024 rows; "well under 1 ms" with margin for a loaded host
+    assert max(lat) < 1e-3 and statistics.median(lat) < 1e-4, (max(lat), statistics.median(lat))
     assert elapsed < 0.5
     # ... and the copies did land while the compute stream was busy
     assert cuda_monitor.readers()["cuda:0"].copies >= 2
@@ -251,7 +252,7 @@ def test_reader_thread_arms_within_two_intervals(registry):
     assert took < 3 * 0.01 + 0.01, took
 
 
-def _capture_loop(m: Monitor, n: int) -> int:
+def _capture_loop(m: Monitor, n: int, check: bool = True) -> int:
     """n captures in the default (global) capture mode while m's reader ticks every ~1 ms; returns failures."""
     x = torch.zeros(1024, device="cuda")
     torch.cuda.synchronize()
@@ -259,7 +260,10 @@ def _capture_loop(m: Monitor, n: int) -> int:
     m.start()
     try:
         for _ in range(n):
-            m.check()
+            if check:
+                m.check()
+            else:
+                m._active = True  # keep the reader out of its idle state without raising
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g):
@@ -289,5 +293,8 @@ def test_control_reader_without_relaxed_mode_breaks_captures(registry):
     registry.register("gpu.capture")
     m.prealloc("cuda")
     m._relax_tried, m._relaxed = True, "disabled by the control"
-    failures = _capture_loop(m, 100)
-    assert failures > 0
+    failures = _capture_loop(m, 100, check=False)
+    # The reader's event query during a global-mode capture invalidates that capture, and the driver refuses the
+    # query itself (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the reader is lost as well.
+    assert failures >= 1
+    assert m.readers()["cuda:0"].lost is not None

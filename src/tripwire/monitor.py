@@ -276,6 +276,11 @@ class Monitor:
             raise TypeError(f"an arm listener must be callable, got {fn!r}")
         self._arm_listeners.append(fn)
 
+    def remove_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
+        with self._lock:
+            if fn in self._arm_listeners:
+                self._arm_listeners.remove(fn)
+
     def add_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
         """Call ``fn(monitor)`` on every reader tick, idle ones included (tripwire.distributed polls its store)."""
         if not callable(fn):
@@ -468,10 +473,12 @@ class Monitor:
                 grown[: reported.shape[0]] = reported
             reported = self._reported[device] = grown
         pending = self._pending.setdefault(device, {})
-        progress = np.zeros(n, dtype=np.int64)
+        # Most rows count in slot 0; only kinds that count elsewhere pay for fancy indexing.
+        progress = rows[:, COUNT].copy()
         for kind, ids in self._kinds(n).items():
-            slots = list(self._reporter(kind).count_slots)
-            progress[ids] = rows[ids][:, slots].sum(axis=1)
+            slots = tuple(self._reporter(kind).count_slots)
+            if slots != (COUNT,):
+                progress[ids] = rows[ids][:, list(slots)].sum(axis=1)
         # A counter that went down was zeroed behind our back (reset of another kind): follow it, report nothing.
         down = progress < reported[:n]
         reported[:n][down] = progress[down]
