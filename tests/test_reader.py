@@ -298,3 +298,23 @@ def test_control_reader_without_relaxed_mode_breaks_captures(registry):
     # query itself (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the reader is lost as well.
     assert failures >= 1
     assert m.readers()["cuda:0"].lost is not None
+
+
+def test_torch_fallback_path_reads_like_the_driver_path(registry, cuda_monitor):
+    """Where libcuda cannot be loaded through ctypes, the reader copies through torch (stream context + copy_)."""
+    s = registry.register("gpu.fallback")
+    ctr = cuda_monitor.counter(s, "cuda")
+    r = cuda_monitor.readers()["cuda:0"]
+    assert r._drv is not None  # the fast path is what runs on this machine
+    r._drv = None
+    ctr[0] = 11
+    torch.cuda.synchronize()
+    assert r.poll(len(registry)) is None
+    torch.cuda.synchronize()
+    rows = r.poll(len(registry))
+    assert rows is not None and rows[s.id, 0] == 11
+    torch.cuda._sleep(SLEEP_CYCLES // 10)
+    a = time.perf_counter()
+    r.poll(len(registry))
+    assert time.perf_counter() - a < 1e-3  # the fallback does not wait on the busy stream either
+    torch.cuda.synchronize()
