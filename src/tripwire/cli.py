@@ -36,8 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the benchmark suite (benchmarks/)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("sites", help="list the registered sites of the reference kernels and instruments")
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns, rest = parser.parse_known_args(argv)
     extra = list(getattr(ns, "args", []) or []) + rest
+    if ns.cmd in ("demo", "bench"):
+        # argparse's REMAINDER drops leading options into `rest` out of order ("bench --only q2 --quick" would
+        # become ["q2", "--quick", "--only"]): pass everything after the subcommand through verbatim instead.
+        extra = argv[argv.index(ns.cmd) + 1 :]
 
     if ns.cmd == "demo":
         device = None

@@ -237,7 +237,8 @@ class Monitor:
         """
         tripped = self._tripped
         if tripped is not None:
-            raise tripped
+            # Drop the previous raise's traceback: an engine that catches and retries must not grow it forever.
+            raise tripped.with_traceback(None)
         self._active = True
 
     @property
@@ -388,6 +389,8 @@ class Monitor:
 
     def _poll(self, *, on_reader_thread: bool) -> None:
         now = time.monotonic()
+        if on_reader_thread:
+            self._relax_once()  # before this thread's first CUDA call (reads, or a tick hook's abort)
         with self._lock:
             self.ticks += 1
             if self._active:
@@ -414,7 +417,7 @@ class Monitor:
             if reader.lost is not None:
                 continue
             if reader.is_cuda and on_reader_thread:
-                self._relax_once()  # before this thread's first CUDA call
+                self._relax_once()  # CUDA may have been initialised since the top of the tick
                 if self._relaxed is None and visible_captures() > 0:
                     continue  # fallback: pause while a capture we can see is in progress
             try:
