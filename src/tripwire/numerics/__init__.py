@@ -1,0 +1,50 @@
+"""Numeric instruments: counted on the device, capture-safe, read by the monitor's reader in the same copy as the
+guards.
+
+* FP8 KV clip counter: :class:`ClipCounter` (one ``"clip"`` row per layer), its torch-ops path
+  :meth:`ClipCounter.count`, and the fused quantise-into-paged-FP8-cache kernel :func:`quantize_kv_to_fp8_cache`.
+* Non-finite counter: :func:`count_nonfinite` into a site from :func:`register_nonfinite_site`.
+
+Importing this module registers the ``"clip"`` and ``"nonfinite"`` reporters and the fused kernel's slot guard
+site; it touches no device.
+"""
+
+from __future__ import annotations
+
+from .clip import (
+    FP8_DTYPES,
+    FP8_MAX,
+    K_COUNT,
+    K_MAX,
+    V_COUNT,
+    V_MAX,
+    ClipCounter,
+    ClipReporter,
+    bits_to_float,
+    clip_thresholds,
+    reference_quantize,
+)
+from .fused import FP8_CACHE_SLOT_SITE, quantize_kv_to_fp8_cache
+from .nonfinite import NonFiniteReporter, count_nonfinite, register_nonfinite_site
+
+__all__ = [
+    # FP8 clip counter
+    "ClipCounter",
+    "quantize_kv_to_fp8_cache",
+    "FP8_CACHE_SLOT_SITE",
+    "reference_quantize",
+    "clip_thresholds",
+    "bits_to_float",
+    "FP8_MAX",
+    "FP8_DTYPES",
+    "K_COUNT",
+    "V_COUNT",
+    "K_MAX",
+    "V_MAX",
+    # non-finite counter
+    "count_nonfinite",
+    "register_nonfinite_site",
+    # reporters
+    "ClipReporter",
+    "NonFiniteReporter",
+]

@@ -1,0 +1,297 @@
+"""Fused FP8 KV-cache write: quantise K/V into a paged FP8 cache through a slot mapping and count clipping in the
+same pass.
+
+One program per token. It loads the token's slot, skips it when negative (padding of a captured batch), guards it
+against the cache size (a slot past the cache is masked -- nothing is written -- and counted at the fatal site
+``numerics.fp8_cache.slot``, row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE division),
+``clamp(y, -fp8_max, fp8_max)``, round-to-nearest-even cast to FP8, store. With ``COUNT`` the same registers give
+the number of elements with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and the max
+magnitude, recorded in the layer's clip row with at most one set of atomics per program.
+
+Hot-path cost of counting: two block reductions per tensor (sum, max) on data already in registers, one L2 load of
+the max slots, and atomics only when a program clipped something or saw a new maximum (rare once the maximum has
+settled). ``benchmarks/bench_numerics.py`` measures it against the same kernel with ``COUNT=False, GUARD=False``.
+
+Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
+the GPU (the PTX conversion is ``cvt.rn.satfinite``, torch's is round-to-nearest-even; after the clamp both agree).
+NaN inputs are stored as an FP8 NaN whose bit pattern may differ from torch's (count them with
+:func:`tripwire.numerics.count_nonfinite`). Under ``TRITON_INTERPRET=1`` the interpreter's own float-to-FP8
+conversion truncates instead of rounding, so on the CPU only values that are exact in FP8 after scaling match (the
+CPU tests use those; the GPU tests use random data).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..sites import register_site
+from ..triton import guard_index
+from .clip import FP8_MAX, SLOT_SITE_DESCRIPTION, SLOT_SITE_NAME, ClipCounter
+
+__all__ = ["FP8_CACHE_SLOT_SITE", "quantize_kv_to_fp8_cache"]
+
+# Registered at import, so the row exists before any capture (ClipCounter registers it in private registries too).
+FP8_CACHE_SLOT_SITE = register_site(SLOT_SITE_NAME, description=SLOT_SITE_DESCRIPTION, fatal=True)
+
+_TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+# Scale modes (a constexpr per tensor): a scalar kernel argument, a 1-element tensor, a [heads] tensor.
+_SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+
+
+@triton.jit
+def _load_scale(scale, h, H: tl.constexpr, MODE: tl.constexpr):
+    if MODE == 2:
+        s = tl.load(scale + h, mask=h < H, other=1.0)  # [BLOCK_H, 1]
+    elif MODE == 1:
+        s = tl.load(scale)
+    else:
+        s = scale
+    return s
+
+
+@triton.jit
+def _threshold(s, FP8_MAX: tl.constexpr):
+    # fp8_max * s is exact in float64 (24 x 3 significant bits); round it DOWN to float32, so that for every
+    # float32 |x|: |x| > T  <=>  |x| > fp8_max * s. Same arithmetic as clip._device_threshold.
+    c = s.to(tl.float64) * FP8_MAX
+    t = c.to(tl.float32)
+    below = (t.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    return tl.where(t.to(tl.float64) > c, below, t)
+
+
+@triton.jit
+def _quantize_store(src_ptrs, dst_ptrs, lane, s, FP8_MAX: tl.constexpr, FP8_TYPE: tl.constexpr):
+    x = tl.load(src_ptrs, mask=lane, other=0.0).to(tl.float32)
+    # IEEE division (a plain `/` lowers to the approximate div.full.f32 on NVIDIA GPUs and would not match torch).
+    y = tl.fdiv(x, s, ieee_rounding=True)
+    # Saturate before the cast, propagating NaN like torch.clamp (the default drops it).
+    y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(dst_ptrs, y.to(FP8_TYPE), mask=lane)
+    return x
+
+
+@triton.jit
+def _clip_stats(x, lane, thr):
+    a = tl.abs(x)
+    n = tl.sum((lane & (a > thr)).to(tl.int32), axis=None)
+    # Max magnitude as float32 bits (monotone for non-negative floats); NaN (bits above +inf) is left out.
+    bits = a.to(tl.int32, bitcast=True)
+    bits = tl.where(lane & (bits <= _F32_INF_BITS), bits, 0)
+    return n, tl.max(bits, axis=None).to(tl.int64)
+
+
+@triton.jit
+def _record_clip(ctr_ptr, slot, n, m):
+    if n > 0:
+        tl.atomic_add(ctr_ptr + slot, n.to(tl.int64))
+    # Pre-check with a plain L2 load: the slot only grows, so a stale read can only cause a redundant atomic, never
+    # a missed one; once the maximum has settled, programs issue no atomics at all.
+    if m > tl.load(ctr_ptr + slot + 2, cache_modifier=".cg"):
+        tl.atomic_max(ctr_ptr + slot + 2, m)
+
+
+@triton.jit
+def _fp8_kv_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale,
+    v_scale,
+    clip_ctr_ptr,
+    slot_ctr_ptr,
+    num_slots,
+    key_stride,
+    value_stride,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_SCALE_MODE: tl.constexpr,
+    V_SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_TYPE: tl.constexpr,
+    COUNT: tl.constexpr,
+    GUARD: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    live = slot >= 0  # negative slot: padding row, neither written nor counted
+    if GUARD:
+        slot, ok = guard_index(slot, 0, num_slots, slot_ctr_ptr, tok, mask=live)
+    else:
+        ok = live
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # The scalar `ok` is widened through an int32 block: the interpreter splats a scalar int1 as int32, which it
+    # then refuses as a load mask (on the GPU this folds away).
+    lane = (h < H) & (d < D) & ((h * 0 + d * 0 + ok.to(tl.int32)) != 0)
+    src = h * D + d
+    dst = slot * (H * D) + src
+    tok64 = tok.to(tl.int64)
+    ks = _load_scale(k_scale, h, H, K_SCALE_MODE)
+    vs = _load_scale(v_scale, h, H, V_SCALE_MODE)
+    xk = _quantize_store(key_ptr + tok64 * key_stride + src, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE)
+    xv = _quantize_store(value_ptr + tok64 * value_stride + src, v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE)
+    if COUNT:
+        nk, mk = _clip_stats(xk, lane, _threshold(ks, FP8_MAX))
+        nv, mv = _clip_stats(xv, lane, _threshold(vs, FP8_MAX))
+        _record_clip(clip_ctr_ptr, 0, nk, mk)  # slots 0 and 2
+        _record_clip(clip_ctr_ptr, 1, nv, mv)  # slots 1 and 3
+
+
+def _scale_arg(scale: float | torch.Tensor, heads: int, device: torch.device, what: str) -> tuple[object, int]:
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{what} must be float32, got {scale.dtype}")
+        if scale.device != device:
+            raise ValueError(f"{what} is on {scale.device}, the data on {device}")
+        if not scale.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        if scale.numel() == 1:
+            return scale, _SCALE_TENSOR
+        if scale.dim() == 1 and scale.shape[0] == heads:
+            return scale, _SCALE_PER_HEAD
+        raise ValueError(
+            f"{what} must be a Python float, a 1-element tensor or a [{heads}] tensor, got shape {tuple(scale.shape)}"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{what} must be a Python float or a float32 tensor, got {type(scale).__name__}")
+    s32 = float(np.float32(scale))  # Triton passes float arguments as float32; round the same way, then check
+    if not (np.isfinite(s32) and s32 > 0):
+        raise ValueError(f"{what} must be finite and > 0 as a float32, got {scale!r}")
+    return s32, _SCALE_ARG
+
+
+def _check_inputs(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    counter: ClipCounter,
+) -> tuple[int, int, int]:
+    if not isinstance(counter, ClipCounter):
+        raise TypeError(f"counter must be a tripwire.numerics.ClipCounter, got {type(counter).__name__}")
+    dev = counter.device
+    if key.dim() != 3:
+        raise ValueError(f"key must be [tokens, heads, head_dim], got shape {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value has shape {tuple(value.shape)}, key {tuple(key.shape)}; they must match")
+    tokens, heads, head_dim = key.shape
+    for x, what in ((key, "key"), (value, "value")):
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{what} must be bf16, fp16 or fp32, got {x.dtype}")
+        if x.device != dev:
+            raise ValueError(f"{what} is on {x.device}, clip counter {counter.name!r} on {dev}")
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError(
+                f"{what} must have contiguous heads and head_dim (strides (*, {head_dim}, 1)), got strides "
+                f"{tuple(x.stride())}; only the token stride may be arbitrary"
+            )
+    for c, what in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if c.dtype != counter.fp8_dtype:
+            raise TypeError(
+                f"{what} must be {counter.fp8_dtype} (clip counter {counter.name!r} is {counter.fmt}), got {c.dtype}"
+            )
+        if c.device != dev:
+            raise ValueError(f"{what} is on {c.device}, clip counter {counter.name!r} on {dev}")
+        if c.dim() not in (3, 4) or tuple(c.shape[-2:]) != (heads, head_dim):
+            raise ValueError(
+                f"{what} must be [num_blocks, block_size, {heads}, {head_dim}] or [num_slots, {heads}, {head_dim}], "
+                f"got shape {tuple(c.shape)}"
+            )
+        if not c.is_contiguous():
+            raise ValueError(f"{what} must be contiguous (slots are addressed as slot * heads * head_dim)")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}; they must match")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != tokens:
+        raise ValueError(f"slot_mapping must be [{tokens}] (one slot per token), got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.device != dev or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping must be contiguous on {dev}, got {slot_mapping.device}")
+    num_slots = k_cache.numel() // (heads * head_dim) if heads * head_dim else 0
+    if num_slots == 0:
+        raise ValueError("the FP8 cache holds no slot")
+    return tokens, heads, head_dim
+
+
+def _launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor,
+    v_scale: float | torch.Tensor,
+    counter: ClipCounter,
+    *,
+    count: bool,
+    guard: bool,
+) -> None:
+    tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
+    ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
+    vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
+    if tokens == 0:
+        return
+    block_h = triton.next_power_of_2(heads)
+    block_d = triton.next_power_of_2(head_dim)
+    num_warps = max(1, min(8, block_h * block_d // 256))
+    _fp8_kv_cache_kernel[(tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        ks,
+        vs,
+        counter.ctr,
+        counter.slot_ctr,
+        k_cache.numel() // (heads * head_dim),
+        key.stride(0),
+        value.stride(0),
+        H=heads,
+        D=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        K_SCALE_MODE=k_mode,
+        V_SCALE_MODE=v_mode,
+        FP8_MAX=FP8_MAX[counter.fmt],
+        FP8_TYPE=_TL_FP8[counter.fmt],
+        COUNT=count,
+        GUARD=guard,
+        num_warps=num_warps,
+    )
+
+
+def quantize_kv_to_fp8_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor,
+    v_scale: float | torch.Tensor,
+    counter: ClipCounter,
+    *,
+    count: bool = True,
+) -> None:
+    """Write ``key``/``value`` ``[tokens, heads, head_dim]`` (bf16/fp16/fp32; heads and head_dim contiguous, any
+    token stride) into the FP8 caches ``[num_blocks, block_size, heads, head_dim]`` (or ``[num_slots, heads,
+    head_dim]``; contiguous; dtype ``counter.fp8_dtype``) at ``slot_mapping[t]`` (int32/int64 ``[tokens]``), as
+    ``clamp(x / scale, -fp8_max, fp8_max).to(fp8)``, and count clipping into ``counter``'s row (``count=False``
+    writes only).
+
+    Negative slots are skipped (not written, not counted). A slot ``>= num_slots`` is masked (not written) and
+    counted at the fatal site ``numerics.fp8_cache.slot``. Scales: Python floats (used as float32), 1-element
+    float32 tensors, or ``[heads]`` float32 tensors. Everything is checked before the launch; the launch itself
+    allocates nothing and never syncs, so it can be captured in a CUDA graph (compile it once before capturing).
+    """
+    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, counter, count=count, guard=True)

@@ -1,0 +1,179 @@
+"""Non-finite counter: counts NaN and +/-Inf elements of a tensor (logits, hidden states) into a site's row, on the
+device, with no host sync.
+
+Engines' own NaN checks (``torch.isnan(x).any().item()``) cost a host sync per step; this one costs one read of the
+tensor and, only when something is non-finite, one set of atomics per program. The row uses the guard layout
+(kind ``"nonfinite"``): slot 0 = non-finite elements, first offender = (row, column) of one real non-finite element,
+extremes = max row and min/max column, each independent. Row = index along the first dimension; for a 1-D tensor
+the column is 0 (e.g. one value per request).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import GuardTripped
+from ..monitor import Hit, Monitor, register_reporter
+from ..sites import Site
+from ..triton import record_hits
+
+__all__ = ["NonFiniteReporter", "count_nonfinite", "nonfinite_message", "register_nonfinite_site"]
+
+_FLOAT_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+# Bytes one program reads: large enough to amortise the per-program reduction, small enough for many programs.
+_BLOCK_BYTES = 16384
+_NUM_WARPS = 8
+
+
+def register_nonfinite_site(
+    name: str, *, description: str = "", fatal: bool = False, monitor: Monitor | None = None
+) -> Site:
+    """Register (or look up) a non-finite counting site (kind ``"nonfinite"``) in ``monitor``'s registry (the
+    default monitor's when None). Call it at import or construction time, before any capture."""
+    if monitor is None:
+        from .._default import default_monitor
+
+        monitor = default_monitor()
+    return monitor.registry.register(name, description=description, fatal=fatal, kind="nonfinite")
+
+
+# How the kernel tests an element (a constexpr): compare as float32 (exact for fp16/bf16/fp32), compare as float64
+# (a finite float64 may overflow float32), or test the FP8 bit patterns directly (loaded as uint8: exact, and
+# independent of how the FP8 upcast treats NaN, which the Triton interpreter gets wrong).
+_AS_F32, _AS_F64, _E4M3FN_BITS, _E5M2_BITS = 0, 1, 2, 3
+
+
+@triton.jit
+def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, KIND: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    x = tl.load(x_ptr + offs, mask=m, other=0)
+    if KIND == 2:
+        bad = (x & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN; there is no inf
+    elif KIND == 3:
+        bad = (x & 0x7C) == 0x7C  # e5m2: exponent all ones is inf (mantissa 0) or NaN
+    else:
+        if KIND == 0:
+            x = x.to(tl.float32)
+        bad = (x != x) | (tl.abs(x) == float("inf"))
+    bad = bad & m
+    # The hot path is this one reduction; the rows/columns (integer divisions) are only formed when needed.
+    if tl.sum(bad.to(tl.int32), axis=None) > 0:
+        record_hits(ctr_ptr, bad, offs // ncols, offs % ncols)
+
+
+def count_nonfinite(
+    tensor: torch.Tensor,
+    site: Site | str,
+    *,
+    ctr: torch.Tensor | None = None,
+    monitor: Monitor | None = None,
+) -> None:
+    """Count NaN/Inf elements of ``tensor`` (any float dtype, 1-D or 2-D, contiguous) into ``site``'s row.
+
+    ``ctr``: the site's counter row (``monitor.counter(site, tensor.device)``); pass it on the step path to skip the
+    lookup, which otherwise hits the monitor's view cache (and allocates the arena on the very first call, which is
+    refused inside a capture: call it once before capturing, or prealloc). Capture-safe and sync-free: the result
+    reaches the host only through the reader. Counts are exact; the first offender is one real non-finite element
+    (the lowest (row, column) within the program that won the race).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"count_nonfinite needs a floating tensor ({', '.join(map(str, _FLOAT_DTYPES))}), got {tensor.dtype}"
+        )
+    if tensor.dim() not in (1, 2):
+        raise ValueError(
+            f"count_nonfinite takes a 1-D or 2-D tensor (row = first dim), got shape {tuple(tensor.shape)}"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"count_nonfinite needs a contiguous tensor, got strides {tuple(tensor.stride())}")
+    if ctr is None:
+        if monitor is None:
+            from .._default import default_monitor
+
+            monitor = default_monitor()
+        if isinstance(site, str):
+            site = monitor.registry.get(site)
+        if site.kind != "nonfinite":
+            raise ValueError(f"site {site.name!r} is of kind {site.kind!r}; register it with register_nonfinite_site")
+        ctr = monitor.counter(site, tensor.device)
+    if ctr.dtype != torch.int64 or ctr.shape != (8,) or not ctr.is_contiguous():
+        raise ValueError(f"ctr must be a contiguous int64 [8] counter row, got {ctr.dtype} {tuple(ctr.shape)}")
+    if ctr.device != tensor.device:
+        raise ValueError(f"ctr is on {ctr.device}, the tensor on {tensor.device}")
+    numel = tensor.numel()
+    if numel == 0:
+        return
+    block = max(1024, _BLOCK_BYTES // tensor.element_size())
+    _launch(tensor, ctr, block, _NUM_WARPS)
+
+
+def _launch(tensor: torch.Tensor, ctr: torch.Tensor, block: int, num_warps: int) -> None:
+    ncols = tensor.shape[1] if tensor.dim() == 2 else 1
+    if ncols == 0:
+        return
+    numel = tensor.numel()
+    kind = {torch.float64: _AS_F64, torch.float8_e4m3fn: _E4M3FN_BITS, torch.float8_e5m2: _E5M2_BITS}.get(
+        tensor.dtype, _AS_F32
+    )
+    data = tensor.view(torch.uint8) if kind in (_E4M3FN_BITS, _E5M2_BITS) else tensor
+    _nonfinite_kernel[(triton.cdiv(numel, block),)](
+        data, ctr, numel, ncols, BLOCK=block, KIND=kind, num_warps=num_warps
+    )
+
+
+def _fmt(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def nonfinite_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
+    fatal = " (FATAL site)" if site.fatal else ""
+    new = f"{delta} new, {hit.count} total" if delta is not None else f"{hit.count} total"
+    desc = f" [{site.description}]" if site.description else ""
+    return (
+        f"tripwire: NON-FINITE values at site {site.name!r} on {device}{fatal}: {new} NaN/Inf elements.{desc} "
+        f"First: row {_fmt(hit.first_row)}, column {_fmt(hit.first_value)}. Lifetime extremes (independent, not one "
+        f"element): max row {_fmt(hit.max_row)}, columns {_fmt(hit.min_value)}..{_fmt(hit.max_value)}. The values "
+        f"were counted, not changed: whatever consumed them computed with NaN/Inf."
+    )
+
+
+class NonFiniteReporter:
+    """Reporter for ``"nonfinite"`` rows (guard layout): a WARNING per confirmed rise, aggregated like guard reports;
+    arms the stop in ``raise`` mode or for a fatal site, like a guard."""
+
+    count_slots = (0,)
+
+    def confirm(self, monitor: Monitor, device: str, site: Site, row, now: float) -> None:  # type: ignore[no-untyped-def]
+        hit = Hit.from_row(row)
+        monitor.emit((device, site.id), hit.count, now, lambda delta: nonfinite_message(site, device, hit, delta=delta))
+        if monitor.settings.mode == "raise" or site.fatal:
+            monitor.arm(
+                GuardTripped(
+                    nonfinite_message(site, device, hit) + " The engine was stopped by tripwire.check().",
+                    site=site.name,
+                    device=device,
+                    count=hit.count,
+                    first_row=hit.first_row,
+                    first_value=hit.first_value,
+                    fatal=site.fatal,
+                )
+            )
+
+    def tick(self, monitor: Monitor, latest, now: float) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+
+# Replaces the generic guard reporter for this kind (same arming rules, wording about NaN/Inf, not masked accesses).
+register_reporter("nonfinite", NonFiniteReporter)

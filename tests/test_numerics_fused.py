@@ -1,0 +1,367 @@
+"""Fused FP8 quantise-into-paged-cache kernel (tripwire.numerics.fused): cache bits equal torch's reference
+quantisation, counts and maxima equal the torch path's (and the float64 reference), padding rows skipped, the slot
+mapping guarded (with a control that writes past the cache without the guard), ``count=False`` writes the same
+cache and counts nothing.
+
+CPU (interpreter) limits: Triton's interpreter converts float32 to FP8 by truncating the mantissa (not
+round-to-nearest-even), so on the CPU the bit-for-bit tests use data that is exact in FP8 after scaling (plus
+saturating values); rounding itself is checked by the GPU tests, on random data, where the kernel compiles to the
+hardware conversion."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tripwire import Monitor, SiteRegistry
+from tripwire.layout import decode
+from tripwire.numerics import FP8_DTYPES, FP8_MAX, ClipCounter, quantize_kv_to_fp8_cache, reference_quantize
+from tripwire.numerics.fused import _launch
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+FMTS = ["e4m3", "e5m2"]
+H, D = 2, 16
+BLOCKS, BLOCK_SIZE = 5, 4  # 20 slots
+SENTINEL = 0x11  # a byte pattern no test writes: unwritten slots must keep it
+
+
+def f64_reference(x: torch.Tensor, scale, fmt: str, valid: torch.Tensor) -> tuple[int, float]:
+    s = (
+        scale.double().reshape(-1).cpu()
+        if isinstance(scale, torch.Tensor)
+        else torch.tensor([float(np.float32(scale))])
+    )
+    s = s.reshape(-1, 1) if s.numel() > 1 else s
+    a = x.double().abs().cpu()[valid.cpu()]
+    count = int((a > s.double() * FP8_MAX[fmt]).sum())
+    a = a[~a.isnan()]
+    return count, float(a.max()) if a.numel() else 0.0
+
+
+def fp8_exact_values(fmt: str, n: int, seed: int) -> torch.Tensor:
+    """Random finite FP8 values (every exponent, subnormals included), as float32."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    v = b.view(FP8_DTYPES[fmt]).float()
+    return torch.where(v.isfinite(), v, torch.zeros_like(v))
+
+
+def scale_value(kind: str, fmt: str, dtype: torch.dtype, device: str, heads: int = H):
+    small = fmt == "e5m2" and dtype == torch.float16  # 57344 x scale must stay inside fp16
+    if kind == "float":
+        return 0.5 if small else 2.0
+    if kind == "1elem":
+        return torch.tensor([0.25 if small else 4.0], device=device)
+    vals = [0.5, 0.25, 1.0][:heads] if small else [2.0, 0.5, 0.25][:heads]
+    return torch.tensor(vals, device=device)
+
+
+def per_head(scale, heads: int = H) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        s = scale.detach().cpu().reshape(-1)
+        return s.expand(heads) if s.numel() == 1 else s
+    return torch.full((heads,), float(np.float32(scale)))
+
+
+def exact_kv(fmt, dtype, scale, tokens, seed, heads=H, dim=D) -> torch.Tensor:
+    """K or V whose scaled values are exact in FP8, with saturating values (above the ceiling) planted."""
+    s = per_head(scale, heads)
+    y = fp8_exact_values(fmt, tokens * heads * dim, seed).view(tokens, heads, dim)
+    y[:, :, 0] = 3 * FP8_MAX[fmt]  # clipped: saturates to +max
+    y[:, :, 1] = -1.5 * FP8_MAX[fmt]  # clipped: saturates to -max
+    return (y * s.view(1, heads, 1)).to(dtype)
+
+
+def near_ceiling(dtype, fmt, scale, tokens, seed, heads) -> torch.Tensor:
+    """Random values around each head's ceiling, with the 7 values of ``dtype`` nearest it planted (both signs)."""
+    g = torch.Generator().manual_seed(seed)
+    ceilings = per_head(scale, heads).double() * FP8_MAX[fmt]
+    x = torch.randn(tokens, heads, D, generator=g, dtype=torch.float64) * ceilings.view(1, -1, 1) * 0.6
+    ity = torch.int32 if dtype == torch.float32 else torch.int16
+    for h in range(heads):
+        bits = torch.tensor([float(ceilings[h])], dtype=torch.float64).to(dtype).view(ity).to(torch.int64)
+        nb = (bits + torch.arange(-3, 4)).to(ity).view(dtype).double()
+        x[h % tokens, h, :7] = nb
+        x[(h + 1) % tokens, h, D - 7 :] = -nb
+    return x.to(dtype)
+
+
+def caches(fmt, device, heads=H, dim=D):
+    k = torch.full((BLOCKS, BLOCK_SIZE, heads, dim), SENTINEL, dtype=torch.uint8, device=device).view(FP8_DTYPES[fmt])
+    return k, k.clone()
+
+
+def slots_for(tokens: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(tokens)
+    s = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[:tokens]
+    s[1::4] = -1  # padding rows
+    return s.to(device)
+
+
+def check_cache(cache: torch.Tensor, x: torch.Tensor, scale, fmt: str, slots: torch.Tensor) -> None:
+    ref = reference_quantize(x, scale, fmt).view(torch.uint8)
+    flat = cache.view(torch.uint8).reshape(-1, *x.shape[1:])
+    live = slots >= 0
+    assert torch.equal(flat[slots[live]], ref[live])
+    unwritten = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+    unwritten[slots[live]] = False
+    assert bool((flat[unwritten] == SENTINEL).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("kind", ["float", "1elem", "per_head"])
+def test_cache_bits_and_counts(monitor, kernel_device, dtype, fmt, kind):
+    tokens = 8
+    ks = scale_value(kind, fmt, dtype, kernel_device)
+    vs = scale_value("per_head" if kind != "per_head" else "float", fmt, dtype, kernel_device)
+    key = exact_kv(fmt, dtype, ks, tokens, seed=1).to(kernel_device)
+    value = exact_kv(fmt, dtype, vs, tokens, seed=2).to(kernel_device)
+    slots = slots_for(tokens, kernel_device)
+    kc, vc = caches(fmt, kernel_device)
+    fused = ClipCounter("fused", kernel_device, fmt, monitor=monitor)
+    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, vs, fused)
+    check_cache(kc, key, ks, fmt, slots)
+    check_cache(vc, value, vs, fmt, slots)
+    torch_path = ClipCounter("torch", kernel_device, fmt, monitor=monitor)
+    torch_path.count(key, value, ks, vs, slots)
+    rk, mk = f64_reference(key, ks, fmt, slots >= 0)
+    rv, mv = f64_reference(value, vs, fmt, slots >= 0)
+    assert rk >= 2 * 6 * H  # the planted saturating values (6 live tokens)
+    assert fused.totals() == torch_path.totals() == {"k": rk, "v": rv, "k_max": mk, "v_max": mv}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_counts_equal_torch_path_near_the_ceiling(monitor, kernel_device, dtype, fmt):
+    """Random data (any scale, values just above/below each head's ceiling): counts and maxima are exact, whatever
+    the interpreter's FP8 rounding does to the cache."""
+    heads = 3
+    ks = torch.tensor([0.7, 1.0 + 3 * 2**-10, 1.0 / 3.0], device=kernel_device)
+    key = near_ceiling(dtype, fmt, ks, 6, seed=7, heads=heads).to(kernel_device)
+    value = near_ceiling(dtype, fmt, 0.3, 6, seed=8, heads=heads).to(kernel_device)
+    slots = torch.tensor([3, 9, -1, 0, 14, 7], device=kernel_device)
+    kc, vc = caches(fmt, kernel_device, heads=heads)
+    fused = ClipCounter("fused", kernel_device, fmt, monitor=monitor)
+    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, 0.3, fused)
+    torch_path = ClipCounter("torch", kernel_device, fmt, monitor=monitor)
+    torch_path.count(key, value, ks, 0.3, slots)
+    rk, mk = f64_reference(key, ks, fmt, slots >= 0)
+    rv, mv = f64_reference(value, 0.3, fmt, slots >= 0)
+    assert rk > 0 and rv > 0
+    assert fused.totals() == torch_path.totals() == {"k": rk, "v": rv, "k_max": mk, "v_max": mv}
+    # Where the reference value is exact in FP8 the interpreter's conversion is exact too: compare those bits.
+    ref = reference_quantize(key, ks, fmt)
+    got = kc.view(-1, heads, D)[slots.clamp(min=0)]
+    exact = (ref.float() * ks.view(1, -1, 1) == key.float()) & (slots >= 0).view(-1, 1, 1)
+    assert int(exact.sum()) > 0
+    assert torch.equal(got.view(torch.uint8)[exact], ref.view(torch.uint8)[exact])
+
+
+def test_non_power_of_two_heads_and_dim_and_token_stride(monitor, kernel_device):
+    heads, dim, tokens = 3, 12, 5
+    fmt = "e4m3"
+    ks = torch.tensor([2.0, 0.5, 0.25], device=kernel_device)
+    k = exact_kv(fmt, torch.bfloat16, ks, tokens, seed=3, heads=heads, dim=dim)
+    v = exact_kv(fmt, torch.bfloat16, 1.0, tokens, seed=4, heads=heads, dim=dim)
+    # K and V as views of one fused qkv buffer: token stride 3 * heads * dim, heads/dim contiguous.
+    qkv = torch.zeros(tokens, 3, heads, dim, dtype=torch.bfloat16)
+    qkv[:, 1], qkv[:, 2] = k, v
+    qkv = qkv.to(kernel_device)
+    key, value = qkv[:, 1], qkv[:, 2]
+    assert not key.is_contiguous()
+    slots = torch.tensor([4, -1, 0, 19, 7], device=kernel_device)
+    kc = torch.full((BLOCKS * BLOCK_SIZE, heads, dim), SENTINEL, dtype=torch.uint8, device=kernel_device)
+    kc, vc = kc.view(torch.float8_e4m3fn), kc.clone().view(torch.float8_e4m3fn)
+    c = ClipCounter("strided", kernel_device, fmt, monitor=monitor)
+    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, 1.0, c)
+    check_cache(kc, key, ks, fmt, slots)
+    check_cache(vc, value, 1.0, fmt, slots)
+    assert c.totals()["k"] == f64_reference(key, ks, fmt, slots >= 0)[0] == 2 * 4 * heads
+
+
+def test_count_false_writes_the_same_cache_and_counts_nothing(monitor, kernel_device):
+    fmt = "e4m3"
+    key = exact_kv(fmt, torch.float16, 1.0, 6, seed=5).to(kernel_device)
+    slots = slots_for(6, kernel_device)
+    c = ClipCounter("layer", kernel_device, fmt, monitor=monitor)
+    kc1, vc1 = caches(fmt, kernel_device)
+    quantize_kv_to_fp8_cache(key, key, kc1, vc1, slots, 1.0, 1.0, c, count=False)
+    assert c.totals() == {"k": 0, "v": 0, "k_max": 0.0, "v_max": 0.0}
+    kc2, vc2 = caches(fmt, kernel_device)
+    quantize_kv_to_fp8_cache(key, key, kc2, vc2, slots, 1.0, 1.0, c)
+    assert torch.equal(kc1.view(torch.uint8), kc2.view(torch.uint8))
+    assert c.totals()["k"] > 0  # control: the same call with counting on counts
+
+
+def test_slot_past_the_cache_is_masked_and_counted(monitor, kernel_device, caplog):
+    fmt = "e4m3"
+    num_slots = BLOCKS * BLOCK_SIZE
+    key = exact_kv(fmt, torch.bfloat16, 1.0, 4, seed=6).to(kernel_device)
+    # The cache is the head of a larger buffer: a write past it lands in the tail, which we can watch.
+    buf = torch.full((num_slots + 4, H, D), SENTINEL, dtype=torch.uint8, device=kernel_device)
+    kc = buf[:num_slots].view(BLOCKS, BLOCK_SIZE, H, D).view(torch.float8_e4m3fn)
+    vbuf = buf.clone()
+    vc = vbuf[:num_slots].view(BLOCKS, BLOCK_SIZE, H, D).view(torch.float8_e4m3fn)
+    slots = torch.tensor([2, num_slots + 1, -1, num_slots], device=kernel_device)
+    c = ClipCounter("layer", kernel_device, fmt, monitor=monitor)
+    quantize_kv_to_fp8_cache(key, key, kc, vc, slots, 1.0, 1.0, c)
+    assert bool((buf[num_slots:] == SENTINEL).all()) and bool((vbuf[num_slots:] == SENTINEL).all())
+    row = monitor.read_rows(kernel_device)[c.slot_site.id].tolist()
+    assert row[0] == 2  # tokens 1 and 3; the padding row (token 2) is not an offender
+    assert (
+        decode(row[1]) == 3
+        and decode(row[2]) == num_slots + 1
+        and (decode(row[4]), decode(row[5]))
+        in {
+            (1, num_slots + 1),
+            (3, num_slots),
+        }
+    )
+    # The masked tokens are not counted as clipped either: only token 0's saturating values are.
+    assert c.totals()["k"] == 2 * H
+    # The monitor reports the fatal slot site and arms the stop.
+    monitor.drain()
+    assert any("numerics.fp8_cache.slot" in r.getMessage() for r in caplog.records)
+    assert monitor.armed is not None and monitor.armed.site == "numerics.fp8_cache.slot"
+    # Control: the same kernel without the guard writes into the memory past the cache.
+    _launch(key, key, kc, vc, slots, 1.0, 1.0, c, count=False, guard=False)
+    assert not bool((buf[num_slots:] == SENTINEL).all())
+
+
+@pytest.mark.parametrize(
+    "change, err",
+    [
+        (dict(k_cache="bf16"), "float8_e4m3fn"),
+        (dict(k_cache="noncontig"), "contiguous"),
+        (dict(k_cache="shape"), "num_blocks, block_size"),
+        (dict(key="strides"), "contiguous heads"),
+        (dict(key="2d"), "tokens, heads, head_dim"),
+        (dict(slot_mapping="len"), "one slot per token"),
+        (dict(slot_mapping="float"), "int32 or int64"),
+        (dict(k_scale="shape"), "per head|1-element"),
+        (dict(k_scale="f64"), "float32"),
+        (dict(k_scale="neg"), "> 0"),
+        (dict(counter="none"), "ClipCounter"),
+    ],
+)
+def test_launcher_rejects_bad_arguments(monitor, change, err):
+    T = 4
+    key = torch.zeros(T, H, D)
+    kc, vc = caches("e4m3", "cpu")
+    args = dict(
+        key=key,
+        value=key.clone(),
+        k_cache=kc,
+        v_cache=vc,
+        slot_mapping=torch.arange(T),
+        k_scale=1.0,
+        v_scale=1.0,
+        counter=ClipCounter("layer", "cpu", monitor=monitor),
+    )
+    ((name, how),) = change.items()
+    bad = {
+        ("k_cache", "bf16"): torch.zeros(BLOCKS, BLOCK_SIZE, H, D, dtype=torch.bfloat16),
+        ("k_cache", "noncontig"): kc.transpose(0, 1),
+        ("k_cache", "shape"): kc.view(BLOCKS, BLOCK_SIZE, H * D),
+        ("key", "strides"): torch.zeros(T, D, H).transpose(1, 2),
+        ("key", "2d"): torch.zeros(T, H * D),
+        ("slot_mapping", "len"): torch.arange(T + 1),
+        ("slot_mapping", "float"): torch.zeros(T),
+        ("k_scale", "shape"): torch.ones(3),
+        ("k_scale", "f64"): torch.ones(1, dtype=torch.float64),
+        ("k_scale", "neg"): -2.0,
+        ("counter", "none"): None,
+    }[(name, how)]
+    args[name] = bad
+    with pytest.raises((ValueError, TypeError), match=err):
+        quantize_kv_to_fp8_cache(**args)  # type: ignore[arg-type]
+    assert bool((kc.view(torch.uint8) == SENTINEL).all())  # nothing launched
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("kind", ["float", "1elem", "per_head"])
+def test_gpu_random_data_bit_exact(dtype, fmt, kind):
+    """Compiled: round-to-nearest-even FP8 conversion on random data (ties and subnormals included) matches torch
+    bit for bit; counts and maxima equal the torch path's and the float64 reference."""
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16)
+    heads, dim, tokens = 8, 128, 512
+    ks = {"float": 0.37, "1elem": torch.tensor([1.3], device="cuda"), "per_head": None}[kind]
+    if kind == "per_head":
+        ks = torch.linspace(0.2, 1.1, heads, device="cuda")
+    vs = 0.9 if fmt == "e5m2" and dtype == torch.float16 else 1.7
+    g = torch.Generator(device="cuda").manual_seed(11)
+    fmax = FP8_MAX[fmt]
+    spread = 0.3 * fmax if not (fmt == "e5m2" and dtype == torch.float16) else 0.25 * fmax
+    key = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * spread).to(dtype)
+    value = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * spread).to(dtype)
+    key[:, :, :4] *= 1e-6  # deep into the FP8 subnormals
+    slots = torch.randperm(4096, device="cuda", generator=g)[:tokens]
+    slots[::7] = -1
+    kc = torch.full((256, 16, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
+    vc = kc.clone()
+    c = ClipCounter("fused", "cuda", fmt, monitor=m)
+    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, vs, c)
+    check_cache(kc, key, ks, fmt, slots)
+    check_cache(vc, value, vs, fmt, slots)
+    t = ClipCounter("torch", "cuda", fmt, monitor=m)
+    t.count(key, value, ks, vs, slots)
+    rk, mk = f64_reference(key, ks, fmt, slots >= 0)
+    rv, mv = f64_reference(value, vs, fmt, slots >= 0)
+    assert rk > 0 and rv > 0
+    assert c.totals() == t.totals() == {"k": rk, "v": rv, "k_max": mk, "v_max": mv}
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_counts_n_times(caplog):
+    caplog.set_level(logging.INFO, logger="tripwire")
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16, interval=0.01)
+    m.prealloc("cuda")
+    heads, dim, tokens, fmt = 8, 128, 256, "e4m3"
+    g = torch.Generator(device="cuda").manual_seed(12)
+    key = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * 200).to(torch.bfloat16)
+    value = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * 150).to(torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda")
+    slots[-16:] = -1  # padding of the captured batch
+    slots[3] = 10**6  # one bad slot per step: masked, counted at the fatal slot site
+    kc = torch.zeros(64, 16, heads, dim, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    vc = kc.clone()
+    ks = torch.tensor([1.0], device="cuda")
+    c = ClipCounter("layers.0.attn", "cuda", fmt, monitor=m)
+    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, 0.8, c)  # compile before capturing
+    torch.cuda.synchronize()
+    per_step = c.totals()
+    per_slot = int(m.read_rows("cuda")[c.slot_site.id][0])
+    assert per_step["k"] > 0 and per_step["v"] > 0 and per_slot == 1
+    m.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, 0.8, c)
+    n = 9
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert c.totals() == {
+        "k": n * per_step["k"],
+        "v": n * per_step["v"],
+        "k_max": per_step["k_max"],
+        "v_max": per_step["v_max"],
+    }
+    assert int(m.read_rows("cuda")[c.slot_site.id][0]) == n
+    for _ in range(4):
+        m.poll()
+        torch.cuda.synchronize()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("CLIPPING" in s and f"({n * per_step['k']} total)" in s for s in msgs)
+    assert any("numerics.fp8_cache.slot" in s and "MASKED FAULT" in s for s in msgs)
+    assert m.armed is not None and m.armed.site == "numerics.fp8_cache.slot"
