@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""compute-sanitizer memcheck over every guarded reference kernel on corrupted metadata, with its unguarded twin as
+the control.
+
+    python scripts/memcheck.py                 # drives the sanitizer runs itself; prints a table
+    python scripts/memcheck.py --child rope --guard 1   # one run (what the driver launches under the sanitizer)
+
+Each kernel runs in its own process under ``compute-sanitizer --tool memcheck`` with
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (without it, an out-of-range access that lands inside one of the caching
+allocator's larger slabs is invisible to the checker). The metadata holds ids equal to the size, negative ids, ids far
+past the end and the INT32 extremes, so the unguarded twin leaves its allocation for sure.
+
+Pass: every guarded run reports 0 errors and counts exactly the bad entries; every twin run reports errors (the
+control: the same input is really out of range). Exit status 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+KERNELS = ("block_table", "slot_mapping", "kv_zero", "paged_gather", "state_copy", "rope")
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FAR = 1 << 24
+
+
+def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
+    import torch
+
+    import tripwire
+    from tripwire.kernels import counters
+
+    i32 = torch.int32
+    mon = tripwire.Monitor(registry=tripwire.SiteRegistry(capacity=64), capacity=64, mode="warn")
+    mon.prealloc(dev)
+
+    def t(v, dtype=i32):
+        return torch.tensor(v, dtype=dtype, device=dev)
+
+    if kernel == "block_table":
+        from tripwire.kernels import block_table as m
+
+        R, W = 64, 16
+        table = torch.arange(R * W, dtype=i32, device=dev).reshape(R, W)
+        counts = torch.full((R,), W, dtype=i32, device=dev)
+        rows = t([0, R, -1, R + FAR, INT32_MAX, INT32_MIN, 3])
+        out = torch.empty(rows.shape[0], W, dtype=i32, device=dev)
+        ctr = counters(m.SITES, dev, mon)
+        m.block_table_gather(table, rows, counts, out, guard=guard, ctr=ctr)
+        expect = [5, 0]
+    elif kernel == "slot_mapping":
+        from tripwire.kernels import slot_mapping as m
+
+        R, W, bs = 64, 16, 16
+        table = torch.arange(R * W, dtype=i32, device=dev).reshape(R, W)
+        pos = t([0, 5, -1, W * bs, FAR * bs, INT32_MAX, INT32_MIN, 7, 9, 3])
+        rows = t([0, 1, 2, 3, 4, 5, 6, R, -1, INT32_MAX])
+        slots = torch.empty(pos.shape[0], dtype=torch.int64, device=dev)
+        ctr = counters(m.SITES, dev, mon)
+        m.slot_mapping(pos, rows, table, slots, bs, num_kv_blocks=R * W, guard=guard, ctr=ctr)
+        expect = [3, 5, 0]
+    elif kernel == "kv_zero":
+        from tripwire.kernels import kv_zero as m
+
+        N = 64
+        pool = torch.ones(N, 2, 16, 8, 64, dtype=torch.bfloat16, device=dev)
+        ids = t([0, N, -1, N + FAR, INT32_MAX, INT32_MIN, 5])
+        ctr = counters(m.SITES, dev, mon)
+        m.kv_zero(pool, ids, guard=guard, ctr=ctr)
+        expect = [5]
+    elif kernel == "paged_gather":
+        from tripwire.kernels import paged_gather as m
+
+        N = 64
+        cache = torch.ones(N, 2, 16, 8, 64, dtype=torch.bfloat16, device=dev)
+        table = t([[0, N, -1, 3], [N + FAR, INT32_MAX, INT32_MIN, 1]])
+        out = torch.empty(2, 4, 2, 16, 8, 64, dtype=torch.bfloat16, device=dev)
+        ctr = counters(m.SITES, dev, mon)
+        m.paged_gather(cache, table, out, guard=guard, ctr=ctr)
+        expect = [5]
+    elif kernel == "state_copy":
+        from tripwire.kernels import state_copy as m
+
+        R, S = 16, 32
+        state = torch.randn(S, 4096, device=dev)
+        table = torch.arange(R * 2, dtype=i32, device=dev).reshape(R, 2)
+        table[5, 1] = S + FAR
+        table[6, 0] = -1
+        rows = t([0, R, -1, INT32_MAX, 1, 2, 5, 6, 7])
+        src = t([0, 0, 0, 0, INT32_MIN, 0, 0, 0, 0])
+        dst = t([1, 1, 1, 1, 1, -1, 1, 1, 1])
+        ctr = counters(m.SITES, dev, mon)
+        m.state_copy(state, table, rows, src, dst, guard=guard, ctr=ctr)
+        expect = [3, 2, 2]
+    elif kernel == "rope":
+        from tripwire.kernels import rope as m
+
+        T, max_pos = 8, 64
+        pos = t([0, max_pos, -1, max_pos + FAR, INT32_MAX, INT32_MIN, 5, 6], torch.int64)
+        q = torch.randn(T, 8, 128, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(T, 2, 128, device=dev, dtype=torch.bfloat16)
+        cs = torch.randn(max_pos, 128, device=dev)
+        ctr = counters(m.SITES, dev, mon)
+        m.rope(pos, q, k, cs, torch.empty_like(q), torch.empty_like(k), guard=guard, ctr=ctr)
+        expect = [5]
+    else:
+        print(f"unknown kernel {kernel!r}", file=sys.stderr)
+        return 2
+    if dev != "cpu":
+        torch.cuda.synchronize()
+    got = ctr.reshape(-1, 8)[:, 0].tolist()
+    print(f"COUNTS {kernel} guard={int(guard)} got={got} expect={expect if guard else [0] * len(expect)}")
+    if guard and got != expect:
+        print(f"MISCOUNT: {kernel} counted {got}, expected {expect}", file=sys.stderr)
+        return 3
+    return 0
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def _drive(sanitizer: str, kernels: list[str]) -> int:
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    rows = []
+    ok = True
+    for kernel in kernels:
+        res = {}
+        for guard in (1, 0):
+            cmd = [
+                sanitizer,
+                "--tool",
+                "memcheck",
+                "--print-limit",
+                "5",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                kernel,
+                "--guard",
+                str(guard),
+            ]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            text = p.stdout + p.stderr
+            m = _SUMMARY.search(text)
+            errors = int(m.group(1)) if m else None
+            counts = re.search(r"COUNTS .*", text)
+            res[guard] = (errors, p.returncode, counts.group(0) if counts else "(no counts: the run died)")
+            if guard and (errors is None or errors != 0 or p.returncode != 0):
+                ok = False
+                print(f"--- guarded {kernel} failed (rc {p.returncode}):\n{text[-4000:]}", file=sys.stderr)
+            if not guard and not errors:
+                ok = False
+                print(f"--- twin {kernel} reported no errors (rc {p.returncode}):\n{text[-2000:]}", file=sys.stderr)
+        rows.append((kernel, res))
+    print(f"{'kernel':14s} {'guarded errors':>15s} {'twin errors':>12s}  verdict   guarded counts")
+    for kernel, res in rows:
+        g, u = res[1], res[0]
+        verdict = "PASS" if g[0] == 0 and g[1] == 0 and u[0] else "FAIL"
+        print(f"{kernel:14s} {g[0]!s:>15s} {u[0]!s:>12s}  {verdict:8s}  {g[2]}")
+    print(
+        "memcheck:",
+        "PASS (guarded: 0 errors everywhere; twins: errors, so the inputs really were out of range)" if ok else "FAIL",
+    )
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", choices=KERNELS, help="run one kernel (inside the sanitizer)")
+    p.add_argument("--guard", type=int, choices=(0, 1), default=1)
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="child only: cpu checks the expected counts under "
+        "TRITON_INTERPRET=1 (guarded runs only; the twin would read out of bounds)",
+    )
+    p.add_argument("--kernels", default=",".join(KERNELS), help="comma list (driver)")
+    p.add_argument("--sanitizer", default=None, help="path to compute-sanitizer (default: PATH, then CUDA_HOME/bin)")
+    args = p.parse_args(argv)
+    if args.child:
+        if args.device == "cpu" and not args.guard:
+            p.error("the unguarded twin reads out of bounds: never run it on the CPU")
+        return _child(args.child, bool(args.guard), args.device)
+    sanitizer = args.sanitizer or shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        for base in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+            cand = os.path.join(base, "bin", "compute-sanitizer") if base else None
+            if cand and os.path.exists(cand):
+                sanitizer = cand
+                break
+    if sanitizer is None:
+        print("memcheck: compute-sanitizer not found (install the CUDA toolkit or pass --sanitizer)", file=sys.stderr)
+        return 2
+    return _drive(sanitizer, [k for k in args.kernels.split(",") if k])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""Slot mapping: positions + block table -> the KV-cache slot of each token.
+
+``slots[t] = block_table[token_rows[t], pos // block_size] * block_size + pos % block_size`` with
+``pos = positions[t]`` (floor division, so a negative position lands in a negative column and is caught).
+
+Guards (one site each; a token whose entry is bad gets the padding slot ``-1``, which KV writers skip):
+
+* ``kernels.slot_mapping.row``: ``token_rows[t]`` against the table's rows ``[0, R)``; (row ``t``, value the row).
+* ``kernels.slot_mapping.column``: ``pos // block_size`` against the table's width ``[0, W)``; (row ``t``, value
+  the column). Checked independently of the row: a token with both wrong counts at both sites.
+* ``kernels.slot_mapping.block``: the block id read from the table against the KV pool ``[0, num_kv_blocks)``,
+  only when ``num_kv_blocks`` is given (the table itself may hold a corrupted id); (row ``t``, value the block id).
+
+Limit: int64 positions must stay within +-2**62 (the counter encoding); int32 positions are always fine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..sites import register_site
+from ..triton import record_hits
+from ._common import INDEX_DTYPES, check_int_arg, check_same_device, check_tensor, pow2, resolve_ctr
+
+__all__ = ["SITES", "SITE_BLOCK", "SITE_COLUMN", "SITE_ROW", "slot_mapping", "slot_mapping_reference"]
+
+SITE_ROW = register_site(
+    "kernels.slot_mapping.row",
+    description="slot mapping: a token's request row vs the block table's rows (row = token index)",
+)
+SITE_COLUMN = register_site(
+    "kernels.slot_mapping.column",
+    description="slot mapping: position // block_size vs the block table's width (row = token index, value = column)",
+)
+SITE_BLOCK = register_site(
+    "kernels.slot_mapping.block",
+    description="slot mapping: the block id read from the block table vs the KV pool size (row = token index)",
+)
+# Counter rows in kernel order: ``ctr[k]`` is SITES[k]'s row.
+SITES = (SITE_ROW, SITE_COLUMN, SITE_BLOCK)
+
+
+@triton.jit
+def _slot_mapping(
+    pos_ptr,
+    rows_ptr,
+    table_ptr,
+    slots_ptr,
+    ctr_ptr,
+    T,
+    R,
+    W,
+    block_size,
+    num_blocks,
+    BLOCK_T: tl.constexpr,
+    HAS_BLOCK_LIMIT: tl.constexpr,
+    GUARD: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = offs < T
+    pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
+    r = tl.load(rows_ptr + offs, mask=m, other=0).to(tl.int64)
+    # Floor division written with non-negative operands only: Triton's // truncates toward zero, which would map
+    # positions -1..-(bs-1) into column 0 and hide them. (-1 - pos) cannot overflow, unlike -pos at INT64_MIN.
+    col = tl.where(pos >= 0, pos // block_size, -1 - (-1 - pos) // block_size)
+    within = pos - col * block_size
+    if GUARD:
+        row_ok = (r >= 0) & (r < R)
+        record_hits(ctr_ptr, m & (row_ok == 0), offs, r)
+        col_ok = (col >= 0) & (col < W)
+        record_hits(ctr_ptr + 8, m & (col_ok == 0), offs, col)
+        ok = m & row_ok & col_ok
+        blk = tl.load(table_ptr + tl.where(ok, r * W + col, 0), mask=ok, other=0).to(tl.int64)
+        if HAS_BLOCK_LIMIT:
+            blk_ok = (blk >= 0) & (blk < num_blocks)
+            record_hits(ctr_ptr + 16, ok & (blk_ok == 0), offs, blk)
+            ok = ok & blk_ok
+        slot = tl.where(ok, blk * block_size + within, -1)
+    else:
+        blk = tl.load(table_ptr + r * W + col, mask=m, other=0).to(tl.int64)
+        slot = blk * block_size + within
+    tl.store(slots_ptr + offs, slot, mask=m)
+
+
+def slot_mapping(
+    positions: torch.Tensor,
+    token_rows: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+    *,
+    num_kv_blocks: int | None = None,
+    guard: bool = True,
+    ctr: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write each token's KV slot into ``slots`` (``-1`` for a token whose metadata is out of range).
+
+    Args:
+        positions: int32/int64 ``[T]``, token positions in their sequences.
+        token_rows: int32/int64 ``[T]``, each token's request row in ``block_table``.
+        block_table: int32/int64 ``[R, W]``.
+        slots: int64 ``[T]`` output.
+        block_size: tokens per KV block (> 0), a host int.
+        num_kv_blocks: the KV pool's block count; given, block ids read from the table are guarded too.
+        guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
+        ctr: int64 ``[3, 8]``, the counter rows of :data:`SITES` (default: the default monitor's).
+
+    No sync, no allocation: capture-safe once the counters exist.
+    """
+    check_tensor("positions", positions, dtypes=INDEX_DTYPES, ndim=1)
+    T = positions.shape[0]
+    check_tensor("token_rows", token_rows, dtypes=INDEX_DTYPES, shape=(T,))
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+    check_tensor("slots", slots, dtypes=(torch.int64,), shape=(T,))
+    check_int_arg("block_size", block_size, lo=1)
+    if num_kv_blocks is not None:
+        check_int_arg("num_kv_blocks", num_kv_blocks, lo=0)
+    dev = check_same_device(positions=positions, token_rows=token_rows, block_table=block_table, slots=slots)
+    c = resolve_ctr("ctr", SITES, ctr, dev)
+    R, W = block_table.shape
+    if T == 0:
+        return slots
+    block_t = pow2(T, lo=16, hi=1024)
+    _slot_mapping[(triton.cdiv(T, block_t),)](
+        positions,
+        token_rows,
+        block_table,
+        slots,
+        c,
+        T,
+        R,
+        W,
+        block_size,
+        0 if num_kv_blocks is None else num_kv_blocks,
+        BLOCK_T=block_t,
+        HAS_BLOCK_LIMIT=num_kv_blocks is not None,
+        GUARD=bool(guard),
+    )
+    return slots
+
+
+def slot_mapping_reference(
+    positions: torch.Tensor,
+    token_rows: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    num_kv_blocks: int | None = None,
+) -> tuple[torch.Tensor, dict[str, list[tuple[int, int]]]]:
+    """Python reference: ``(slots, {"row": hits, "column": hits, "block": hits})`` (tests)."""
+    R, W = block_table.shape
+    table = block_table.cpu()
+    slots = torch.full((positions.shape[0],), -1, dtype=torch.int64)
+    hits: dict[str, list[tuple[int, int]]] = {"row": [], "column": [], "block": []}
+    for t, (p, r) in enumerate(zip(positions.cpu().tolist(), token_rows.cpu().tolist(), strict=True)):
+        col = p // block_size  # Python floors
+        row_ok, col_ok = 0 <= r < R, 0 <= col < W
+        if not row_ok:
+            hits["row"].append((t, r))
+        if not col_ok:
+            hits["column"].append((t, col))
+        if not (row_ok and col_ok):
+            continue
+        blk = int(table[r, col])
+        if num_kv_blocks is not None and not 0 <= blk < num_kv_blocks:
+            hits["block"].append((t, blk))
+            continue
+        slots[t] = blk * block_size + p % block_size
+    return slots, hits
