@@ -401,3 +401,36 @@ def test_snapshot_and_module_level_default(monkeypatch):
         assert tripwire.default_monitor() is m
     finally:
         tripwire.stop()
+
+
+def _latency_after_a_tick(registry, interval: float) -> float:
+    import threading
+
+    m = Monitor(registry=registry, capacity=64, interval=interval, mode="raise", idle_tail=60)
+    s = registry.register("k.latency")
+    ctr = m.counter(s, "cpu")
+    ticked = threading.Event()
+    m.add_tick_hook(lambda _m: ticked.set())
+    m.start()
+    try:
+        ticked.clear()
+        ticked.wait(5)  # a tick just happened: the next one is a whole interval away
+        t0 = time.monotonic()
+        hit(ctr, 1, 1)
+        while m.armed is None and time.monotonic() - t0 < 5:
+            time.sleep(0.0005)
+        return time.monotonic() - t0
+    finally:
+        m.stop()
+
+
+def test_confirmation_repolls_fast(registry):
+    # seen at the next tick (one interval), confirmed ~1 ms later: not a second whole interval
+    assert _latency_after_a_tick(registry, 0.2) < 0.3
+
+
+def test_control_without_fast_repoll_takes_two_intervals(registry, monkeypatch):
+    import tripwire.monitor as mon
+
+    monkeypatch.setattr(mon, "_CONFIRM_REPOLL_S", 10.0)
+    assert _latency_after_a_tick(registry, 0.2) > 0.35

@@ -292,7 +292,7 @@ def test_control_reader_without_relaxed_mode_breaks_captures(registry):
     m = Monitor(registry=registry, capacity=64, interval=0.001, idle_tail=60)
     registry.register("gpu.capture")
     m.prealloc("cuda")
-    m._relax_tried, m._relaxed = True, "disabled by the control"
+    m._skip_relax = True
     failures = _capture_loop(m, 100, check=False)
     # The reader's event query during a global-mode capture invalidates that capture, and the driver refuses the
     # query itself (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the reader is lost as well.

@@ -498,9 +498,9 @@ def _report(
         print("  (mode off: no reader; the kernels still masked and counted, read here by a snapshot)", file=out)
     missing = []
     for f in faults:
-        site = FAULT_KINDS[f.kind][1]
-        if f.step < ran and summary.get(site, SiteSummary()).count == 0:
-            missing.append(f"{f.kind}@{f.step} -> {site}")
+        site_name = FAULT_KINDS[f.kind][1]
+        if f.step < ran and summary.get(site_name, SiteSummary()).count == 0:
+            missing.append(f"{f.kind}@{f.step} -> {site_name}")
     if missing:
         print(f"  NOT COUNTED: {', '.join(missing)}", file=out)
         return 1

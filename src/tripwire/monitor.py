@@ -39,6 +39,8 @@ log = logging.getLogger("tripwire")
 
 # A confirmation waits at most this many extra copies for a first-offender pair that has not landed yet.
 _MAX_EXTRA_CONFIRM_COPIES = 3
+# Re-poll delay while a confirmation is pending (a D2H copy of the arena lands in tens of microseconds).
+_CONFIRM_REPOLL_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -89,20 +91,23 @@ def _fmt(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
+def _accesses(n: int) -> str:
+    return f"{n} out-of-range access{'' if n == 1 else 'es'}"
+
+
 def guard_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
+    """The report of a guard row (the logger's name already says tripwire, so no prefix)."""
     fatal = " (FATAL site: the masked value was written somewhere durable)" if site.fatal else ""
-    new = (
-        f"{delta} new out-of-range accesses masked ({hit.count} total)"
-        if delta is not None
-        else (f"{hit.count} out-of-range accesses masked")
-    )
+    if delta is not None:
+        what = f"{delta} new {_accesses(delta)[len(str(delta)) + 1 :]} masked ({hit.count} total)"
+    else:
+        what = f"{_accesses(hit.count)} masked"
     desc = f" [{site.description}]" if site.description else ""
     return (
-        f"tripwire: MASKED FAULT at site {site.name!r} on {device}{fatal}: {new}; those lanes did NOT compute a "
-        f"correct result.{desc} First offender: row {_fmt(hit.first_row)}, value "
-        f"{_fmt(hit.first_value)}. Lifetime extremes (independent, not one hit): max row {_fmt(hit.max_row)}, "
-        f"value min {_fmt(hit.min_value)} max {_fmt(hit.max_value)}. Look at the metadata entry at the first "
-        f"offender's row."
+        f"MASKED FAULT at site {site.name!r} on {device}{fatal}: {what}; those lanes did NOT compute a correct "
+        f"result.{desc} First offender: row {_fmt(hit.first_row)}, value {_fmt(hit.first_value)}. Lifetime "
+        f"extremes (independent, not one hit): max row {_fmt(hit.max_row)}, value min {_fmt(hit.min_value)} max "
+        f"{_fmt(hit.max_value)}. Look at the metadata entry at the first offender's row."
     )
 
 
@@ -188,8 +193,10 @@ class Monitor:
         self._latest: dict[str, np.ndarray] = {}
         self._emitted: dict[tuple[str, int], _Emitted] = {}
         self._kind_index: tuple[int, dict[str, np.ndarray]] = (-1, {})
-        self._relaxed: str | None = None  # how the reader thread's capture mode was relaxed
-        self._relax_tried = False
+        self._relaxed: str | None = None  # how the latest reader thread's capture mode was relaxed
+        # The capture mode is per THREAD: a reader thread started again after stop() must relax its own.
+        self._tls = threading.local()
+        self._skip_relax = False  # tests' control only: a reader that keeps the global mode
         self.ticks = 0
         self.idle_skips = 0
         self.loop_errors = 0
@@ -253,7 +260,7 @@ class Monitor:
                 return
             self._tripped = exc
             listeners = list(self._arm_listeners)
-        log.error("tripwire: stop ARMED: %s", exc)
+        log.error("stop ARMED: %s", exc)
         for fn in listeners:
             try:
                 fn(exc)
@@ -262,7 +269,7 @@ class Monitor:
 
     def tripped_for(self, site: Site, device: str, hit: Hit) -> GuardTripped:
         return GuardTripped(
-            guard_message(site, device, hit) + " The engine was stopped by tripwire.check().",
+            "tripwire: " + guard_message(site, device, hit) + " The engine was stopped by tripwire.check().",
             site=site.name,
             device=device,
             count=hit.count,
@@ -358,7 +365,11 @@ class Monitor:
 
     def _run(self) -> None:
         interval = self.settings.interval
-        while not self._stop_evt.wait(interval):
+        # While a rise waits for its confirming copy (already in flight: it was started by the tick that saw the
+        # rise), re-poll after ~1 ms instead of a full interval, so detection costs about one interval, not two.
+        fast = min(interval, _CONFIRM_REPOLL_S)
+        wait = interval
+        while not self._stop_evt.wait(wait):
             try:
                 self._poll(on_reader_thread=True)
             except Exception as e:  # the loop itself failed: log, arm, keep going
@@ -373,6 +384,7 @@ class Monitor:
                         count=0,
                     )
                 )
+            wait = fast if any(self._pending.values()) else interval
 
     # ------------------------------------------------------------------ reading
     def poll(self) -> None:
@@ -380,9 +392,12 @@ class Monitor:
         self._poll(on_reader_thread=False)
 
     def _relax_once(self) -> None:
-        if self._relax_tried or not torch.cuda.is_initialized():
+        if getattr(self._tls, "relax_tried", False) or not torch.cuda.is_initialized():
             return
-        self._relax_tried = True
+        self._tls.relax_tried = True
+        if self._skip_relax:
+            self._relaxed = "skipped (control)"
+            return
         self._relaxed = relax_thread_capture_mode()
         if self._relaxed is None:
             install_capture_watch()

@@ -36,7 +36,7 @@ class _Driver:
     """The few CUDA driver entry points the tick needs, via ctypes (None when libcuda cannot be loaded)."""
 
     _lock = threading.Lock()
-    _instance: _Driver | None | bool = False  # False: not looked up yet
+    _instance: _Driver | bool | None = False  # False: not looked up yet
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, u64, sz, i = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int

@@ -1,0 +1,293 @@
+"""q3. Reader cost on an engine-like step loop.
+
+One step, as an engine's decode loop does it:
+  1. ``check()`` (tripwire's one attribute read),
+  2. scheduler-like Python work building per-request metadata (calibrated to ~300 us on this CPU),
+  3. the metadata copied into a static device tensor (pinned host buffer, non_blocking),
+  4. a CUDA-graph replay of a decode step: 48 layers of small elementwise launches plus one guarded gather per
+     layer (benchmarks/_kernels.py) counting into that layer's row of the arena (64 rows), then a logits matmul and
+     an argmax,
+  5. a host read of the sampled tokens (``.tolist()``: the per-step sync every engine has).
+
+Variants, run in one process, interleaved in rotated order over several rounds (paired):
+  * ``none_a`` / ``none_b``: no reader (twice: their difference is the noise floor),
+  * ``tripwire_50ms`` / ``tripwire_1ms``: tripwire's reader thread at that interval,
+  * ``sync_50ms``: a naive reader thread doing ``arena.tolist()`` every 50 ms (a synchronous D2H that queues
+    behind the compute stream),
+  * ``per_instrument_64``: "one reader per instrument": 64 threads, each copying its own counter row every 50 ms
+    with its own pinned buffer, side stream and event (the non-blocking discipline, but 64 copies and 64 wake-ups
+    instead of one).
+
+The figure is the MEAN step time (total time / steps): a reader that costs one step in fifty would vanish in a
+median. Target: tripwire at 50 ms within 0.1 % of no reader.
+
+Without a GPU the same loop runs with an eager CPU "decode step" (torch ops on small tensors, an index_select for
+the gather) and CPU arenas: it measures what a reader thread costs the engine thread through the GIL alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from _common import Ctx, Result, calibrate_spin, single, stats
+from tripwire import Monitor, SiteRegistry
+
+N_ROWS = 64
+VARIANTS = ("none_a", "tripwire_50ms", "tripwire_1ms", "sync_50ms", "per_instrument_64", "none_b")
+
+
+class _Decode:
+    """The decode step: ``prepare(slots)`` stages the metadata, ``step()`` runs the compute, ``tokens()`` reads the
+    sampled tokens back to the host."""
+
+    def __init__(self, m: Monitor, reg: SiteRegistry, cuda: bool, quick: bool) -> None:
+        self.cuda = cuda
+        dev = "cuda" if cuda else "cpu"
+        self.layers = 48 if cuda else 8
+        bs, d, vocab, rows = (64, 256, 4096, 4096) if cuda else (16, 64, 512, 256)
+        self.bs, self.rows = bs, rows
+        g = torch.Generator(device="cpu").manual_seed(3)
+        self.w = [torch.randn(d, generator=g).to(dev) * 0.01 + 1 for _ in range(self.layers)]
+        self.b = [torch.randn(d, generator=g).to(dev) * 0.01 for _ in range(self.layers)]
+        self.table = torch.randn(rows, d, generator=g).to(dev)
+        self.w_out = (torch.randn(d, vocab, generator=g) * 0.05).to(dev)
+        self.x = torch.randn(bs, d, generator=g).to(dev)
+        self.idx = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.idx_host = torch.zeros(bs, dtype=torch.int64, pin_memory=cuda)
+        self.h = torch.empty(bs, d, device=dev)
+        self.t = torch.empty(bs, d, device=dev)
+        self.gath = torch.empty(bs, d, device=dev)
+        self.toks = torch.empty(bs, dtype=torch.int64, device=dev)
+        self.ctrs = [m.counter(reg.by_id(i), dev) for i in range(self.layers)]
+        self.graph = None
+        if cuda:
+            from _kernels import gather_rows
+
+            self._gather = gather_rows
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):  # warm-up (Triton compile, cuBLAS handles) before capture
+                    self._body()
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._body()
+            torch.cuda.synchronize()
+
+    def _body(self) -> None:
+        h, t = self.h, self.t
+        h.copy_(self.x)
+        for i in range(self.layers):
+            torch.mul(h, self.w[i], out=t)
+            torch.add(t, self.b[i], out=t)
+            if self.cuda:
+                self._gather(self.table, self.idx, self.gath, ctr=self.ctrs[i])
+            else:
+                torch.index_select(self.table, 0, self.idx, out=self.gath)
+            torch.add(t, self.gath, alpha=0.01, out=h)
+            torch.tanh(h, out=h)
+        torch.argmax(h @ self.w_out, dim=-1, out=self.toks)
+
+    def prepare(self, slots: list[int]) -> None:
+        vals = [s % self.rows for s in slots[: self.bs]]
+        vals += [0] * (self.bs - len(vals))
+        self.idx_host.copy_(torch.tensor(vals, dtype=torch.int64))
+        self.idx.copy_(self.idx_host, non_blocking=True)
+
+    def step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+
+    def tokens(self) -> list[int]:
+        return self.toks.tolist()
+
+
+class _Readers:
+    """The competing readers (started/stopped around one run)."""
+
+    def __init__(self, m: Monitor, dev: str) -> None:
+        self.m = m
+        self.dev = dev
+        self.arena = m.arena.get(
+            torch.device(dev) if dev == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        )
+        self.stop_evt = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.reads = 0
+        self._lock = threading.Lock()
+        # The per-instrument readers' buffers, streams and events, made once here (pinned allocation is slow and
+        # must not land inside a measured run).
+        cuda = self.arena.is_cuda
+        self._per_row = [
+            (
+                self.arena[i],
+                torch.zeros(8, dtype=torch.int64, pin_memory=cuda),
+                torch.cuda.Stream() if cuda else None,
+                torch.cuda.Event() if cuda else None,
+            )
+            for i in range(N_ROWS)
+        ]
+
+    def start(self, variant: str) -> None:
+        self.stop_evt.clear()
+        self.reads = 0
+        if variant.startswith("tripwire_"):
+            iv = float(variant.removeprefix("tripwire_").removesuffix("ms")) / 1e3
+            self.m.settings = self.m.settings.with_overrides(interval=iv)
+            self.m.start()
+        elif variant == "sync_50ms":
+            self._spawn(self._sync_loop)
+        elif variant == "per_instrument_64":
+            for i in range(N_ROWS):
+                self._spawn(lambda i=i: self._one_row_loop(i))
+
+    def stop(self) -> None:
+        self.m.stop()
+        self.stop_evt.set()
+        for t in self.threads:
+            t.join()
+        self.threads.clear()
+
+    def _spawn(self, fn: Callable[[], None]) -> None:
+        t = threading.Thread(target=fn, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _count(self) -> None:
+        with self._lock:
+            self.reads += 1
+
+    def _sync_loop(self) -> None:
+        rows = self.arena[:N_ROWS]
+        while not self.stop_evt.wait(0.05):
+            rows.tolist()  # synchronous: on CUDA it waits for everything queued on the compute stream
+            self._count()
+
+    def _one_row_loop(self, i: int) -> None:
+        row, buf, stream, ev = self._per_row[i]
+        cuda = row.is_cuda
+        pending = False
+        if self.stop_evt.wait(0.05 * i / N_ROWS):  # stagger the 64 phases
+            return
+        while not self.stop_evt.wait(0.05):
+            if cuda:
+                if pending and not ev.query():  # type: ignore[union-attr]
+                    continue
+                with torch.cuda.stream(stream):
+                    buf.copy_(row, non_blocking=True)
+                    ev.record(stream)  # type: ignore[union-attr]
+                pending = True
+            else:
+                buf.copy_(row)
+            self._count()
+
+
+def _run_variant(dec: _Decode, work: Callable[[], list[int]], m: Monitor, steps: int) -> tuple[float, list[float]]:
+    warm = max(steps // 10, 20)
+    times: list[float] = []
+    t_all = 0.0
+    for s in range(warm + steps):
+        t0 = time.perf_counter()
+        m.check()
+        dec.prepare(work())
+        dec.step()
+        dec.tokens()
+        dt = time.perf_counter() - t0
+        if s >= warm:
+            times.append(dt)
+            t_all += dt
+    return t_all / steps * 1e6, times
+
+
+def run(ctx: Ctx) -> dict:
+    title = "Reader cost on an engine-like step loop" + ("" if ctx.cuda else " (CPU variant: eager CPU decode step)")
+    res = Result("q3", title, ctx)
+    dev = "cuda" if ctx.cuda else "cpu"
+    if ctx.cuda:
+        steps, rounds = (600, 2) if ctx.quick else (1200, 4)
+    else:
+        steps, rounds = (300, 3) if ctx.quick else (1000, 3)
+    reg = SiteRegistry(capacity=N_ROWS)
+    for i in range(N_ROWS):
+        reg.register(f"bench.q3.layer{i}", description="q3 per-layer gather guard")
+    m = Monitor(registry=reg, capacity=N_ROWS, mode="warn", interval=0.05, idle_tail=3600.0, report_every=3600.0)
+    m.prealloc(dev)
+    dec = _Decode(m, reg, ctx.cuda, ctx.quick)
+    work = calibrate_spin(300.0)
+    t_work = min(_timed(work) for _ in range(20)) * 1e6
+    readers = _Readers(m, dev)
+    means: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    pooled: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    reads: dict[str, list[int]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+        for v in order:
+            t0 = m.ticks
+            readers.start(v)
+            try:
+                mean_us, times = _run_variant(dec, work, m, steps)
+            finally:
+                readers.stop()
+            means[v].append(mean_us)
+            pooled[v].extend(times)
+            reads[v].append(readers.reads if not v.startswith("tripwire") else m.ticks - t0)
+            ctx.log(f"round {r} {v}: mean step {mean_us:.1f} us")
+    for v in VARIANTS:
+        res.fig(f"step_us_{v}", stats(means[v], unit="us", label=f"mean step time, {v} (per round)"))
+        res.fig(
+            f"step_p99_us_{v}", stats(pooled[v], unit="us", label=f"step time distribution, {v}", dist=True, scale=1e6)
+        )
+    base = [(a + b) / 2 for a, b in zip(means["none_a"], means["none_b"], strict=True)]
+    noise = [abs(a / b - 1) * 100 for a, b in zip(means["none_a"], means["none_b"], strict=True)]
+    res.fig("noise_floor_pct", stats(noise, unit="%", label="|none_a / none_b - 1| (noise floor)"))
+    for v in VARIANTS[1:-1]:
+        ov = [(x / b - 1) * 100 for x, b in zip(means[v], base, strict=True)]
+        res.fig(f"overhead_pct_{v}", stats(ov, unit="%", label=f"{v} vs no reader (paired per round)"))
+    res.fig("scheduler_work_us", single(t_work, unit="us", label="scheduler-like Python work per step (min)"))
+    res.fig("graph_launches_per_step", single(dec.layers * 5 + 2, unit="launches", label="kernel launches per step"))
+    ov50 = res.figures["overhead_pct_tripwire_50ms"]["median"]
+    floor = res.figures["noise_floor_pct"]["median"]
+    passed, why = judge(ov50, floor)
+    res.target(
+        "tripwire at 50 ms vs no reader", "overhead_pct_tripwire_50ms", "mean step time within 0.1 %", ov50, passed, why
+    )
+    counts = m.read_rows(dev)[: dec.layers, 0]
+    if int(counts.sum()) != 0:
+        res.note(f"unexpected guard hits in the step loop: {int(counts.sum())}")
+    res.note(
+        f"{steps} steps x {rounds} rounds per variant, rotated order; reads per run: "
+        + ", ".join(f"{v}={sum(reads[v]) // max(len(reads[v]), 1)}" for v in VARIANTS[1:-1])
+    )
+    if not ctx.cuda:
+        res.note("CPU figures: eager CPU decode step; the readers cost the engine thread only through the GIL here")
+    return res.to_dict()
+
+
+def judge(overhead_pct: float, floor_pct: float, target_pct: float = 0.1) -> tuple[bool | None, str]:
+    """The mark for an overhead figure, judged against the noise floor too: when two identical no-reader runs
+    differ by more than the target, a figure under the target is luck, not evidence, so the mark is n/a (None)
+    unless the overhead clearly exceeds the floor (then it is short)."""
+    if floor_pct <= target_pct:
+        if overhead_pct <= target_pct:
+            return True, ""
+        return False, f"overhead above target with a noise floor of {floor_pct:.3f} %"
+    if overhead_pct > floor_pct:
+        return False, f"overhead {overhead_pct:.3f} % exceeds even the noise floor ({floor_pct:.3f} %)"
+    return None, (
+        f"not resolvable here: the noise floor (two no-reader runs) is {floor_pct:.3f} %, above the "
+        f"{target_pct} % target"
+    )
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -1,0 +1,644 @@
+"""Several ranks: one rank's stop becomes every rank's stop, through the job's torch.distributed store.
+
+Counters are per process. Without help, a rank that stops leaves its tensor/pipeline peers blocked inside the next
+collective until the NCCL watchdog fires (minutes later) and the cause drowns in a multi-rank timeout.
+:func:`coordinate` connects a :class:`~tripwire.Monitor` to a ``torch.distributed`` store:
+
+* **Publish.** When this rank's stop is armed for a local reason (a fatal site, any hit under ``raise``, a lost
+  reader, a fatal hit confirmed by ``drain()`` at shutdown), a JSON record (rank, site, device, count, first
+  offender, message, host, pid, time) is written under one job-scoped key with ``compare_set`` from "absent", so
+  the first rank to publish wins and later ones never overwrite it. A stop learned from a peer is never re-published.
+* **Learn.** On every reader tick (idle ticks included) the key is checked with ``store.check([key])`` (one
+  non-blocking round trip; ``get`` only once it exists). When a peer published, this rank arms its own stop with a
+  :class:`~tripwire.GuardTripped` whose ``rank`` is the peer's and whose message carries the peer's message; the
+  engine raises it at its next ``tripwire.check()``. Nothing runs on the engine thread and nothing is a collective.
+* **Abort** (``abort=True``). On any stop (local or learned) the process groups are aborted (``ProcessGroup.abort``,
+  which for NCCL is ``ncclCommAbort`` of every communicator), so a thread blocked inside a collective returns at once
+  with an error instead of waiting for the watchdog. The stop is armed *before* the abort, so an engine that catches
+  the collective's error finds the GuardTripped already there (:meth:`Coordinator.raise_if_stopped`,
+  :meth:`Coordinator.guarded`). After an abort the groups are unusable: the engine must exit or rebuild them.
+
+Threads. The reader thread's tick hook only schedules work and watches the clock; the store calls run on a separate
+``tripwire-coord`` thread. Why: a TCPStore whose server is alive but stalled (SIGSTOP, a wedged host, a dropped
+network path) makes ``check()`` block indefinitely -- the client's timeout does not bound it (measured with torch
+2.13: >40 s with a 0.3 s timeout). On the reader thread that would also stop local hit detection. Instead, a call
+outstanding longer than ``store_timeout`` counts as a failure on every tick; a call that raises counts once.
+After ``max_store_failures`` consecutive failures the rank arms with "coordination lost" (its peers can no longer
+reach it, nor it them). The abort runs on its own short-lived thread, so a hung store cannot delay it either.
+
+Latency. A hit is confirmed by the firing rank one copy after it is first seen (up to two reader intervals), and a
+peer sees the record on its next tick (one more interval): a peer raises about three intervals after the hit.
+
+Scope of the key. ``{key_prefix}/stop`` inside the given store. The default process group's store is already
+scoped to the job (and, under torchrun, to the restart attempt); a store you pass in must be private to the job,
+or use a ``key_prefix`` unique to it: a record left from an earlier job under the same key stops the new one at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ._default import default_monitor
+from .errors import GuardTripped
+from .monitor import Monitor
+
+__all__ = [
+    "COORDINATION_SITE",
+    "DEFAULT_MAX_STORE_FAILURES",
+    "DEFAULT_STORE_TIMEOUT",
+    "Coordinator",
+    "coordinate",
+]
+
+log = logging.getLogger("tripwire")
+
+# 20 consecutive failures: about 1 s of a store that refuses connections at the default 50 ms interval, or
+# store_timeout + 1 s of a store that stopped answering. A dead TCPStore master does not come back (it lives in
+# rank 0's process or the launcher), so waiting longer only delays the stop.
+DEFAULT_MAX_STORE_FAILURES = 20
+DEFAULT_STORE_TIMEOUT = 2.0
+# The site name of a stop armed because the store became unreachable (never published: the store is the problem).
+COORDINATION_SITE = "<coordination>"
+
+_coordinated: weakref.WeakKeyDictionary[Monitor, Coordinator] = weakref.WeakKeyDictionary()
+_coordinated_lock = threading.Lock()
+
+
+def coordinate(
+    store: Any = None,
+    *,
+    group: Any = None,
+    rank: int | None = None,
+    abort: bool = True,
+    monitor: Monitor | None = None,
+    key_prefix: str = "tripwire",
+    max_store_failures: int = DEFAULT_MAX_STORE_FAILURES,
+    store_timeout: float = DEFAULT_STORE_TIMEOUT,
+) -> Coordinator:
+    """Coordinate ``monitor``'s stop (default: the default monitor) with every rank of the job. Call it on every
+    rank, after ``torch.distributed.init_process_group`` (or with a store), before or after ``tripwire.start()``.
+
+    ``store``: a ``torch.distributed`` Store reachable by every rank (TCPStore, FileStore, a PrefixStore over one).
+    ``None`` uses the default process group's store; with no process group either, RuntimeError. The store is
+    cloned when it supports it (a private connection with ``store_timeout``; the job's store is left untouched).
+    ``group``: the process group (or a sequence of them) to abort; ``None`` aborts every group of this process.
+    ``rank``: the rank named in this rank's record; default ``torch.distributed.get_rank()``, else ``$RANK``.
+    ``abort``: abort the group(s) on any stop, so a thread blocked in a collective returns with an error.
+    ``key_prefix``: the record lives at ``{key_prefix}/stop``; every rank must use the same prefix.
+    ``max_store_failures``: consecutive failed (or overdue) store calls after which this rank arms "coordination
+    lost". ``store_timeout``: seconds after which an outstanding store call counts as failed.
+
+    Returns the :class:`Coordinator`; ``close()`` it to detach. One coordinator per monitor at a time.
+    """
+    mon = monitor if monitor is not None else default_monitor()
+    if not isinstance(mon, Monitor):
+        raise TypeError(f"coordinate(monitor=...) expects a tripwire.Monitor, got {type(mon).__name__}")
+    if isinstance(max_store_failures, bool) or not isinstance(max_store_failures, int) or max_store_failures < 1:
+        raise ValueError(f"max_store_failures={max_store_failures!r}: expected a whole number >= 1")
+    if isinstance(store_timeout, bool) or not isinstance(store_timeout, (int, float)):
+        raise ValueError(f"store_timeout={store_timeout!r}: expected a number of seconds")
+    if not math.isfinite(store_timeout) or store_timeout <= 0:
+        raise ValueError(f"store_timeout={store_timeout!r}: expected a finite number of seconds > 0")
+    if not isinstance(key_prefix, str) or not key_prefix:
+        raise ValueError(f"key_prefix={key_prefix!r}: expected a non-empty string")
+
+    initialized = _pg_initialized()
+    if store is None:
+        if not initialized:
+            raise RuntimeError(
+                "tripwire.distributed.coordinate(): no store was given and no torch.distributed process group is "
+                "initialised, so there is nothing to publish a stop through. Call "
+                "torch.distributed.init_process_group(...) first (its store is used), or pass the job's store, e.g. "
+                "coordinate(torch.distributed.TCPStore(host, port, is_master=False), rank=rank)."
+            )
+        store = _default_store()
+    for op in ("check", "get"):
+        if not callable(getattr(store, op, None)):
+            raise TypeError(
+                f"coordinate(store=...): {type(store).__name__} has no {op}(); pass a torch.distributed Store"
+            )
+    if rank is None:
+        if initialized:
+            rank = int(torch.distributed.get_rank())
+        elif os.environ.get("RANK", "").strip().isdigit():
+            rank = int(os.environ["RANK"])
+        else:
+            raise ValueError(
+                "coordinate(): cannot tell this process's rank (no process group, no $RANK): pass rank=..."
+            )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank={rank!r}: expected a whole number >= 0")
+    groups: list[Any] | None
+    if group is None:
+        groups = None
+    elif isinstance(group, Sequence):
+        groups = list(group)
+    else:
+        groups = [group]
+    if mon.settings.mode == "off":
+        log.warning(
+            "tripwire: coordinate() on a monitor in mode 'off': no reader thread runs, so this rank neither "
+            "publishes a stop nor learns of its peers'"
+        )
+    with _coordinated_lock:
+        old = _coordinated.get(mon)
+        if old is not None and not old.closed:
+            raise RuntimeError("this monitor is already coordinated; close() the existing Coordinator first")
+        coord = Coordinator(
+            mon,
+            store,
+            rank=rank,
+            key=f"{key_prefix}/stop",
+            abort=abort,
+            groups=groups,
+            max_store_failures=max_store_failures,
+            store_timeout=float(store_timeout),
+        )
+        _coordinated[mon] = coord
+    return coord
+
+
+class Coordinator:
+    """Publishes this rank's stop, learns its peers', and aborts the process groups. Built by :func:`coordinate`.
+
+    Public state (for tools and tests; written by the background threads): ``store_failures`` (every failed or
+    overdue store call), ``consecutive_failures``, ``polls`` (store checks done), ``published`` (the record this
+    rank published, None until then), ``publish_won`` (whether it was first), ``peer`` (the peer record acted on),
+    ``abort_done`` (an Event set once the abort ran), ``aborted`` (groups aborted), ``abort_errors``.
+    """
+
+    def __init__(
+        self,
+        monitor: Monitor,
+        store: Any,
+        *,
+        rank: int,
+        key: str,
+        abort: bool,
+        groups: list[Any] | None,
+        max_store_failures: int,
+        store_timeout: float,
+    ) -> None:
+        self.monitor = monitor
+        self.rank = rank
+        self.key = key
+        self.abort_enabled = abort
+        self.max_store_failures = max_store_failures
+        self.store_timeout = store_timeout
+        self._groups = groups
+        self._store = _private_client(store, store_timeout)
+        self._cv = threading.Condition()  # guards everything below that two threads touch
+        self._closed = False
+        self._kick = False
+        self._to_publish: dict[str, Any] | None = None
+        self._published_raw: bytes | None = None
+        self._publish_attempted = threading.Event()
+        self._inflight_since: float | None = None
+        self._lost = False
+        self._peer_exc: GuardTripped | None = None
+        self._seen_raw: bytes | None = None
+        self._last_fail_log = float("-inf")
+        self._fails_since_log = 0
+        self._abort_thread: threading.Thread | None = None
+        self.store_failures = 0
+        self.consecutive_failures = 0
+        self.polls = 0
+        self.published: dict[str, Any] | None = None
+        self.publish_won: bool | None = None
+        self.peer: dict[str, Any] | None = None
+        self.abort_done = threading.Event()
+        self.aborted: list[str] = []
+        self.abort_errors: list[str] = []
+        self._thread = threading.Thread(target=self._io_loop, name="tripwire-coord", daemon=True)
+        self._thread.start()
+        monitor.add_arm_listener(self._on_arm)
+        monitor.add_tick_hook(self._on_tick)
+        armed = monitor.armed
+        if armed is not None:  # armed before coordinate(): its peers have not heard of it yet
+            self._on_arm(armed)
+
+    # ------------------------------------------------------------------ engine side
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stopped(self) -> GuardTripped | None:
+        """The armed stop (local or a peer's), or None."""
+        return self.monitor.armed
+
+    def raise_if_stopped(self, cause: BaseException | None = None) -> None:
+        """Raise the armed GuardTripped (chained to ``cause`` when given), if any; else return.
+
+        Use it where a collective failed: after an abort, the collective's error is a consequence and the
+        GuardTripped (armed before the abort) is the cause worth reporting."""
+        exc = self.monitor.armed
+        if exc is None:
+            return
+        # Without the previous raise's traceback (as Monitor.check): a retrying engine must not grow it forever.
+        exc = exc.with_traceback(None)
+        if cause is not None:
+            raise exc from cause
+        raise exc
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """``with coordinator.guarded(): dist.all_reduce(x)``: an exception raised inside while the stop is armed
+        (a collective returning with an error because its group was aborted) becomes the armed GuardTripped,
+        chained to that error. Other exceptions pass through unchanged."""
+        try:
+            yield
+        except GuardTripped:
+            raise
+        except Exception as e:
+            self.raise_if_stopped(cause=e)
+            raise
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Detach from the monitor (no more publishing, learning or aborting) and stop the store thread. An abort
+        already running is not undone. Idempotent."""
+        self.monitor.remove_arm_listener(self._on_arm)
+        self.monitor.remove_tick_hook(self._on_tick)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # stuck in a store call on a hung store: a daemon thread, it cannot block exit
+            log.warning("tripwire: the coordination thread is stuck in a store call; leaving it (daemon)")
+        with _coordinated_lock:
+            if _coordinated.get(self.monitor) is self:
+                del _coordinated[self.monitor]
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def clear(self) -> None:
+        """Delete the job's stop record (a tool's call, e.g. before reusing a store; on the calling thread)."""
+        self._store.delete_key(self.key)
+
+    # ------------------------------------------------------------------ monitor callbacks
+    def _on_arm(self, exc: GuardTripped) -> None:
+        """Arm listener: runs on the thread that armed (the reader, the coordination thread, or drain's caller)."""
+        if self._closed:
+            return
+        publish = exc is not self._peer_exc and exc.site != COORDINATION_SITE
+        if publish:
+            with self._cv:
+                if self._lost or self.published is not None or self._to_publish is not None:
+                    publish = False
+                else:
+                    self._to_publish = self._record(exc)
+                    self._publish_attempted.clear()
+                    self._kick = True
+                    self._cv.notify_all()
+        if self.abort_enabled:
+            self._start_abort()
+        # Off the reader thread (drain() at shutdown, user code), wait for the first publish attempt, so a stop
+        # found at shutdown reaches the store before the process exits. The reader thread never waits.
+        if publish and threading.current_thread() is not self.monitor._thread:
+            self._publish_attempted.wait(self.store_timeout)
+
+    def _on_tick(self, monitor: Monitor) -> None:
+        """Tick hook on the reader thread: schedule one store round, or count an overdue one. Never blocks."""
+        now = time.monotonic()
+        lost: str | None = None
+        with self._cv:
+            if self._closed:
+                return
+            if self._inflight_since is not None:
+                overdue = now - self._inflight_since
+                if overdue > self.store_timeout:
+                    lost = self._failed_locked(TimeoutError(f"a store call has not returned for {overdue:.1f} s"), now)
+            elif self._to_publish is not None or monitor.armed is None:
+                self._kick = True
+                self._cv.notify_all()
+        if lost is not None:
+            self._lose(lost)
+
+    # ------------------------------------------------------------------ the coordination thread
+    def _io_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._kick or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._kick = False
+                record = self._to_publish
+                poll = self.monitor.armed is None
+                self._inflight_since = time.monotonic()
+            try:
+                self._round(record, poll)
+            except Exception:  # never let the thread die: a bug here must not end coordination silently
+                log.exception("tripwire: coordination round failed")
+            finally:
+                with self._cv:
+                    self._inflight_since = None
+
+    def _round(self, record: dict[str, Any] | None, poll: bool) -> None:
+        found: bytes | None = None
+        try:
+            if record is not None:
+                try:
+                    self._publish(record)
+                finally:
+                    self._publish_attempted.set()
+            if poll:
+                self.polls += 1
+                # check() is one round trip that never waits for the key; get() only once it exists.
+                if self._store.check([self.key]):
+                    found = _as_bytes(self._store.get(self.key))
+        except Exception as e:
+            with self._cv:
+                lost = self._failed_locked(e, time.monotonic())
+            if lost is not None:
+                self._lose(lost)
+            return
+        with self._cv:
+            if self.consecutive_failures:
+                log.warning(
+                    "tripwire: the coordination store answers again after %d failed call(s)",
+                    self.consecutive_failures,
+                )
+            self.consecutive_failures = 0
+        if found is not None:
+            self._learn(found)
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        raw = json.dumps(record, sort_keys=True).encode()
+        won: bool
+        try:
+            # From "absent" ("" expected) to the record: the first publisher wins, nobody overwrites it.
+            current = _as_bytes(self._store.compare_set(self.key, "", raw))
+            won = current == raw
+        except (NotImplementedError, AttributeError):
+            # Stores without compare_set: claim with an atomic counter, the claimant writes the record.
+            won = int(self._store.add(f"{self.key}/claims", 1)) == 1
+            if won:
+                self._store.set(self.key, raw)
+        with self._cv:
+            self._to_publish = None
+            self.published = record
+            self.publish_won = won
+            self._published_raw = raw
+        if won:
+            log.error(
+                "tripwire: rank %d published its stop to %r; every coordinated rank will stop", self.rank, self.key
+            )
+        else:
+            log.error(
+                "tripwire: rank %d stopped, but another rank had already published a stop to %r (kept)",
+                self.rank,
+                self.key,
+            )
+
+    def _learn(self, raw: bytes) -> None:
+        if raw == self._published_raw or raw == self._seen_raw:
+            return  # our own record, or one already acted on (before a reset)
+        self._seen_raw = raw
+        try:
+            rec = json.loads(raw)
+            peer_rank = int(rec["rank"])
+        except (ValueError, KeyError, TypeError) as e:
+            rec = {"rank": -1, "site": "<unreadable>", "device": "?", "count": 0, "message": repr(raw[:200])}
+            peer_rank = -1
+            log.error("tripwire: unreadable stop record at %r (%s); stopping anyway", self.key, e)
+        if peer_rank == self.rank and rec.get("pid") == os.getpid():
+            return
+        self.peer = rec
+        age = time.time() - float(rec.get("time", time.time()))
+        where = f"{rec.get('host', '?')} pid {rec.get('pid', '?')}"
+        exc = GuardTripped(
+            f"tripwire: rank {peer_rank} ({where}) stopped {age:.2f} s ago by its clock and published its stop; "
+            f"rank {self.rank} stops too. Rank {peer_rank} reported: {rec.get('message', '?')}",
+            site=str(rec.get("site", "?")),
+            device=str(rec.get("device", "?")),
+            count=int(rec.get("count") or 0),
+            first_row=_opt_int(rec.get("first_row")),
+            first_value=_opt_int(rec.get("first_value")),
+            rank=peer_rank,
+            fatal=bool(rec.get("fatal", False)),
+        )
+        self._peer_exc = exc  # marks it for _on_arm: learned, not published again
+        # Arm first: an engine whose collective fails because of the abort below must find the stop already armed.
+        self.monitor.arm(exc)
+
+    # ------------------------------------------------------------------ failures
+    def _failed_locked(self, err: BaseException, now: float) -> str | None:
+        self.store_failures += 1
+        self.consecutive_failures += 1
+        self._fails_since_log += 1
+        if now - self._last_fail_log >= self.monitor.settings.report_every:
+            log.warning(
+                "tripwire: coordination store call failed (%s: %s); %d failure(s) since the last line, %d in a row "
+                "(this rank stops after %d)",
+                type(err).__name__,
+                str(err).splitlines()[0] if str(err) else "",
+                self._fails_since_log,
+                self.consecutive_failures,
+                self.max_store_failures,
+            )
+            self._last_fail_log = now
+            self._fails_since_log = 0
+        if self.consecutive_failures >= self.max_store_failures and not self._lost:
+            self._lost = True
+            self._to_publish = None  # the store is the problem: stop retrying
+            return (
+                f"tripwire: coordination lost: {self.consecutive_failures} consecutive store calls failed (last: "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); rank {self.rank} can "
+                f"neither publish a stop nor learn of its peers', so it stops"
+            )
+        return None
+
+    def _lose(self, message: str) -> None:
+        self.monitor.arm(GuardTripped(message, site=COORDINATION_SITE, device="*", count=0))
+
+    # ------------------------------------------------------------------ abort
+    def _start_abort(self) -> None:
+        with self._cv:
+            if self._abort_thread is not None:
+                return
+            # Its own thread: ncclCommAbort may take a while, and a hung store must not delay it.
+            self._abort_thread = threading.Thread(target=self._abort_now, name="tripwire-abort", daemon=True)
+        self._abort_thread.start()
+
+    def _abort_now(self) -> None:
+        try:
+            groups = self._groups if self._groups is not None else _all_groups()
+            if not groups:
+                log.info("tripwire: no process group to abort")
+                return
+            t0 = time.monotonic()
+            self.aborted, self.abort_errors = _abort_groups(groups)
+            log.error(
+                "tripwire: aborted %d process group(s) in %.3f s so peers blocked in a collective return%s",
+                len(self.aborted),
+                time.monotonic() - t0,
+                f"; failures: {self.abort_errors}" if self.abort_errors else "",
+            )
+        except Exception as e:
+            self.abort_errors.append(f"{type(e).__name__}: {e}")
+            log.exception("tripwire: aborting the process groups failed")
+        finally:
+            self.abort_done.set()
+
+    # ------------------------------------------------------------------ records
+    def _record(self, exc: GuardTripped) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "site": exc.site,
+            "device": exc.device,
+            "count": exc.count,
+            "first_row": exc.first_row,
+            "first_value": exc.first_value,
+            "fatal": exc.fatal,
+            "message": str(exc),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+def _pg_initialized() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _default_store() -> Any:
+    """The default process group's store (the job's rendezvous store, prefixed for the default group)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    getter = getattr(c10d, "_get_default_store", None)
+    if getter is not None:
+        return getter()
+    try:  # older layouts: _world.pg_map[pg] = (backend, store)
+        return c10d._world.pg_map[c10d._get_default_group()][1]
+    except Exception as e:
+        raise RuntimeError(
+            "tripwire: cannot find the default process group's store in this torch; pass store=... to coordinate()"
+        ) from e
+
+
+def _private_client(store: Any, timeout: float) -> Any:
+    """A clone of ``store`` (its own connection) with ``timeout``; the store itself when it cannot be cloned. The
+    job's store is never modified (its timeout governs the job's own rendezvous and barriers)."""
+    clone = getattr(store, "clone", None)
+    if not callable(clone):
+        return store
+    try:
+        private = clone()
+        private.set_timeout(timedelta(seconds=timeout))
+        return private
+    except Exception as e:
+        log.debug("tripwire: could not clone the store (%s); using it directly", e)
+        return store
+
+
+def _all_groups() -> list[Any]:
+    """Every process group of this process, newest first (the order torch's own _abort_process_group uses)."""
+    if not _pg_initialized():
+        return []
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        names = dict(c10d._world.pg_names)
+    except Exception:
+        return [c10d._get_default_group()]
+    return sorted(names, key=lambda pg: names[pg], reverse=True)
+
+
+def _nccl_backend() -> Any:
+    dist = torch.distributed
+    try:
+        if not (dist.is_available() and dist.is_nccl_available() and dist.is_initialized()):
+            return None
+        from torch.distributed import distributed_c10d as c10d
+
+        backend = c10d._get_default_group()._get_backend(torch.device("cuda"))
+        return backend if isinstance(backend, dist.ProcessGroupNCCL) else None
+    except Exception:
+        return None
+
+
+def _abort_one(pg: Any) -> None:
+    fn = getattr(pg, "abort", None)
+    if callable(fn):
+        fn()
+        return
+    for dev in ("cuda", "cpu"):  # torch without ProcessGroup.abort: abort the device backend
+        try:
+            backend = pg._get_backend(torch.device(dev))
+        except Exception:
+            continue
+        if callable(getattr(backend, "abort", None)):
+            backend.abort()
+            return
+    raise RuntimeError(
+        f"this torch ({torch.__version__}) offers no abort for {type(pg).__name__}; peers blocked in a collective "
+        f"wait for the process group's timeout"
+    )
+
+
+def _abort_groups(groups: list[Any]) -> tuple[list[str], list[str]]:
+    """Abort each group; returns (aborted, errors). Several NCCL communicators are aborted inside one NCCL group
+    (as torch's _abort_process_group does), so that aborting one cannot deadlock on another's pending kernel."""
+    aborted: list[str] = []
+    errors: list[str] = []
+    nccl = _nccl_backend() if len(groups) > 1 else None
+    if nccl is not None:
+        try:
+            nccl._group_start()
+        except Exception:
+            nccl = None
+    try:
+        for pg in groups:
+            name = _group_name(pg)
+            try:
+                _abort_one(pg)
+                aborted.append(name)
+            except Exception as e:
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                log.warning("tripwire: could not abort process group %s: %s", name, e)
+    finally:
+        if nccl is not None:
+            try:
+                nccl._group_end()
+            except Exception as e:
+                errors.append(f"ncclGroupEnd: {type(e).__name__}: {e}")
+    return aborted, errors
+
+
+def _group_name(pg: Any) -> str:
+    try:
+        return str(pg.group_name)
+    except Exception:
+        return repr(pg)
+
+
+def _as_bytes(v: Any) -> bytes:
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode()
+    return bytes(v)
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
