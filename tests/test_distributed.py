@@ -556,16 +556,10 @@ def _worker(cfg: dict) -> dict:
         out["phase_a_armed"] = None if mon.armed is None else str(mon.armed)
         out["phase_a_warned"] = any("MASKED FAULT" in ln and "dist.soft" in ln for ln in handler_lines)
         dist.barrier()
-        # Phase B: a fatal hit on rank 1, half an interval after one of its reader's ticks. Why: the phases above
-        # start every reader right before a barrier and then wait a whole number of intervals, which would land the
-        # hit exactly on a tick of rank 1 -- the worst case, where rank 1 alone uses up 2 intervals and a peer whose
-        # tick just passed raises at 3 intervals plus the tick's own time. Mid-interval is the typical case (the
-        # peers' phases stay arbitrary) and leaves the 3-interval bound half an interval for scheduling jitter.
+        # Phase B: a fatal hit on rank 1. (The phases above start every reader right before a barrier and then
+        # wait whole intervals, so the hit lands close to a tick of every rank: the slow alignment, where a peer's
+        # tick has just passed when rank 1 publishes.)
         if rank == 1:
-            ticks = mon.ticks
-            while mon.ticks == ticks:
-                time.sleep(0.0005)
-            time.sleep(INTERVAL / 2)
             out["t_hit"] = time.time()
             write_hit(tripwire.counter(fatal, "cpu"), row=7, value=123456)
         wait_for_stop(10 * INTERVAL if coord is None else 5.0)

@@ -26,8 +26,9 @@ outstanding longer than ``store_timeout`` counts as a failure on every tick; a c
 After ``max_store_failures`` consecutive failures the rank arms with "coordination lost" (its peers can no longer
 reach it, nor it them). The abort runs on its own short-lived thread, so a hung store cannot delay it either.
 
-Latency. A hit is confirmed by the firing rank one copy after it is first seen (up to two reader intervals), and a
-peer sees the record on its next tick (one more interval): a peer raises about three intervals after the hit.
+Latency. The firing rank arms about one reader interval after the hit (its reader sees the rise on its next tick and
+re-polls at once for the confirming copy), publishes at once, and a peer sees the record on its next tick (at most
+one more interval): peers raise within about two intervals of the hit, three in the worst case the Monitor allows.
 
 Scope of the key. ``{key_prefix}/stop`` inside the given store. The default process group's store is already
 scoped to the job (and, under torchrun, to the restart attempt); a store you pass in must be private to the job,
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 
 from ._default import default_monitor
+from .capture import relax_thread_capture_mode
 from .errors import GuardTripped
 from .monitor import Monitor
 
@@ -480,6 +482,9 @@ class Coordinator:
 
     def _abort_now(self) -> None:
         try:
+            if torch.cuda.is_initialized():
+                # ncclCommAbort makes CUDA calls; relaxed, they cannot invalidate a capture the engine is making.
+                relax_thread_capture_mode()
             groups = self._groups if self._groups is not None else _all_groups()
             if not groups:
                 log.info("tripwire: no process group to abort")

@@ -48,6 +48,7 @@ def _block_table_gather(
     W,
     BLOCK_W: tl.constexpr,
     GUARD: tl.constexpr,
+    W_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     ctr_row = ctr_ptr  # SITES[0]
@@ -67,8 +68,10 @@ def _block_table_gather(
     # int64 row offset: r * W overflows int32 for large tables (and for the unguarded twin's wild rows).
     src = table_ptr + r * W
     dst = out_ptr + b.to(tl.int64) * W
-    for j0 in range(0, W, BLOCK_W):
-        cols = j0 + tl.arange(0, BLOCK_W)
+    # A constexpr trip count (the table width is fixed per engine, so this rarely recompiles): a loop bounded by a
+    # runtime int breaks the Triton 3.6 interpreter under NumPy >= 2.5 (it converts a 1-element array to an int).
+    for i in range(W_TILES):
+        cols = i * BLOCK_W + tl.arange(0, BLOCK_W)
         in_w = cols < W
         live = in_w & (cols < n)
         if GUARD:
@@ -112,7 +115,16 @@ def block_table_gather(
     if B == 0 or W == 0:
         return out
     _block_table_gather[(B,)](
-        block_table, req_rows, block_counts, out, c, R, W, BLOCK_W=pow2(W, hi=1024), GUARD=bool(guard)
+        block_table,
+        req_rows,
+        block_counts,
+        out,
+        c,
+        R,
+        W,
+        BLOCK_W=pow2(W, hi=1024),
+        GUARD=bool(guard),
+        W_TILES=triton.cdiv(W, pow2(W, hi=1024)),
     )
     return out
 

@@ -40,11 +40,24 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _rotate(x_ptr, o_ptr, t, H, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotate(
+    x_ptr,
+    o_ptr,
+    t,
+    H,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    H_TILES: tl.constexpr,
+):
     d = tl.arange(0, BLOCK_D)
     dm = d < HALF
-    for h0 in range(0, H, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
+    # A constexpr trip count (heads are fixed per model, so this rarely recompiles): a loop bounded by a runtime
+    # int breaks the Triton 3.6 interpreter under NumPy >= 2.5 (it converts a 1-element array to an int).
+    for i in range(H_TILES):
+        heads = i * BLOCK_H + tl.arange(0, BLOCK_H)
         msk = (heads[:, None] < H) & dm[None, :]
         base = (t * H + heads[:, None]).to(tl.int64) * (2 * HALF) + d[None, :]
         x1 = tl.load(x_ptr + base, mask=msk, other=0.0).to(tl.float32)
@@ -71,6 +84,8 @@ def _rope(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GUARD: tl.constexpr,
+    HQ_TILES: tl.constexpr,
+    HK_TILES: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -85,8 +100,8 @@ def _rope(
     row = cs_ptr + pos * (2 * HALF)
     cos = tl.load(row + d, mask=dm, other=0.0).to(tl.float32)
     sin = tl.load(row + HALF + d, mask=dm, other=0.0).to(tl.float32)
-    _rotate(q_ptr, qo_ptr, t, Hq, cos, sin, HALF, BLOCK_H, BLOCK_D)
-    _rotate(k_ptr, ko_ptr, t, Hk, cos, sin, HALF, BLOCK_H, BLOCK_D)
+    _rotate(q_ptr, qo_ptr, t, Hq, cos, sin, HALF, BLOCK_H, BLOCK_D, HQ_TILES)
+    _rotate(k_ptr, ko_ptr, t, Hk, cos, sin, HALF, BLOCK_H, BLOCK_D, HK_TILES)
 
 
 def rope(
@@ -145,6 +160,8 @@ def rope(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         GUARD=bool(guard),
+        HQ_TILES=triton.cdiv(q.shape[1], block_h),
+        HK_TILES=triton.cdiv(k.shape[1], block_h),
     )
     return q_out, k_out
 
