@@ -298,7 +298,7 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
     ks = {"float": 0.37, "1elem": torch.tensor([1.3], device="cuda"), "per_head": None}[kind]
     if kind == "per_head":
         ks = torch.linspace(0.2, 1.1, heads, device="cuda")
-    vs = 0.9 if fmt == "e5m2" and dtype == torch.float16 else 1.7
+    vs = 0.9 if fmt == "e5m2" and dtype == torch.float16 else 0.6  # both K and V clip some elements
     g = torch.Generator(device="cuda").manual_seed(11)
     fmax = FP8_MAX[fmt]
     spread = 0.3 * fmax if not (fmt == "e5m2" and dtype == torch.float16) else 0.25 * fmax

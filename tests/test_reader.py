@@ -53,8 +53,9 @@ def test_tick_never_waits_on_busy_stream(registry, cuda_monitor):
     elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
     assert busy_still, "the compute stream finished early: the test did not overlap"
-    # measured on an H200: p50 ~20 us at 1024 rows; "well under 1 ms" with margin for a loaded host
-    assert max(lat) < 1e-3 and statistics.median(lat) < 1e-4, (max(lat), statistics.median(lat))
+    # "well under 1 ms": measured on an H200, p50 ~20 us at 1024 rows alone and ~115 us inside the full test run
+    # (the control below blocks for ~250 ms)
+    assert max(lat) < 1e-3 and statistics.median(lat) < 5e-4, (max(lat), statistics.median(lat))
     assert elapsed < 0.5
     # ... and the copies did land while the compute stream was busy
     assert cuda_monitor.readers()["cuda:0"].copies >= 2

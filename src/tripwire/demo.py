@@ -423,6 +423,10 @@ def _run(
             _merge(summary, monitor.snapshot())
             tripwire.reset()
             engine.restart()
+        if step == args.steps - 1:
+            # Shutdown begins: the reader gets no further tick (as when a process exits right after its last step),
+            # so a hit in this final step can only be caught by the synchronous drain below.
+            tripwire.stop()
         todo = by_step.get(step, [])
         for f in todo:
             _inject(engine, f, rng)
