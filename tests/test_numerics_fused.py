@@ -105,7 +105,14 @@ def check_cache(cache: torch.Tensor, x: torch.Tensor, scale, fmt: str, slots: to
     ref = reference_quantize(x, scale, fmt).view(torch.uint8)
     flat = cache.view(torch.uint8).reshape(-1, *x.shape[1:])
     live = slots >= 0
-    assert torch.equal(flat[slots[live]], ref[live])
+    got = flat[slots[live]]
+    if not torch.equal(got, ref[live]):
+        bad = (got != ref[live]).nonzero()
+        xs = x[live]
+        detail = [
+            (tuple(i), float(xs[tuple(i)]), int(ref[live][tuple(i)]), int(got[tuple(i)])) for i in bad[:6].tolist()
+        ]
+        raise AssertionError(f"{bad.shape[0]} cache bytes differ (index, x, torch byte, kernel byte): {detail}")
     unwritten = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
     unwritten[slots[live]] = False
     assert bool((flat[unwritten] == SENTINEL).all())

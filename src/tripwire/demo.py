@@ -336,7 +336,17 @@ def main(argv: list[str] | None = None) -> int:
         faults = _parse_faults(args.faults if args.faults is not None else _default_faults(args.steps), args.steps)
     except ValueError as e:
         p.error(str(e))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    # Default: the GPU when there is one, unless the interpreter is on (its kernels cannot run on CUDA tensors
+    # inside a capture), then the CPU.
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not interpreting else "cpu"))
+    if device.type == "cuda" and interpreting:
+        print(
+            "tripwire demo: --device cuda with TRITON_INTERPRET=1 set: the interpreter cannot run the captured "
+            "step on the GPU; unset TRITON_INTERPRET (or use --device cpu)",
+            file=sys.stderr,
+        )
+        return 2
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print(
             "tripwire demo: the CPU needs the Triton interpreter; run it as `tripwire demo` or set "
