@@ -15,6 +15,8 @@ import logging
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tripwire import Monitor, SiteRegistry
 from tripwire.layout import decode
@@ -372,3 +374,56 @@ def test_gpu_graph_replay_counts_n_times(caplog):
     assert any("CLIPPING" in s and f"({n * per_step['k']} total)" in s for s in msgs)
     assert any("numerics.fp8_cache.slot" in s and "MASKED FAULT" in s for s in msgs)
     assert m.armed is not None and m.armed.site == "numerics.fp8_cache.slot"
+
+
+@triton.jit
+def _plain_cast_kernel(x_ptr, out_ptr, s, n, FP8_MAX: tl.constexpr, FP8_TYPE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    y = tl.fdiv(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), s, ieee_rounding=True)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + offs, y.to(FP8_TYPE), mask=m)
+
+
+def _tie_data(dtype, fmt, device):
+    g = torch.Generator().manual_seed(5)
+    fmax = FP8_MAX[fmt]
+    big = fmax if dtype != torch.float16 else min(fmax, 20000.0)
+    x = torch.randn(32, 8, 64, generator=g) * 0.3 * big
+    x[:, :, :8] *= 1e-6  # FP8 subnormals
+    # exact ties after division by 1.1f (found on the H200: 8448 / 1.1f rounds to 7680.0, an e5m2 tie)
+    x[0, 7, :4] = torch.tensor([-8448.0, 16896.0, 4224.0, 2112.0])
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_random_data_with_ties_bit_exact(kernel_device, dtype, fmt):
+    """Random data, FP8 subnormals and exact ties: the kernel's cache equals torch's RNE quantisation bit for bit,
+    on the interpreter (which truncates in its cast) and compiled (whose e5m2 cast mis-rounded ties on Triton 3.6)."""
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16)
+    x = _tie_data(dtype, fmt, kernel_device)
+    T = x.shape[0]
+    slots = torch.arange(T, device=kernel_device)
+    for scale in (1.1, 0.37, torch.linspace(0.2, 1.1, 8, device=kernel_device)):
+        kc = torch.full((T, 1, 8, 64), SENTINEL, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES[fmt])
+        vc = kc.clone()
+        c = ClipCounter(f"ties.{fmt}", kernel_device, fmt, monitor=m)
+        quantize_kv_to_fp8_cache(x, x, kc, vc, slots, scale, scale, c)
+        check_cache(kc, x, scale, fmt, slots)
+
+
+def test_control_plain_cast_is_not_bit_exact(kernel_device):
+    """Control: the same division and clamp with a plain ``.to(fp8)`` (no grid rounding) does not match torch on
+    this data in the interpreter (its cast truncates); on a GPU the result depends on the Triton version."""
+    if kernel_device != "cpu":
+        pytest.skip("the control's observation is the interpreter's truncating cast")
+    fmt = "e5m2"
+    x = _tie_data(torch.float32, fmt, kernel_device).reshape(-1).contiguous()
+    out = torch.empty(x.numel(), dtype=torch.uint8).view(FP8_DTYPES[fmt])
+    _plain_cast_kernel[(triton.cdiv(x.numel(), 1024),)](
+        x, out, 1.1, x.numel(), FP8_MAX=FP8_MAX[fmt], FP8_TYPE=tl.float8e5, BLOCK=1024
+    )
+    ref = reference_quantize(x.reshape(1, 1, -1), 1.1, fmt).view(torch.uint8).reshape(-1)
+    assert int((out.view(torch.uint8) != ref).sum()) > 0

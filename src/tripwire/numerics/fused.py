@@ -64,13 +64,50 @@ def _threshold(s, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(src_ptrs, dst_ptrs, lane, s, FP8_MAX: tl.constexpr, FP8_TYPE: tl.constexpr):
+def _round_to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """Round float32 ``y`` (already clamped to the FP8 range) to the nearest FP8 value, ties to even, in float32.
+
+    Why not just ``.to(fp8)``: the cast's rounding is not the same everywhere. Measured on an H200 with Triton 3.6,
+    the compiled fp32->e5m2 cast rounded some exact ties (x/s == 7680.0 -> 7168, torch: 8192) differently from
+    torch's round-to-nearest-even, and the interpreter truncates. After this rounding the value is exactly
+    representable, so whatever the cast's rounding mode, the bits equal torch's.
+    Normal range: round the fp32 bit pattern to ``MANT`` mantissa bits (add half-1 plus the kept lsb, mask).
+    Subnormal range (below 2**(MIN_EXP-127)): the grid is uniform, 1/SUB_SCALE, so round |y|*SUB_SCALE to an
+    integer with the 2**23 magic number (two correctly rounded float32 adds: RNE, exact). NaN passes through.
+    """
+    b = y.to(tl.int32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    sign = b ^ a
+    DROP: tl.constexpr = 23 - MANT
+    lsb = (a >> DROP) & 1
+    a_normal = (a + ((1 << (DROP - 1)) - 1) + lsb) & ~((1 << DROP) - 1)
+    v = tl.abs(y) * SUB_SCALE
+    v = (v + 8388608.0) - 8388608.0
+    a_sub = (v * (1.0 / SUB_SCALE)).to(tl.int32, bitcast=True)
+    r = tl.where(a >= (MIN_EXP << 23), a_normal, a_sub)
+    r = tl.where(a > 0x7F800000, a, r)  # NaN unchanged
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_store(
+    src_ptrs,
+    dst_ptrs,
+    lane,
+    s,
+    FP8_MAX: tl.constexpr,
+    FP8_TYPE: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    SUB_SCALE: tl.constexpr,
+):
     x = tl.load(src_ptrs, mask=lane, other=0.0).to(tl.float32)
     # IEEE division (a plain `/` lowers to the approximate div.full.f32 on NVIDIA GPUs and would not match torch).
     y = tl.fdiv(x, s, ieee_rounding=True)
     # Saturate before the cast, propagating NaN like torch.clamp (the default drops it).
     y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    y = _round_to_fp8_grid(y, MANT, MIN_EXP, SUB_SCALE)
     tl.store(dst_ptrs, y.to(FP8_TYPE), mask=lane)
     return x
 
@@ -137,8 +174,17 @@ def _fp8_kv_cache_kernel(
     tok64 = tok.to(tl.int64)
     ks = _load_scale(k_scale, h, H, K_SCALE_MODE)
     vs = _load_scale(v_scale, h, H, V_SCALE_MODE)
-    xk = _quantize_store(key_ptr + tok64 * key_stride + src, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE)
-    xv = _quantize_store(value_ptr + tok64 * value_stride + src, v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE)
+    # e5m2: 2 mantissa bits, min normal 2**-14 (fp32 exponent 113), subnormal step 2**-16;
+    # e4m3fn: 3 mantissa bits, min normal 2**-6 (exponent 121), subnormal step 2**-9.
+    MANT: tl.constexpr = 2 if FP8_MAX == 57344.0 else 3
+    MIN_EXP: tl.constexpr = 113 if FP8_MAX == 57344.0 else 121
+    SUB_SCALE: tl.constexpr = 65536.0 if FP8_MAX == 57344.0 else 512.0
+    xk = _quantize_store(
+        key_ptr + tok64 * key_stride + src, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE
+    )
+    xv = _quantize_store(
+        value_ptr + tok64 * value_stride + src, v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE
+    )
     if COUNT:
         nk, mk = _clip_stats(xk, lane, _threshold(ks, FP8_MAX))
         nv, mv = _clip_stats(xv, lane, _threshold(vs, FP8_MAX))
