@@ -27,7 +27,7 @@ from _common import Ctx, Result, rss_mib, single, stats
 from tripwire import Monitor, SiteRegistry
 
 BS = 256
-_DELTA = re.compile(r"(\d+) new, (\d+) total")
+_DELTA = re.compile(r"(\d+) new out-of-range access(?:es)? masked \((\d+) total\)")
 
 
 class _Lines(logging.Handler):

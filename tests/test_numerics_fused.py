@@ -427,3 +427,39 @@ def test_control_plain_cast_is_not_bit_exact(kernel_device):
     )
     ref = reference_quantize(x.reshape(1, 1, -1), 1.1, fmt).view(torch.uint8).reshape(-1)
     assert int((out.view(torch.uint8) != ref).sum()) > 0
+
+
+def test_several_tokens_per_program_counts_exactly(kernel_device):
+    """A program handles several tokens (a partial last program, padding, guarded bad slots): the cache is bit-exact
+    and the counts equal the torch path's on the same valid rows."""
+    from tripwire.numerics.fused import _tokens_per_program
+
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16)
+    T, heads, dim, nslots = 103 if kernel_device == "cpu" else 40003, 4, 32, 200
+    if kernel_device != "cpu":
+        nslots = 2 * T
+    assert _tokens_per_program(T, torch.device(kernel_device)) > 1
+    g = torch.Generator().manual_seed(1)
+    k = (torch.randn(T, heads, dim, generator=g) * 300).to(kernel_device)
+    v = (torch.randn(T, heads, dim, generator=g) * 300).to(kernel_device)
+    slots = torch.randperm(nslots, generator=g)[:T]
+    slots[::9] = -1
+    slots[5], slots[77] = nslots + 300, nslots + 800
+    slots = slots.to(kernel_device)
+    kc = torch.zeros(nslots, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
+    vc = kc.clone()
+    c = ClipCounter("tpp.fused", kernel_device, "e4m3", monitor=m)
+    quantize_kv_to_fp8_cache(k, v, kc, vc, slots, 0.5, 0.7, c)
+    t = ClipCounter("tpp.torch", kernel_device, "e4m3", monitor=m)
+    valid = (slots >= 0) & (slots < nslots)
+    t.count(k, v, 0.5, 0.7, torch.where(valid, slots, -1))
+    assert c.totals() == t.totals() and c.totals()["k"] > 0
+    ref = reference_quantize(k, 0.5, "e4m3").view(torch.uint8)
+    assert torch.equal(kc.view(torch.uint8)[slots[valid]], ref[valid])
+    from tripwire.numerics.clip import SLOT_SITE_NAME
+
+    hit = m.snapshot()[("cpu" if kernel_device == "cpu" else "cuda:0", SLOT_SITE_NAME)]
+    assert (hit.count, hit.max_row, hit.max_value, hit.min_value) == (2, 77, nslots + 800, nslots + 300)
+    # the first offender is one real hit (which program wins the compare-and-swap is a race on the GPU)
+    assert (hit.first_row, hit.first_value) in {(5, nslots + 300), (77, nslots + 800)}

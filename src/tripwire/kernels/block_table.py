@@ -54,13 +54,12 @@ def _block_table_gather(
     ctr_row = ctr_ptr  # SITES[0]
     ctr_count = ctr_ptr + 8  # SITES[1]
     r = tl.load(req_rows_ptr + b).to(tl.int64)
+    r_seen = r
     if GUARD:
         row_ok = (r >= 0) & (r < R)
-        record_hits(ctr_row, row_ok == 0, b, r)
         # The count is read through the row: a bad row must not be dereferenced, and is not a count fault.
         n = tl.load(counts_ptr + tl.where(row_ok, r, 0), mask=row_ok, other=0).to(tl.int64)
         n_ok = (n >= 0) & (n <= W)
-        record_hits(ctr_count, row_ok & (n_ok == 0), b, n)
         ok = row_ok & n_ok
         r = tl.where(ok, r, 0)
     else:
@@ -79,6 +78,11 @@ def _block_table_gather(
             live = tl.where(ok, live, False)
         v = tl.load(src + cols, mask=live, other=0)
         tl.store(dst + cols, v, mask=in_w)
+    if GUARD:
+        # Recorded after the copy, under one scalar test: nothing sits in the req_rows -> counts -> table load chain.
+        if ok == 0:
+            record_hits(ctr_row, row_ok == 0, b, r_seen)
+            record_hits(ctr_count, row_ok & (n_ok == 0), b, n)
 
 
 def block_table_gather(

@@ -113,13 +113,13 @@ def _quantize_store(
 
 
 @triton.jit
-def _clip_stats(x, lane, thr):
+def _accumulate_clip(cnt, mx, x, lane, thr):
+    """Elementwise running clip count and max-magnitude bits over a program's tokens (reduced once at the end)."""
     a = tl.abs(x)
-    n = tl.sum((lane & (a > thr)).to(tl.int32), axis=None)
+    cnt += (lane & (a > thr)).to(tl.int32)
     # Max magnitude as float32 bits (monotone for non-negative floats); NaN (bits above +inf) is left out.
     bits = a.to(tl.int32, bitcast=True)
-    bits = tl.where(lane & (bits <= _F32_INF_BITS), bits, 0)
-    return n, tl.max(bits, axis=None).to(tl.int64)
+    return cnt, tl.maximum(mx, tl.where(lane & (bits <= _F32_INF_BITS), bits, 0))
 
 
 @triton.jit
@@ -144,6 +144,7 @@ def _fp8_kv_cache_kernel(
     clip_ctr_ptr,
     slot_ctr_ptr,
     num_slots,
+    num_tokens,
     key_stride,
     value_stride,
     H: tl.constexpr,
@@ -156,22 +157,15 @@ def _fp8_kv_cache_kernel(
     FP8_TYPE: tl.constexpr,
     COUNT: tl.constexpr,
     GUARD: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr,
 ):
-    tok = tl.program_id(0)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    live = slot >= 0  # negative slot: padding row, neither written nor counted
-    if GUARD:
-        slot, ok = guard_index(slot, 0, num_slots, slot_ctr_ptr, tok, mask=live)
-    else:
-        ok = live
+    # Several tokens per program, counted elementwise and reduced ONCE at the end: per-token block reductions and
+    # counter atomics dominated this short kernel (measured on an H200: +45 % over the uncounted twin with one token
+    # per program). The uncounted twin runs the same loop, so the comparison stays fair.
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    # The scalar `ok` is widened through an int32 block: the interpreter splats a scalar int1 as int32, which it
-    # then refuses as a load mask (on the GPU this folds away).
-    lane = (h < H) & (d < D) & ((h * 0 + d * 0 + ok.to(tl.int32)) != 0)
     src = h * D + d
-    dst = slot * (H * D) + src
-    tok64 = tok.to(tl.int64)
+    in_tile = (h < H) & (d < D)
     ks = _load_scale(k_scale, h, H, K_SCALE_MODE)
     vs = _load_scale(v_scale, h, H, V_SCALE_MODE)
     # e5m2: 2 mantissa bits, min normal 2**-14 (fp32 exponent 113), subnormal step 2**-16;
@@ -179,17 +173,47 @@ def _fp8_kv_cache_kernel(
     MANT: tl.constexpr = 2 if FP8_MAX == 57344.0 else 3
     MIN_EXP: tl.constexpr = 113 if FP8_MAX == 57344.0 else 121
     SUB_SCALE: tl.constexpr = 65536.0 if FP8_MAX == 57344.0 else 512.0
-    xk = _quantize_store(
-        key_ptr + tok64 * key_stride + src, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE
-    )
-    xv = _quantize_store(
-        value_ptr + tok64 * value_stride + src, v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE
-    )
     if COUNT:
-        nk, mk = _clip_stats(xk, lane, _threshold(ks, FP8_MAX))
-        nv, mv = _clip_stats(xv, lane, _threshold(vs, FP8_MAX))
-        _record_clip(clip_ctr_ptr, 0, nk, mk)  # slots 0 and 2
-        _record_clip(clip_ctr_ptr, 1, nv, mv)  # slots 1 and 3
+        thr_k = _threshold(ks, FP8_MAX)
+        thr_v = _threshold(vs, FP8_MAX)
+        cnt_k = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
+        cnt_v = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
+        mx_k = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
+        mx_v = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
+    for i in range(TOKENS_PER_PROGRAM):
+        tok = tl.program_id(0) * TOKENS_PER_PROGRAM + i
+        present = tok < num_tokens
+        slot = tl.load(slot_ptr + tok, mask=present, other=-1).to(tl.int64)
+        live = slot >= 0  # negative slot (or past the batch): padding row, neither written nor counted
+        if GUARD:
+            slot, ok = guard_index(slot, 0, num_slots, slot_ctr_ptr, tok, mask=live)
+        else:
+            ok = live
+        # The scalar `ok` is widened through an int32 block: the interpreter splats a scalar int1 as int32, which it
+        # then refuses as a load mask (on the GPU this folds away).
+        lane = in_tile & ((h * 0 + d * 0 + ok.to(tl.int32)) != 0)
+        dst = slot * (H * D) + src
+        tok64 = tok.to(tl.int64)
+        xk = _quantize_store(
+            key_ptr + tok64 * key_stride + src, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE
+        )
+        xv = _quantize_store(
+            value_ptr + tok64 * value_stride + src,
+            v_cache_ptr + dst,
+            lane,
+            vs,
+            FP8_MAX,
+            FP8_TYPE,
+            MANT,
+            MIN_EXP,
+            SUB_SCALE,
+        )
+        if COUNT:
+            cnt_k, mx_k = _accumulate_clip(cnt_k, mx_k, xk, lane, thr_k)
+            cnt_v, mx_v = _accumulate_clip(cnt_v, mx_v, xv, lane, thr_v)
+    if COUNT:
+        _record_clip(clip_ctr_ptr, 0, tl.sum(cnt_k, axis=None), tl.max(mx_k, axis=None).to(tl.int64))  # slots 0, 2
+        _record_clip(clip_ctr_ptr, 1, tl.sum(cnt_v, axis=None), tl.max(mx_v, axis=None).to(tl.int64))  # slots 1, 3
 
 
 def _scale_arg(scale: float | torch.Tensor, heads: int, device: torch.device, what: str) -> tuple[object, int]:
@@ -269,6 +293,21 @@ def _check_inputs(
     return tokens, heads, head_dim
 
 
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _tokens_per_program(tokens: int, device: torch.device) -> int:
+    """Tokens per program: enough programs for about four waves over the SMs, at most 16 tokens each, a power of
+    two (a constexpr: at most five compiled variants). The SM count is a cached host-side property (no sync)."""
+    if device.type != "cuda":
+        return 1 if tokens < 64 else 4
+    sms = _SM_COUNT.get(device)
+    if sms is None:
+        sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    per = max(1, tokens // (4 * sms))
+    return min(16, 1 << (per.bit_length() - 1))
+
+
 def _launch(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -290,7 +329,8 @@ def _launch(
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
     num_warps = max(1, min(8, block_h * block_d // 256))
-    _fp8_kv_cache_kernel[(tokens,)](
+    tpp = _tokens_per_program(tokens, counter.device)
+    _fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
         key,
         value,
         k_cache,
@@ -301,6 +341,7 @@ def _launch(
         counter.ctr,
         counter.slot_ctr,
         k_cache.numel() // (heads * head_dim),
+        tokens,
         key.stride(0),
         value.stride(0),
         H=heads,
@@ -313,6 +354,7 @@ def _launch(
         FP8_TYPE=_TL_FP8[counter.fmt],
         COUNT=count,
         GUARD=guard,
+        TOKENS_PER_PROGRAM=tpp,
         num_warps=num_warps,
     )
 
