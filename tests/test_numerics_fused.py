@@ -380,7 +380,8 @@ def test_gpu_graph_replay_counts_n_times(caplog):
 def _plain_cast_kernel(x_ptr, out_ptr, s, n, FP8_MAX: tl.constexpr, FP8_TYPE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    y = tl.fdiv(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), s, ieee_rounding=True)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = tl.math.div_rn(x, s + tl.zeros_like(x))
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     tl.store(out_ptr + offs, y.to(FP8_TYPE), mask=m)
 
@@ -400,7 +401,8 @@ def _tie_data(dtype, fmt, device):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_random_data_with_ties_bit_exact(kernel_device, dtype, fmt):
     """Random data, FP8 subnormals and exact ties: the kernel's cache equals torch's RNE quantisation bit for bit,
-    on the interpreter (which truncates in its cast) and compiled (whose e5m2 cast mis-rounded ties on Triton 3.6)."""
+    on the interpreter (which truncates in its cast) and compiled (Triton 3.6's fdiv ignores ieee_rounding: the
+    kernel must use div_rn, or these near-tie values round the other way)."""
     reg = SiteRegistry(capacity=16)
     m = Monitor(registry=reg, capacity=16)
     x = _tie_data(dtype, fmt, kernel_device)
@@ -463,3 +465,60 @@ def test_several_tokens_per_program_counts_exactly(kernel_device):
     assert (hit.count, hit.max_row, hit.max_value, hit.min_value) == (2, 77, nslots + 800, nslots + 300)
     # the first offender is one real hit (which program wins the compare-and-swap is a race on the GPU)
     assert (hit.first_row, hit.first_value) in {(5, nslots + 300), (77, nslots + 800)}
+
+
+_PTX_PROBE = r"""
+import json, re, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tripwire.numerics.fused import _fp8_kv_cache_kernel
+
+def ptx(kernel, types, consts):
+    names = kernel.arg_names
+    sig = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+@triton.jit
+def approx_div(x_ptr, out_ptr, s, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) / s)
+
+types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_cache_ptr": "*fp8e5",
+         "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "clip_ctr_ptr": "*i64", "slot_ctr_ptr": "*i64",
+         "num_slots": "i64", "num_tokens": "i32", "key_stride": "i64", "value_stride": "i64"}
+consts = dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128, K_SCALE_MODE=0, V_SCALE_MODE=0, FP8_MAX=57344.0,
+              FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4)
+try:
+    k = ptx(_fp8_kv_cache_kernel, types, consts)
+    c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
+except Exception as e:
+    print(json.dumps({"error": repr(e)}))
+    sys.exit(0)
+count = lambda text, pat: len(re.findall(pat, text))
+print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"div\.(full|approx)")}
+                  for name, t in (("kernel", k), ("control", c))}))
+"""
+
+
+def test_ptx_divides_correctly_rounded(tmp_path):
+    """The kernel compiled for an H100/H200 (sm_90, ahead of time: no GPU needed) divides with div.rn.f32, what
+    torch computes, never div.full/approx. Triton 3.6 ignores fdiv's ieee_rounding flag and emitted div.full.f32,
+    found on the H200 as e5m2 bytes one step off. Control: a plain `/` compiles to the approximate division, so the
+    check can see the difference. Runs in a subprocess: compiling needs TRITON_INTERPRET unset."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = tmp_path / "ptx_probe.py"  # a file: @triton.jit reads its function's source
+    probe.write_text(_PTX_PROBE)
+    p = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    if "error" in r:
+        pytest.skip(f"cannot compile for sm_90 here (no bundled ptxas?): {r['error']}")
+    assert r["kernel"]["rn"] > 0 and r["kernel"]["approx"] == 0, r
+    assert r["control"]["approx"] > 0, r

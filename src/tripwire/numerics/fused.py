@@ -67,10 +67,9 @@ def _threshold(s, FP8_MAX: tl.constexpr):
 def _round_to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, SUB_SCALE: tl.constexpr):
     """Round float32 ``y`` (already clamped to the FP8 range) to the nearest FP8 value, ties to even, in float32.
 
-    Why not just ``.to(fp8)``: the cast's rounding is not the same everywhere. Measured on an H200 with Triton 3.6,
-    the compiled fp32->e5m2 cast rounded some exact ties (x/s == 7680.0 -> 7168, torch: 8192) differently from
-    torch's round-to-nearest-even, and the interpreter truncates. After this rounding the value is exactly
-    representable, so whatever the cast's rounding mode, the bits equal torch's.
+    Why not just ``.to(fp8)``: the cast's rounding is not the same on every backend (the Triton interpreter
+    truncates; see the control test). After this rounding the value is exactly representable in FP8, so whatever
+    the cast's rounding mode, the bits equal torch's round-to-nearest-even.
     Normal range: round the fp32 bit pattern to ``MANT`` mantissa bits (add half-1 plus the kept lsb, mask).
     Subnormal range (below 2**(MIN_EXP-127)): the grid is uniform, 1/SUB_SCALE, so round |y|*SUB_SCALE to an
     integer with the 2**23 magic number (two correctly rounded float32 adds: RNE, exact). NaN passes through.
@@ -102,8 +101,12 @@ def _quantize_store(
     SUB_SCALE: tl.constexpr,
 ):
     x = tl.load(src_ptrs, mask=lane, other=0.0).to(tl.float32)
-    # IEEE division (a plain `/` lowers to the approximate div.full.f32 on NVIDIA GPUs and would not match torch).
-    y = tl.fdiv(x, s, ieee_rounding=True)
+    # Correctly rounded division (div.rn.f32), as torch's CUDA `x / s` with a tensor divisor computes it. Neither
+    # `/` nor `tl.fdiv(..., ieee_rounding=True)` gives that on Triton 3.6: its fdiv ignores ieee_rounding and
+    # lowers to the approximate div.full.f32 (measured on an H200: 18432 / 0.6f came out 30720.0, not 30719.998,
+    # which moved 0.75 % of e5m2 bytes one step). tl.math.div_rn does not broadcast, hence the explicit one
+    # (adding 0.0 to a positive scale is exact).
+    y = tl.math.div_rn(x, s + tl.zeros_like(x))
     # Saturate before the cast, propagating NaN like torch.clamp (the default drops it).
     y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
