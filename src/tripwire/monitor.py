@@ -33,7 +33,7 @@ from .layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, 
 from .reader import DeviceReader
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 
-__all__ = ["Hit", "Monitor", "RowReporter", "register_reporter"]
+__all__ = ["GuardReporter", "Hit", "Monitor", "RowReporter", "register_reporter"]
 
 log = logging.getLogger("tripwire")
 
@@ -111,26 +111,26 @@ def guard_message(site: Site, device: str, hit: Hit, *, delta: int | None = None
     )
 
 
-class _GuardReporter:
+class GuardReporter:
+    """The reporter of guard-layout rows: a WARNING per confirmed rise (aggregated per site and device), and the
+    stop armed in ``raise`` mode or for a fatal site. Subclasses change only the wording (``message``)."""
+
     count_slots: tuple[int, ...] = (COUNT,)
+    message = staticmethod(guard_message)
 
     def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
         hit = Hit.from_row(row)
-        monitor.emit(
-            (device, site.id),
-            hit.count,
-            now,
-            lambda delta: guard_message(site, device, hit, delta=delta),
-        )
+        message = self.message
+        monitor.emit((device, site.id), hit.count, now, lambda delta: message(site, device, hit, delta=delta))
         if monitor.settings.mode == "raise" or site.fatal:
-            monitor.arm(monitor.tripped_for(site, device, hit))
+            monitor.arm(monitor.tripped_for(site, device, hit, message))
 
     def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None:
         return None
 
 
 for _kind in GUARD_KINDS:
-    register_reporter(_kind, _GuardReporter)
+    register_reporter(_kind, GuardReporter)
 
 
 @dataclass
@@ -267,9 +267,12 @@ class Monitor:
             except Exception:
                 log.exception("tripwire: an arm listener failed")
 
-    def tripped_for(self, site: Site, device: str, hit: Hit) -> GuardTripped:
+    def tripped_for(
+        self, site: Site, device: str, hit: Hit, message: Callable[..., str] = guard_message
+    ) -> GuardTripped:
+        """The GuardTripped for a confirmed hit of a guard-layout row (``message`` words the report)."""
         return GuardTripped(
-            "tripwire: " + guard_message(site, device, hit) + " The engine was stopped by tripwire.check().",
+            "tripwire: " + message(site, device, hit) + " The engine was stopped by tripwire.check().",
             site=site.name,
             device=device,
             count=hit.count,

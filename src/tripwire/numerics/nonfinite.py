@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import GuardTripped
-from ..monitor import Hit, Monitor, register_reporter
+from ..monitor import GuardReporter, Hit, Monitor, register_reporter
 from ..sites import Site
 from ..triton import record_hits
 
@@ -139,37 +138,18 @@ def nonfinite_message(site: Site, device: str, hit: Hit, *, delta: int | None = 
     new = f"{delta} new, {hit.count} total" if delta is not None else f"{hit.count} total"
     desc = f" [{site.description}]" if site.description else ""
     return (
-        f"tripwire: NON-FINITE values at site {site.name!r} on {device}{fatal}: {new} NaN/Inf elements.{desc} "
+        f"NON-FINITE values at site {site.name!r} on {device}{fatal}: {new} NaN/Inf elements.{desc} "
         f"First: row {_fmt(hit.first_row)}, column {_fmt(hit.first_value)}. Lifetime extremes (independent, not one "
         f"element): max row {_fmt(hit.max_row)}, columns {_fmt(hit.min_value)}..{_fmt(hit.max_value)}. The values "
         f"were counted, not changed: whatever consumed them computed with NaN/Inf."
     )
 
 
-class NonFiniteReporter:
-    """Reporter for ``"nonfinite"`` rows (guard layout): a WARNING per confirmed rise, aggregated like guard reports;
-    arms the stop in ``raise`` mode or for a fatal site, like a guard."""
+class NonFiniteReporter(GuardReporter):
+    """Reporter for ``"nonfinite"`` rows (guard layout): the guard reporter's aggregation and arming rules (``raise``
+    mode or a fatal site arms), with wording about NaN/Inf instead of masked accesses."""
 
-    count_slots = (0,)
-
-    def confirm(self, monitor: Monitor, device: str, site: Site, row, now: float) -> None:  # type: ignore[no-untyped-def]
-        hit = Hit.from_row(row)
-        monitor.emit((device, site.id), hit.count, now, lambda delta: nonfinite_message(site, device, hit, delta=delta))
-        if monitor.settings.mode == "raise" or site.fatal:
-            monitor.arm(
-                GuardTripped(
-                    nonfinite_message(site, device, hit) + " The engine was stopped by tripwire.check().",
-                    site=site.name,
-                    device=device,
-                    count=hit.count,
-                    first_row=hit.first_row,
-                    first_value=hit.first_value,
-                    fatal=site.fatal,
-                )
-            )
-
-    def tick(self, monitor: Monitor, latest, now: float) -> None:  # type: ignore[no-untyped-def]
-        return None
+    message = staticmethod(nonfinite_message)
 
 
 # Replaces the generic guard reporter for this kind (same arming rules, wording about NaN/Inf, not masked accesses).
