@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tripwire.layout import decode, decode_neg
-from tripwire.triton import guard_index, record_hit, record_hits
+from tripwire.triton import GUARD_BIAS, guard_index, record_hit, record_hits
 
 
 @triton.jit
@@ -172,3 +172,39 @@ def test_property_against_reference(data, lo, width, block):
     check(ctr, data, lo, hi, list(range(len(data))))
     ok = (np.array(data) >= lo) & (np.array(data) < hi)
     np.testing.assert_array_equal(out.cpu().numpy(), np.where(ok, np.array(data), -1))
+
+
+@triton.jit
+def _unsaturated_max(ctr, x_ptr, n, BLOCK: tl.constexpr):
+    # what the helpers did before saturating: bias the raw int64 value (wraps for |v| >= 2**62)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0)
+    tl.atomic_max(ctr + 2, tl.max(tl.where(offs < n, x + GUARD_BIAS, 0), axis=0))
+
+
+JUNK = [5, 2**62, -(2**62), 2**63 - 1, -(2**63)]
+
+
+def test_junk_int64_values_are_saturated_not_wrapped(kernel_device):
+    from tripwire.layout import VALUE_MAX, VALUE_MIN
+
+    x = torch.tensor(JUNK, dtype=torch.int64, device=kernel_device)
+    out = torch.empty_like(x)
+    ctr = torch.zeros(8, dtype=torch.int64, device=kernel_device)
+    _block_kernel[(1,)](ctr, x, out, len(JUNK), 0, 8, BLOCK=8)
+    d = decoded(ctr)
+    assert d["count"] == 4 and out.tolist() == [5, -1, -1, -1, -1]
+    assert (d["max_value"], d["min_value"]) == (VALUE_MAX, VALUE_MIN)
+    assert (d["first_row"], d["first_value"]) == (1, VALUE_MAX)
+    ctr.zero_()
+    _scalar_kernel[(len(JUNK),)](ctr, x, 0, 8)
+    d = decoded(ctr)
+    assert (d["count"], d["max_value"], d["min_value"]) == (4, VALUE_MAX, VALUE_MIN)
+
+
+def test_control_unsaturated_bias_wraps(kernel_device):
+    """Control: biasing 2**62 without saturation overflows int64; atomic_max then keeps 0 (nothing recorded)."""
+    x = torch.tensor([2**62], dtype=torch.int64, device=kernel_device)
+    ctr = torch.zeros(8, dtype=torch.int64, device=kernel_device)
+    _unsaturated_max[(1,)](ctr, x, 1, BLOCK=2)
+    assert decoded(ctr)["max_value"] is None

@@ -17,10 +17,17 @@ from .errors import CaptureError
 from .layout import SLOTS
 from .sites import Site, SiteRegistry
 
-__all__ = ["Arena", "normalize_device"]
+__all__ = ["Arena", "normalize_device", "unindexed_cuda"]
 
 # Every arena of the process, forever (see the module docstring). Never cleared.
 _IMMORTAL: list[torch.Tensor] = []
+
+
+def unindexed_cuda(device: object) -> bool:
+    """True for ``"cuda"`` / ``torch.device("cuda")``: the CURRENT device, whatever it is at the call."""
+    if isinstance(device, str):
+        return device.strip() == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda" and device.index is None
 
 
 def normalize_device(device: torch.device | str | int) -> torch.device:
@@ -108,7 +115,9 @@ class Arena:
                 )
             t = self.prealloc(dev)
         view = t[site.id]
-        self._views[key] = (site, view)
+        if not unindexed_cuda(device):
+            # "cuda" without an index names the current device, which can change: never cache it as is.
+            self._views[key] = (site, view)
         return view
 
     def zero_(self) -> None:

@@ -25,11 +25,22 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .arena import Arena, normalize_device
+from .arena import Arena, normalize_device, unindexed_cuda
 from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
 from .config import Settings, load_settings
 from .errors import CaptureError, GuardTripped
-from .layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, decode, decode_neg
+from .layout import (
+    COUNT,
+    FIRST_ROW,
+    FIRST_VALUE,
+    MAX_ROW,
+    MAX_VALUE,
+    NEG_MIN,
+    VALUE_MAX,
+    VALUE_MIN,
+    decode,
+    decode_neg,
+)
 from .reader import DeviceReader
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 
@@ -88,7 +99,11 @@ def register_reporter(kind: str, factory: Callable[[], Any]) -> None:
 
 
 def _fmt(v: int | None) -> str:
-    return "-" if v is None else str(v)
+    if v is None:
+        return "-"
+    if v >= VALUE_MAX or v <= VALUE_MIN:
+        return f"{v} (saturated: |value| >= 2**62)"
+    return str(v)
 
 
 def _accesses(n: int) -> str:
@@ -186,10 +201,12 @@ class Monitor:
         self._hooks_run = 0
         self._tick_hooks: list[Callable[[Monitor], None]] = []
         self._arm_listeners: list[Callable[[GuardTripped], None]] = []
+        self._arm_queue: list[GuardTripped] = []  # armed under the lock, listeners not yet called
         self._reporters: dict[str, RowReporter] = {}
-        # Per device: reported progress per row, and the rows pending confirmation (row -> extra copies waited).
+        # Per device: reported progress per row, and the rows pending confirmation
+        # (row -> [extra copies waited, progress seen in the newest copy]).
         self._reported: dict[str, np.ndarray] = {}
-        self._pending: dict[str, dict[int, int]] = {}
+        self._pending: dict[str, dict[int, list[int]]] = {}
         self._latest: dict[str, np.ndarray] = {}
         self._emitted: dict[tuple[str, int], _Emitted] = {}
         self._kind_index: tuple[int, dict[str, np.ndarray]] = (-1, {})
@@ -223,6 +240,8 @@ class Monitor:
         hit = self.arena._views.get((id(site), device))
         if hit is not None and hit[0] is site:
             return hit[1]
+        # "cuda" (no index) is normalised on every call, never cached as is: it means the CURRENT device, which
+        # can change (a cached row of cuda:0 handed to a kernel on cuda:1 would be an illegal access).
         dev = normalize_device(device)
         if self.arena.get(dev) is None or dev not in self._readers:
             self.registry.resolve(site)  # a bad site is the clearer error
@@ -232,7 +251,7 @@ class Monitor:
                     f"but no arena exists for {dev}; call tripwire.prealloc({str(dev)!r}) before capturing"
                 )
             self.prealloc(dev)
-        return self.arena.counter(site, device)
+        return self.arena.counter(site, dev if unindexed_cuda(device) else device)
 
     # ------------------------------------------------------------------ the stop
     def check(self) -> None:
@@ -253,19 +272,32 @@ class Monitor:
         return self._tripped
 
     def arm(self, exc: GuardTripped) -> None:
-        """Arm the stop with ``exc`` (the first arming wins; later ones are logged, not lost)."""
+        """Arm the stop with ``exc`` (the first arming wins; later ones are logged, not lost).
+
+        Arm listeners (tripwire.distributed publishing the stop) never run under the monitor's lock: when the
+        caller holds it (a confirmation inside a tick or a drain), they run once the lock is released.
+        """
+        nested = self._lock._is_owned()  # type: ignore[attr-defined]  # RLock: does this thread hold it?
         with self._lock:
             if self._tripped is not None:
                 log.debug("tripwire: already armed; also: %s", exc)
                 return
             self._tripped = exc
-            listeners = list(self._arm_listeners)
+            self._arm_queue.append(exc)
         log.error("stop ARMED: %s", exc)
-        for fn in listeners:
-            try:
-                fn(exc)
-            except Exception:
-                log.exception("tripwire: an arm listener failed")
+        if not nested:
+            self._fire_arm_listeners()
+
+    def _fire_arm_listeners(self) -> None:
+        with self._lock:
+            queued, self._arm_queue = self._arm_queue, []
+            listeners = list(self._arm_listeners)
+        for exc in queued:
+            for fn in listeners:
+                try:
+                    fn(exc)
+                except Exception:
+                    log.exception("tripwire: an arm listener failed")
 
     def tripped_for(
         self, site: Site, device: str, hit: Hit, message: Callable[..., str] = guard_message
@@ -391,7 +423,10 @@ class Monitor:
 
     # ------------------------------------------------------------------ reading
     def poll(self) -> None:
-        """One reader tick on the calling thread (tests and tools). Never waits on the GPU."""
+        """One reader tick on the calling thread (tests and tools). Never waits on the GPU. Under ``off`` it reads
+        nothing (the mode's contract)."""
+        if self.settings.mode == "off":
+            return
         self._poll(on_reader_thread=False)
 
     def _relax_once(self) -> None:
@@ -423,6 +458,7 @@ class Monitor:
             self._flush_due(now)
             for reporter in list(self._reporters.values()):
                 reporter.tick(self, self._latest, now)
+        self._fire_arm_listeners()
         for fn in list(self._tick_hooks):
             try:
                 fn(self)
@@ -449,6 +485,11 @@ class Monitor:
     def _lose(self, reader: DeviceReader, e: BaseException) -> None:
         # Stop polling this device, but KEEP its arena: captured graphs still write there.
         reader.lost = e
+        latest = self._latest.get(reader.name)
+        if latest is not None and self._pending.get(reader.name):
+            # Rises already seen there would otherwise never be reported (nobody polls the device again).
+            self._process(reader.name, latest, time.monotonic(), final=True)
+        self._pending.pop(reader.name, None)
         log.error(
             "tripwire: reading the counters of %s failed (%s: %s); no longer polling it",
             reader.name,
@@ -479,6 +520,14 @@ class Monitor:
         if cached_n != n:
             groups: dict[str, list[int]] = {}
             for site in self.registry.all()[:n]:
+                if site.kind not in _REPORTER_FACTORIES:
+                    # Logged once per registry change, not every tick; such rows are read but never reported.
+                    log.error(
+                        "tripwire: no reporter for rows of kind %r (site %r): import the module that defines it",
+                        site.kind,
+                        site.name,
+                    )
+                    continue
                 groups.setdefault(site.kind, []).append(site.id)
             index = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
             self._kind_index = (n, index)
@@ -503,29 +552,30 @@ class Monitor:
         # A counter that went down was zeroed behind our back (reset of another kind): follow it, report nothing.
         down = progress < reported[:n]
         reported[:n][down] = progress[down]
-        # 1) Confirm what an earlier copy saw rise, with THIS copy's row (it has the extremes).
+        # 1) Confirm what an earlier copy saw rise, with THIS copy's row (it has the extremes). Wait (a bounded number
+        #    of extra copies) while the first-offender pair has not landed, or while the count is still rising: a hit
+        #    counted in this copy may not have its extremes in it yet, and confirming now would mark it reported.
         for rid in sorted(pending):
             site = self.registry.by_id(rid)
             row = rows[rid]
-            if (
-                not final
-                and site.kind in GUARD_KINDS
-                and row[FIRST_ROW] == 0
-                and pending[rid] < _MAX_EXTRA_CONFIRM_COPIES
-            ):
-                pending[rid] += 1  # the first-offender pair has not landed: wait one more copy
+            waited, seen = pending[rid]
+            not_landed = site.kind in GUARD_KINDS and (row[FIRST_ROW] == 0 or row[FIRST_VALUE] == 0)
+            if not final and (not_landed or progress[rid] > seen) and waited < _MAX_EXTRA_CONFIRM_COPIES:
+                pending[rid] = [waited + 1, int(progress[rid])]
                 continue
             del pending[rid]
             reported[rid] = progress[rid]
             self._reporter(site.kind).confirm(self, device, site, row, now)
         # 2) New rises: pending now, reported from the next copy (or at once when this read is final).
         for rid in np.nonzero(progress > reported[:n])[0].tolist():
+            if self.registry.by_id(rid).kind not in _REPORTER_FACTORIES:
+                continue
             if final:
                 site = self.registry.by_id(rid)
                 reported[rid] = progress[rid]
                 self._reporter(site.kind).confirm(self, device, site, rows[rid], now)
             elif rid not in pending:
-                pending[rid] = 0
+                pending[rid] = [0, int(progress[rid])]
 
     # ------------------------------------------------------------------ aggregated logging
     def emit(
@@ -567,13 +617,27 @@ class Monitor:
             return {}
         if is_capturing():
             raise CaptureError("tripwire.drain() synchronises the device and cannot run inside a CUDA-graph capture")
+        snap = self._final_read()
+        if raise_on_fatal:
+            for (device, name), hit in snap.items():
+                site = self.registry.get(name)
+                if site.fatal or self.settings.mode == "raise":
+                    armed = self._tripped
+                    raise armed if armed is not None else self.tripped_for(site, device, hit)
+            if self._tripped is not None:  # armed otherwise: a fatal instrument, a lost reader, a peer's stop
+                raise self._tripped
+        return snap
+
+    def _final_read(self) -> dict[tuple[str, str], Hit]:
+        """Synchronise and read every device, report every rise not yet reported (no confirmation wait: the read
+        is complete), flush deferred lines; return the snapshot. Blocking (drain and reset only)."""
         now = time.monotonic()
         snap: dict[tuple[str, str], Hit] = {}
         with self._lock:
             n = min(len(self.registry), self.settings.capacity)
-            for _dev, reader in list(self._readers.items()):
+            for reader in list(self._readers.values()):
                 if reader.lost is not None:
-                    log.error("tripwire: drain skips %s, whose reader was lost (%s)", reader.name, reader.lost)
+                    log.error("tripwire: skipping %s, whose reader was lost (%s)", reader.name, reader.lost)
                     continue
                 try:
                     rows = reader.read_now(n)
@@ -583,12 +647,7 @@ class Monitor:
                 self._process(reader.name, rows, now, final=True)
                 snap.update(self._decode(reader.name, rows))
             self._flush_due(now, force=True)
-        if raise_on_fatal:
-            for (device, name), hit in snap.items():
-                site = self.registry.get(name)
-                if site.fatal or self.settings.mode == "raise":
-                    armed = self._tripped
-                    raise armed if armed is not None else self.tripped_for(site, device, hit)
+        self._fire_arm_listeners()
         return snap
 
     def _decode(self, device: str, rows: np.ndarray) -> dict[tuple[str, str], Hit]:
@@ -601,7 +660,8 @@ class Monitor:
 
     def snapshot(self) -> dict[tuple[str, str], Hit]:
         """``{(device, site_name): Hit}`` for every guard row with a non-zero count. A synchronous read (it waits
-        for each device's current stream): a tool's call, never the step path's."""
+        for each device's current stream): a tool's call, never the step path's. Call it from the engine thread, or
+        while no capture runs (a synchronous copy from another thread invalidates a global-mode capture)."""
         n = min(len(self.registry), self.settings.capacity)
         out: dict[tuple[str, str], Hit] = {}
         for dev, t in self.arena.items():
@@ -618,10 +678,16 @@ class Monitor:
         return t[:n].cpu().numpy()
 
     def reset(self) -> None:
-        """Zero the counters, forget reported counts and pending confirmations, and disarm -- all three, or the next
-        hit would be invisible. Synchronous (waits for the zeroing and any copy in flight): a tool's call."""
+        """Report what is still unreported (a final read, unless mode is off), then zero the counters, forget reported
+        counts and pending confirmations, and disarm -- all three, or the next hit would be invisible. Synchronous
+        (waits for the device): a tool's call. Call it from the engine thread, or while no capture runs: a
+        synchronising call from another thread would invalidate a global-mode capture in progress."""
         if is_capturing():
             raise CaptureError("tripwire.reset() cannot run inside a CUDA-graph capture")
+        if self.settings.mode != "off":
+            # Nothing is lost: rises seen but not yet confirmed, and lines deferred by the report window, are
+            # reported before the counters they describe are zeroed.
+            self._final_read()
         with self._lock:
             self.arena.zero_()
             for dev, reader in self._readers.items():
@@ -632,6 +698,8 @@ class Monitor:
             self._pending.clear()
             self._latest.clear()
             self._emitted.clear()
+            self._reporters.clear()  # reporters keep per-row state (logged totals) too
+            self._arm_queue.clear()
             self._tripped = None
 
     def readers(self) -> dict[str, DeviceReader]:

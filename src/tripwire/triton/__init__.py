@@ -16,7 +16,9 @@ compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so (slot 4,
 "First" within a program means the lowest row, then the lowest value in that row; across programs, whichever
 program wins the CAS.
 
-Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs.
+Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs. Values
+beyond the encodable range (|v| >= 2**62, e.g. junk int64 metadata) are recorded saturated at +-(2**62 - 1);
+reports mark them "saturated". Counts and masking are exact regardless.
 All of this runs unchanged under ``TRITON_INTERPRET=1``.
 """
 
@@ -26,6 +28,8 @@ import triton
 import triton.language as tl
 
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
+from ..layout import VALUE_MAX as _VALUE_MAX
+from ..layout import VALUE_MIN as _VALUE_MIN
 
 __all__ = ["GUARD_BIAS", "guard_index", "record_hit", "record_hits"]
 
@@ -33,14 +37,24 @@ __all__ = ["GUARD_BIAS", "guard_index", "record_hit", "record_hits"]
 GUARD_BIAS = tl.constexpr(_GUARD_BIAS_INT)
 # Larger than any encoded word: the neutral element of the "lowest row" reduction.
 _NO_ROW = tl.constexpr((1 << 63) - 1)
+# Values are saturated into the encodable range before biasing: corrupted int64 metadata (uninitialised memory,
+# a pointer-sized junk value) must not wrap around the bias and be reported as something else, or as nothing.
+_VMIN = tl.constexpr(_VALUE_MIN)
+_VMAX = tl.constexpr(_VALUE_MAX)
+
+
+@triton.jit
+def _saturate(x):
+    return tl.minimum(tl.maximum(x, _VMIN), _VMAX)
 
 
 @triton.jit
 def record_hit(ctr_ptr, row, value):
     """Record one hit at (row, value). Call under the kernel's ``if bad:``; every lane that calls it counts once."""
-    r = row.to(tl.int64) + GUARD_BIAS
-    v = value.to(tl.int64) + GUARD_BIAS
-    nv = GUARD_BIAS - value.to(tl.int64)
+    r = _saturate(row.to(tl.int64)) + GUARD_BIAS
+    v64 = _saturate(value.to(tl.int64))
+    v = v64 + GUARD_BIAS
+    nv = GUARD_BIAS - v64
     # Count first (see the module docstring for why the reader waits one copy for the rest).
     tl.atomic_add(ctr_ptr + 0, tl.full([], 1, tl.int64))
     tl.atomic_max(ctr_ptr + 1, r)
@@ -56,8 +70,8 @@ def record_hit(ctr_ptr, row, value):
 def record_hits(ctr_ptr, bad, rows, values):
     """Record every lane where ``bad`` is true. ``bad``, ``rows`` and ``values`` broadcast against each other
     (a scalar row with a block of values is fine). One reduction; atomics only when some lane is bad."""
-    r = rows.to(tl.int64)
-    v = values.to(tl.int64)
+    r = _saturate(rows.to(tl.int64))
+    v = _saturate(values.to(tl.int64))
     b64 = (bad != 0).to(tl.int64)
     # Broadcast all three to one block shape (at least 1-D, so the reductions below always have an axis).
     zero = r * 0 + v * 0 + b64 * 0 + tl.zeros([1], tl.int64)
