@@ -207,6 +207,30 @@ def write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
+# ---------------------------------------------------------------------------------------------------- graphs
+def warm_up(body: Callable[[], Any], calls: int = 3) -> None:
+    """Run ``body`` ``calls`` times on a side stream and wait for it: Triton compiles, cuBLAS handles and the
+    caching allocator's first blocks are made here, outside any capture (PyTorch's own warm-up recipe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture(body: Callable[[], Any], *, warm: int = 3, repeat: int = 1) -> torch.cuda.CUDAGraph:
+    """``body`` warmed up (:func:`warm_up`), then captured ``repeat`` times back to back in one CUDA graph."""
+    warm_up(body, warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            body()
+    torch.cuda.synchronize()
+    return graph
+
+
 # ---------------------------------------------------------------------------------------------------- timing
 def cuda_event_times_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> list[float]:
     """Per-call GPU times (ms) of ``fn`` with CUDA events, after ``warmup`` calls. One event pair per call."""

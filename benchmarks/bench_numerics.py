@@ -28,6 +28,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from _common import capture
 from tripwire import Monitor, SiteRegistry
 from tripwire.numerics import ClipCounter, count_nonfinite, reference_quantize, register_nonfinite_site
 from tripwire.numerics import fused as fused_mod
@@ -40,17 +41,7 @@ NONFINITE_TARGET = 0.80
 def _graphed(fn: Callable[[], object], n: int) -> Callable[[], object]:
     """``fn`` called ``n`` times back to back, captured in one CUDA graph: timing its replay measures the kernels,
     not Python's launch overhead (tens of microseconds per Triton launch, as long as a small kernel itself)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile / warm outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    return graph.replay
+    return capture(fn, warm=1, repeat=n).replay
 
 
 def _time(fns: dict[str, Callable[[], object]], repeats: int, rep_ms: int, per_graph: int) -> dict[str, float]:
@@ -121,6 +112,8 @@ def _fused_case(tokens: int, heads: int, dim: int, regime: str, repeats: int, re
         "gbps_bare": nbytes / (t["bare"] * 1e-3) / 1e9,
         "overhead_pct": overhead,
         "guard_only_overhead_pct": 100.0 * (t["guard_only"] / t["bare"] - 1.0),
+        # The counting alone: the counted kernel against the same kernel with its slot guard but no counting.
+        "count_only_overhead_pct": 100.0 * (t["counted"] / t["guard_only"] - 1.0),
         "torch_count_over_fused": t["torch_count"] / t["counted"],
         "torch_full_over_fused": t["torch_full"] / t["counted"],
         "target_pct": FUSED_TARGET_PCT,
@@ -142,11 +135,12 @@ def _nonfinite(
         "nonfinite": lambda: count_nonfinite(x, site, ctr=ctr),
         "copy": lambda: dst.copy_(x),
     }
-    sweep_cfgs = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
+    # (elements per load step, steps per program, warps) around the default.
+    sweep_cfgs = [(1024, 8, 8), (2048, 2, 8), (2048, 4, 4), (2048, 4, 8), (2048, 8, 8), (4096, 4, 8), (8192, 1, 8)]
     if quick:
-        sweep_cfgs = sweep_cfgs[1:4]
-    for b, w in sweep_cfgs:
-        fns[f"block{b}_w{w}"] = lambda b=b, w=w: nonfinite_mod._launch(x, ctr, b, w)
+        sweep_cfgs = sweep_cfgs[2:5]
+    for b, it, w in sweep_cfgs:
+        fns[f"block{b}_i{it}_w{w}"] = lambda b=b, it=it, w=w: nonfinite_mod._launch(x, ctr, b, w, it)
     for fn in fns.values():
         fn()
     assert int(mon.read_rows(dev)[site.id][0]) == 0  # clean data: nothing counted (hot path measured)
@@ -163,6 +157,7 @@ def _nonfinite(
         "dtype": "bfloat16",
         "default_block": default_block,
         "default_num_warps": nonfinite_mod._NUM_WARPS,
+        "default_iters": nonfinite_mod._ITERS,
         "us": 1e3 * t["nonfinite"],
         "us_with_7_nans": 1e3 * t_nan,
         "copy_us": 1e3 * t["copy"],
@@ -174,11 +169,12 @@ def _nonfinite(
         "sweep": [
             {
                 "block": b,
+                "iters": it,
                 "num_warps": w,
-                "us": 1e3 * t[f"block{b}_w{w}"],
-                "ratio_to_copy": (nbytes / (t[f"block{b}_w{w}"] * 1e-3) / 1e9) / copy_gbps,
+                "us": 1e3 * t[f"block{b}_i{it}_w{w}"],
+                "ratio_to_copy": (nbytes / (t[f"block{b}_i{it}_w{w}"] * 1e-3) / 1e9) / copy_gbps,
             }
-            for b, w in sweep_cfgs
+            for b, it, w in sweep_cfgs
         ],
     }
 
@@ -230,7 +226,10 @@ def _table(res: dict) -> str:
         f"non-finite counter {n['shape']} {n['dtype']}: {n['us']:.1f} us, {n['gbps']:.0f} GB/s; copy {n['copy_us']:.1f} "
         f"us, {n['copy_gbps']:.0f} GB/s; ratio {n['ratio_to_copy']:.3f} (target >= {n['target']}) "
         f"{'PASS' if n['pass'] else 'SHORT'}; with 7 NaNs {n['us_with_7_nans']:.1f} us",
-        "  sweep: " + ", ".join(f"block {s['block']}/w{s['num_warps']}: {s['ratio_to_copy']:.3f}" for s in n["sweep"]),
+        "  sweep: "
+        + ", ".join(
+            f"block {s['block']} x{s['iters']}/w{s['num_warps']}: {s['ratio_to_copy']:.3f}" for s in n["sweep"]
+        ),
     ]
     return "\n".join(lines)
 

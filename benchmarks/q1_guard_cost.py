@@ -257,6 +257,14 @@ def _numerics(res: Result, ctx: Ctx) -> None:
         )
         res.fig(f"fused_us_counted_{key}", single(f["us"]["counted"], unit="us", label=f"fused FP8 {key}, counted"))
         res.fig(f"fused_us_bare_{key}", single(f["us"]["bare"], unit="us", label=f"fused FP8 {key}, bare"))
+        res.fig(
+            f"fused_guard_only_pct_{key}",
+            single(f["guard_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: slot guard alone / bare - 1"),
+        )
+        res.fig(
+            f"fused_count_only_pct_{key}",
+            single(f["count_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: counted / guard alone - 1"),
+        )
         res.fig(f"fused_gbs_{key}", single(f["gbps_counted"], unit="GB/s", label=f"fused FP8 {key}, counted"))
         res.fig(
             f"torch_count_over_fused_{key}",
@@ -274,6 +282,12 @@ def _numerics(res: Result, ctx: Ctx) -> None:
     if nf:
         res.fig("nonfinite_us", single(nf["us"], unit="us", label=f"non-finite counter {nf['shape']} {nf['dtype']}"))
         res.fig("nonfinite_pct_of_copy", single(nf["ratio_to_copy"] * 100, unit="%", label="non-finite vs D2D copy"))
+        for sw in nf.get("sweep", []):
+            shape = f"{sw['block']} x{sw['iters']} w{sw['num_warps']}"
+            res.fig(
+                f"nonfinite_sweep_pct_{sw['block']}_{sw['iters']}_{sw['num_warps']}",
+                single(sw["ratio_to_copy"] * 100, unit="%", label=f"non-finite sweep: block {shape}, vs copy"),
+            )
         res.target(
             "non-finite counter bandwidth",
             "nonfinite_pct_of_copy",

@@ -27,13 +27,14 @@ the gather) and CPU arenas: it measures what a reader thread costs the engine th
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from _common import Ctx, Result, calibrate_spin, single, stats
+from _common import Ctx, Result, calibrate_spin, capture, single, stats
 from tripwire import Monitor, SiteRegistry
 
 N_ROWS = 64
@@ -68,17 +69,7 @@ class _Decode:
             from _kernels import gather_rows
 
             self._gather = gather_rows
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):  # warm-up (Triton compile, cuBLAS handles) before capture
-                    self._body()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._body()
-            torch.cuda.synchronize()
+            self.graph = capture(self._body)
 
     def _body(self) -> None:
         h, t = self.h, self.t
@@ -207,23 +198,10 @@ def _run_variant(dec: _Decode, work: Callable[[], list[int]], m: Monitor, steps:
     return t_all / steps * 1e6, times
 
 
-def run(ctx: Ctx) -> dict:
-    title = "Reader cost on an engine-like step loop" + ("" if ctx.cuda else " (CPU variant: eager CPU decode step)")
-    res = Result("q3", title, ctx)
-    dev = "cuda" if ctx.cuda else "cpu"
-    if ctx.cuda:
-        steps, rounds = (600, 2) if ctx.quick else (1200, 4)
-    else:
-        steps, rounds = (300, 3) if ctx.quick else (1000, 3)
-    reg = SiteRegistry(capacity=N_ROWS)
-    for i in range(N_ROWS):
-        reg.register(f"bench.q3.layer{i}", description="q3 per-layer gather guard")
-    m = Monitor(registry=reg, capacity=N_ROWS, mode="warn", interval=0.05, idle_tail=3600.0, report_every=3600.0)
-    m.prealloc(dev)
-    dec = _Decode(m, reg, ctx.cuda, ctx.quick)
-    work = calibrate_spin(300.0)
-    t_work = min(_timed(work) for _ in range(20)) * 1e6
-    readers = _Readers(m, dev)
+def _rounds(
+    dec: _Decode, work: Callable[[], list[int]], m: Monitor, readers: _Readers, steps: int, rounds: int, ctx: Ctx
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[int]]]:
+    """Every variant once per round, in rotated order: per-round mean step times, pooled step times, reads."""
     means: dict[str, list[float]] = {v: [] for v in VARIANTS}
     pooled: dict[str, list[float]] = {v: [] for v in VARIANTS}
     reads: dict[str, list[int]] = {v: [] for v in VARIANTS}
@@ -240,6 +218,39 @@ def run(ctx: Ctx) -> dict:
             pooled[v].extend(times)
             reads[v].append(readers.reads if not v.startswith("tripwire") else m.ticks - t0)
             ctx.log(f"round {r} {v}: mean step {mean_us:.1f} us")
+    return means, pooled, reads
+
+
+def run(ctx: Ctx) -> dict:
+    title = "Reader cost on an engine-like step loop" + ("" if ctx.cuda else " (CPU variant: eager CPU decode step)")
+    res = Result("q3", title, ctx)
+    dev = "cuda" if ctx.cuda else "cpu"
+    if ctx.cuda:
+        steps, rounds = (600, 2) if ctx.quick else (1200, 6)
+    else:
+        steps, rounds = (300, 3) if ctx.quick else (1000, 3)
+    reg = SiteRegistry(capacity=N_ROWS)
+    for i in range(N_ROWS):
+        reg.register(f"bench.q3.layer{i}", description="q3 per-layer gather guard")
+    m = Monitor(registry=reg, capacity=N_ROWS, mode="warn", interval=0.05, idle_tail=3600.0, report_every=3600.0)
+    m.prealloc(dev)
+    dec = _Decode(m, reg, ctx.cuda, ctx.quick)
+    work = calibrate_spin(300.0)
+    t_work = min(_timed(work) for _ in range(20)) * 1e6
+    readers = _Readers(m, dev)
+    # As engines do after start-up (vLLM freezes the heap after capturing its graphs): move every object alive now
+    # out of the collector's reach, so that a full collection does not walk torch's and Triton's start-up objects.
+    # The first H200 run, without it, had 60-80 ms pauses a few times per run in EVERY variant and a noise floor
+    # of 6.4 %. Garbage made during the runs (the readers' included) is still collected, so a reader's
+    # allocations still show; the number of full collections during the runs is recorded.
+    gc.collect()
+    gc.freeze()
+    full_before = gc.get_stats()[2]["collections"]
+    try:
+        means, pooled, reads = _rounds(dec, work, m, readers, steps, rounds, ctx)
+    finally:
+        gc.unfreeze()
+    full_gcs = gc.get_stats()[2]["collections"] - full_before
     for v in VARIANTS:
         res.fig(f"step_us_{v}", stats(means[v], unit="us", label=f"mean step time, {v} (per round)"))
         res.fig(
@@ -251,6 +262,7 @@ def run(ctx: Ctx) -> dict:
     for v in VARIANTS[1:-1]:
         ov = [(x / b - 1) * 100 for x, b in zip(means[v], base, strict=True)]
         res.fig(f"overhead_pct_{v}", stats(ov, unit="%", label=f"{v} vs no reader (paired per round)"))
+    res.fig("full_gcs", single(full_gcs, unit="collections", label="full (gen-2) collections during the runs"))
     res.fig("scheduler_work_us", single(t_work, unit="us", label="scheduler-like Python work per step (min)"))
     res.fig("graph_launches_per_step", single(dec.layers * 5 + 2, unit="launches", label="kernel launches per step"))
     ov50 = res.figures["overhead_pct_tripwire_50ms"]["median"]

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import Ctx, Result, python, run_child, single, subprocess_env
+from _common import Ctx, Result, python, run_child, single, subprocess_env, warm_up
 
 N_OPS = 60
 
@@ -91,13 +91,8 @@ def _child(out: Path, n: int) -> None:
             torch.add(y, 1.0, out=y)
         gather_rows(table, idx, g_out, ctr=ctr)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(body)
+    side = torch.cuda.Stream()  # the captures below run on a side stream, as torch.cuda.graph does
     expected = float(N_OPS)
     ref = table[:128].clone()
 

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from _common import Ctx, Result, rss_mib, single, stats
+from _common import Ctx, Result, capture, rss_mib, single, stats
 from tripwire import Monitor, SiteRegistry
 
 BS = 256
@@ -78,16 +78,7 @@ def run(ctx: Ctx) -> dict:
         gather_rows(table, idx, g_out, ctr=ctr)
         torch.argmax(g_out.sum(dim=1), dim=0, keepdim=True, out=tok)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = capture(body)
     m.reset()
 
     log = logging.getLogger("tripwire")

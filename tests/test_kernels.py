@@ -111,8 +111,10 @@ def test_slot_mapping_in_range(kernel_device, monitor, guard, pos_dtype):
     assert ctr.cpu().abs().sum() == 0
 
 
-def test_slot_mapping_corrupted(kernel_device, monitor):
-    R, W, bs = 4, 5, 4
+# 4: the power-of-two path (shift and mask); 3 and 6: the general floor-division path.
+@pytest.mark.parametrize("bs", [4, 3, 6])
+def test_slot_mapping_corrupted(kernel_device, monitor, bs):
+    R, W = 4, 5
     table = (torch.arange(R * W, dtype=I32).reshape(R, W) * 3).to(kernel_device)
     table[2, 1] = 60  # == num_kv_blocks
     table[3, 0] = -4
@@ -123,12 +125,15 @@ def test_slot_mapping_corrupted(kernel_device, monitor):
     ctr = counters(sm.SITES, kernel_device, monitor)
     sm.slot_mapping(pos, rows, table, slots, bs, num_kv_blocks=60, ctr=ctr)
     ref, hits = sm.slot_mapping_reference(pos, rows, table, bs, 60)
-    # negative positions floor into negative columns (-1 -> -1, -4 -> -1, -5 -> -2), not into column 0
-    assert hits["column"] == [(1, -1), (2, -1), (3, -2), (4, 5), (7, INT32_MAX // 4), (8, INT32_MIN // 4)]
-    assert hits["row"] == [(6, 4), (9, -1), (12, INT32_MIN), (13, INT32_MAX)]
-    assert hits["block"] == [(5, 60), (10, -4), (11, INT32_MAX)]
+    if bs == 4:
+        # negative positions floor into negative columns (-1 -> -1, -4 -> -1, -5 -> -2), not into column 0
+        assert hits["column"] == [(1, -1), (2, -1), (3, -2), (4, 5), (7, INT32_MAX // 4), (8, INT32_MIN // 4)]
+        assert hits["row"] == [(6, 4), (9, -1), (12, INT32_MIN), (13, INT32_MAX)]
+        assert hits["block"] == [(5, 60), (10, -4), (11, INT32_MAX)]
+        assert slots[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]].eq(-1).all()
+    else:
+        assert hits["column"][0] == (1, -1)  # position -1 floors to column -1 at any block size
     assert torch.equal(slots.cpu(), ref)
-    assert slots[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]].eq(-1).all()
     assert_hits(ctr[0], hits["row"])
     assert_hits(ctr[1], hits["column"])
     assert_hits(ctr[2], hits["block"])
@@ -318,8 +323,9 @@ def test_random_corruptions(kernel_device, monitor, data):
     kz.kv_zero(pool, table[0], ctr=ctr)
     assert torch.equal(pool.cpu(), ref)
     assert_hits(ctr, hits)
-    # slot mapping: rows and positions (positions as int64, extremes of int32 and beyond)
-    R, W, bs = 3, 4, 4
+    # slot mapping: rows and positions (positions as int64, extremes of int32 and beyond); both division paths
+    R, W = 3, 4
+    bs = data.draw(st.sampled_from([4, 3]))
     n = data.draw(st.integers(1, 8))
     rows = data.draw(st.lists(st.one_of(st.integers(0, R - 1), _bad), min_size=n, max_size=n))
     pos = data.draw(

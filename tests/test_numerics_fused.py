@@ -522,3 +522,28 @@ def test_ptx_divides_correctly_rounded(tmp_path):
         pytest.skip(f"cannot compile for sm_90 here (no bundled ptxas?): {r['error']}")
     assert r["kernel"]["rn"] > 0 and r["kernel"]["approx"] == 0, r
     assert r["control"]["approx"] > 0, r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_inputs(monitor, kernel_device, dtype):
+    """NaN is neither clipped nor a maximum (as in the torch path); +-Inf clips and is the maximum. With one token per
+    program and several, so that the rare-path recount (a program whose max exceeds the ceiling) sees them too."""
+    fmt, heads, dim = "e4m3", 2, 16
+    for tokens in (3, 70):
+        key = torch.full((tokens, heads, dim), 1.0, dtype=dtype)
+        value = key.clone()
+        key[0, 0, 0] = float("nan")  # a program with only NaN: no clip, max 1.0 there
+        key[tokens - 1, 1, 3] = float("inf")
+        key[tokens - 1, 0, 2] = 1000.0  # clipped
+        value[1, 1, 1] = float("-inf")
+        value[1, 1, 2] = float("nan")
+        key, value = key.to(kernel_device), value.to(kernel_device)
+        slots = torch.arange(tokens, device=kernel_device)
+        kc = torch.zeros(tokens, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES[fmt])
+        vc = kc.clone()
+        fused = ClipCounter(f"nan.fused.{tokens}", kernel_device, fmt, monitor=monitor)
+        quantize_kv_to_fp8_cache(key, value, kc, vc, slots, 1.0, 1.0, fused)
+        torch_path = ClipCounter(f"nan.torch.{tokens}", kernel_device, fmt, monitor=monitor)
+        torch_path.count(key, value, 1.0, 1.0, slots)
+        want = {"k": 2, "v": 1, "k_max": float("inf"), "v_max": float("inf")}
+        assert fused.totals() == torch_path.totals() == want

@@ -107,13 +107,15 @@ def test_float64_is_not_upcast(monitor, kernel_device):
     assert torch.isinf(x.float()).sum() == 1
 
 
-def test_many_programs_accumulate(monitor, kernel_device):
-    """Small blocks: many programs, each with at most one set of atomics; counts add across programs and calls."""
+@pytest.mark.parametrize("iters", [1, 3])
+def test_many_programs_accumulate(monitor, kernel_device, iters):
+    """Small blocks: many programs, each with at most one set of atomics; counts add across programs and calls.
+    With iters=3, several load steps per program and a partial last program."""
     site = register_nonfinite_site("blocks", monitor=monitor)
     x, idx = plant((20, 50), torch.float32, kernel_device, seed=3)
     ctr = monitor.counter(site, kernel_device)
-    _launch(x, ctr, block=64, num_warps=4)
-    _launch(x, ctr, block=64, num_warps=4)
+    _launch(x, ctr, block=64, num_warps=4, iters=iters)
+    _launch(x, ctr, block=64, num_warps=4, iters=iters)
     got = decoded(monitor, site, kernel_device)
     ref = expected(idx, 50)
     assert got["count"] == 2 * ref["count"]

@@ -40,6 +40,8 @@ SITE_BLOCK = register_site(
 )
 # Counter rows in kernel order: ``ctr[k]`` is SITES[k]'s row.
 SITES = (SITE_ROW, SITE_COLUMN, SITE_BLOCK)
+# Tokens per program (the largest block): one guard reduction per program, so fewer, larger programs amortise it.
+_BLOCK_T = 1024
 
 
 @triton.jit
@@ -55,6 +57,7 @@ def _slot_mapping(
     block_size,
     num_blocks,
     BLOCK_T: tl.constexpr,
+    LOG2_BS: tl.constexpr,
     HAS_BLOCK_LIMIT: tl.constexpr,
     GUARD: tl.constexpr,
 ):
@@ -62,10 +65,17 @@ def _slot_mapping(
     m = offs < T
     pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
     r = tl.load(rows_ptr + offs, mask=m, other=0).to(tl.int64)
-    # Floor division written with non-negative operands only: Triton's // truncates toward zero, which would map
-    # positions -1..-(bs-1) into column 0 and hide them. (-1 - pos) cannot overflow, unlike -pos at INT64_MIN.
-    col = tl.where(pos >= 0, pos // block_size, -1 - (-1 - pos) // block_size)
-    within = pos - col * block_size
+    if LOG2_BS >= 0:
+        # A power-of-two block size (every engine's): the arithmetic shift IS floor division for signed integers
+        # and the mask is the matching remainder. A runtime int64 division is a long emulated sequence that made
+        # this kernel ALU-bound (twin and guarded alike), so every guard instruction showed in its time.
+        col = pos >> LOG2_BS
+        within = pos & ((1 << LOG2_BS) - 1)
+    else:
+        # Floor division written with non-negative operands only: Triton's // truncates toward zero, which would
+        # map positions -1..-(bs-1) into column 0 and hide them. (-1 - pos) cannot overflow, unlike -pos.
+        col = tl.where(pos >= 0, pos // block_size, -1 - (-1 - pos) // block_size)
+        within = pos - col * block_size
     if GUARD:
         row_ok = (r >= 0) & (r < R)
         col_ok = (col >= 0) & (col < W)
@@ -133,7 +143,7 @@ def slot_mapping(
     R, W = block_table.shape
     if T == 0:
         return slots
-    block_t = pow2(T, lo=16, hi=1024)
+    block_t = pow2(T, lo=16, hi=_BLOCK_T)
     _slot_mapping[(triton.cdiv(T, block_t),)](
         positions,
         token_rows,
@@ -146,6 +156,8 @@ def slot_mapping(
         block_size,
         0 if num_kv_blocks is None else num_kv_blocks,
         BLOCK_T=block_t,
+        # A constexpr: one compiled variant per block size an engine uses (a handful), -1 for the general path.
+        LOG2_BS=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
         HAS_BLOCK_LIMIT=num_kv_blocks is not None,
         GUARD=bool(guard),
     )

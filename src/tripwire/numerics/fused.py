@@ -1,16 +1,19 @@
 """Fused FP8 KV-cache write: quantise K/V into a paged FP8 cache through a slot mapping and count clipping in the
 same pass.
 
-One program per token. It loads the token's slot, skips it when negative (padding of a captured batch), guards it
+Each program handles a few tokens (``TOKENS_PER_PROGRAM``). For each it loads the token's slot, skips it when negative (padding of a captured batch), guards it
 against the cache size (a slot past the cache is masked -- nothing is written -- and counted at the fatal site
 ``numerics.fp8_cache.slot``, row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE division),
 ``clamp(y, -fp8_max, fp8_max)``, round-to-nearest-even cast to FP8, store. With ``COUNT`` the same registers give
 the number of elements with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and the max
-magnitude, recorded in the layer's clip row with at most one set of atomics per program.
+magnitude, recorded in the layer's clip row with at most one set of atomics per program (the ``|x|`` tested is
+the input before scaling, NaN neither clips nor counts as a maximum).
 
-Hot-path cost of counting: two block reductions per tensor (sum, max) on data already in registers, one L2 load of
-the max slots, and atomics only when a program clipped something or saw a new maximum (rare once the maximum has
-settled). ``benchmarks/bench_numerics.py`` measures it against the same kernel with ``COUNT=False, GUARD=False``.
+Hot-path cost of counting: a running max of ``|x|`` per head (one fmax per element plus a row reduction per token),
+two reductions per program, two L2 loads of the stored maxima issued at the program's start, and atomics only when a
+program clipped something or saw a new maximum (rare once the maximum has settled). A program whose maximum exceeds
+its threshold counts exactly in a second read of its tokens (the fault case pays, the healthy case does not).
+``benchmarks/bench_numerics.py`` measures it against the same kernel with ``COUNT=False, GUARD=False``.
 
 Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
 the GPU (the PTX conversion is ``cvt.rn.satfinite``, torch's is round-to-nearest-even; after the clamp both agree).
@@ -28,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton import guard_index
+from ..triton import record_hits
 from .clip import FP8_MAX, SLOT_SITE_DESCRIPTION, SLOT_SITE_NAME, ClipCounter
 
 __all__ = ["FP8_CACHE_SLOT_SITE", "quantize_kv_to_fp8_cache"]
@@ -39,7 +42,6 @@ FP8_CACHE_SLOT_SITE = register_site(SLOT_SITE_NAME, description=SLOT_SITE_DESCRI
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 # Scale modes (a constexpr per tensor): a scalar kernel argument, a 1-element tensor, a [heads] tensor.
 _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
-_F32_INF_BITS = tl.constexpr(0x7F800000)
 
 
 @triton.jit
@@ -116,23 +118,48 @@ def _quantize_store(
 
 
 @triton.jit
-def _accumulate_clip(cnt, mx, x, lane, thr):
-    """Elementwise running clip count and max-magnitude bits over a program's tokens (reduced once at the end)."""
-    a = tl.abs(x)
-    cnt += (lane & (a > thr)).to(tl.int32)
-    # Max magnitude as float32 bits (monotone for non-negative floats); NaN (bits above +inf) is left out.
-    bits = a.to(tl.int32, bitcast=True)
-    return cnt, tl.maximum(mx, tl.where(lane & (bits <= _F32_INF_BITS), bits, 0))
+def _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD: tl.constexpr):
+    """``(raw, slot, lane)`` of token ``tok``: ``raw`` = the slot read (-1 past the batch); ``lane`` = the tile where
+    the token is present, not padding (negative slot) and, with ``GUARD``, inside the cache; ``slot`` = ``raw``
+    where it is used, 0 elsewhere. Recording happens in the caller (the main pass records a bad slot once; the
+    recount pass must not record it again)."""
+    present = tok < num_tokens
+    raw = tl.load(slot_ptr + tok, mask=present, other=-1).to(tl.int64)
+    ok = raw >= 0  # negative slot (or past the batch): padding row, neither written nor counted
+    if GUARD:
+        ok = ok & (raw < num_slots)
+    slot = tl.where(ok, raw, 0)  # a masked token's addresses stay inside the cache (no wild pointer arithmetic)
+    # The scalar `ok` is widened through an int32 block: the interpreter splats a scalar int1 as int32, which it then
+    # refuses as a load mask (on the GPU this folds away).
+    lane = in_tile & ((h * 0 + d * 0 + ok.to(tl.int32)) != 0)
+    return raw, slot, lane
 
 
 @triton.jit
-def _record_clip(ctr_ptr, slot, n, m):
-    if n > 0:
-        tl.atomic_add(ctr_ptr + slot, n.to(tl.int64))
-    # Pre-check with a plain L2 load: the slot only grows, so a stale read can only cause a redundant atomic, never
-    # a missed one; once the maximum has settled, programs issue no atomics at all.
-    if m > tl.load(ctr_ptr + slot + 2, cache_modifier=".cg"):
-        tl.atomic_max(ctr_ptr + slot + 2, m)
+def _count_clipped(
+    src_ptr, stride, slot_ptr, num_tokens, num_slots, src, in_tile, h, d, thr, TPP: tl.constexpr, GUARD: tl.constexpr
+):
+    """Exact count of the program's elements with ``|x| > thr`` (the rare path: only a program whose maximum
+    exceeded a threshold runs it). Re-reads the program's inputs, which the main pass has just read (L2-hot)."""
+    n = tl.full([], 0, tl.int32)
+    for i in range(TPP):
+        tok = tl.program_id(0) * TPP + i
+        _, _, lane = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
+        x = tl.load(src_ptr + tok.to(tl.int64) * stride + src, mask=lane, other=0.0).to(tl.float32)
+        # A reduction per token (rare path) instead of a tile accumulator: no extra registers held across the loop.
+        n += tl.sum((tl.abs(x) > thr).to(tl.int32), axis=None)
+    return n
+
+
+@triton.jit
+def _over(mx, m, thr, MODE: tl.constexpr):
+    """Whether some element exceeded its threshold, from the running max ``mx`` and its reduction ``m``."""
+    if MODE == 2:
+        # Per-head thresholds compare per head: one more (rare-mode) reduction.
+        res = tl.max((mx > thr).to(tl.int32), axis=None) > 0
+    else:
+        res = m > thr  # one threshold: the program's max says it all
+    return res
 
 
 @triton.jit
@@ -162,9 +189,12 @@ def _fp8_kv_cache_kernel(
     GUARD: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
 ):
-    # Several tokens per program, counted elementwise and reduced ONCE at the end: per-token block reductions and
-    # counter atomics dominated this short kernel (measured on an H200: +45 % over the uncounted twin with one token
-    # per program). The uncounted twin runs the same loop, so the comparison stays fair.
+    # Several tokens per program, reduced ONCE at the end: per-token block reductions and counter atomics dominated
+    # this short kernel. The uncounted twin runs the same loop, so the comparison stays fair.
+    # Counting on the hot path is a running max of |x| per head (fmax with an abs operand, then a row reduction).
+    # "Some element of the program clipped" is exactly "the program's max |x| exceeds its threshold", so only such
+    # a program (rare: the fault case) pays for an exact count, in a second pass (_count_clipped). Counting every
+    # element in the main pass (compare, convert, add, plus a bit-pattern max) cost +42..58 % on an H200.
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     src = h * D + d
@@ -177,24 +207,24 @@ def _fp8_kv_cache_kernel(
     MIN_EXP: tl.constexpr = 113 if FP8_MAX == 57344.0 else 121
     SUB_SCALE: tl.constexpr = 65536.0 if FP8_MAX == 57344.0 else 512.0
     if COUNT:
+        # Per-head running maxima ([BLOCK_H, 1]): a full-tile accumulator held 16 more registers per thread across
+        # the loop, and registers are what this latency-bound kernel's occupancy is made of (H200 sweep: 71 vs 55
+        # registers, +29 % vs +17 % over the twin at 32768 tokens).
+        mx_k = tl.zeros([BLOCK_H, 1], tl.float32)
+        mx_v = tl.zeros([BLOCK_H, 1], tl.float32)
+        # The stored maxima, read now so that their L2 latency hides under the loop (read at the end, two dependent
+        # L2 round trips sat on every program's tail). Stale is fine: the slots only grow, so a stale value can only
+        # cause a redundant atomic, never a missed one; once they have settled, programs issue no atomics at all.
+        prev_k = tl.load(clip_ctr_ptr + 2, cache_modifier=".cg")
+        prev_v = tl.load(clip_ctr_ptr + 3, cache_modifier=".cg")
         thr_k = _threshold(ks, FP8_MAX)
         thr_v = _threshold(vs, FP8_MAX)
-        cnt_k = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
-        cnt_v = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
-        mx_k = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
-        mx_v = tl.zeros([BLOCK_H, BLOCK_D], tl.int32)
     for i in range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0) * TOKENS_PER_PROGRAM + i
-        present = tok < num_tokens
-        slot = tl.load(slot_ptr + tok, mask=present, other=-1).to(tl.int64)
-        live = slot >= 0  # negative slot (or past the batch): padding row, neither written nor counted
+        raw, slot, lane = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
         if GUARD:
-            slot, ok = guard_index(slot, 0, num_slots, slot_ctr_ptr, tok, mask=live)
-        else:
-            ok = live
-        # The scalar `ok` is widened through an int32 block: the interpreter splats a scalar int1 as int32, which it
-        # then refuses as a load mask (on the GPU this folds away).
-        lane = in_tile & ((h * 0 + d * 0 + ok.to(tl.int32)) != 0)
+            # A token whose slot is past the cache: masked in _token_lane, recorded here (once) with the raw slot.
+            record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
         dst = slot * (H * D) + src
         tok64 = tok.to(tl.int64)
         xk = _quantize_store(
@@ -212,11 +242,57 @@ def _fp8_kv_cache_kernel(
             SUB_SCALE,
         )
         if COUNT:
-            cnt_k, mx_k = _accumulate_clip(cnt_k, mx_k, xk, lane, thr_k)
-            cnt_v, mx_v = _accumulate_clip(cnt_v, mx_v, xv, lane, thr_v)
+            # Masked lanes loaded 0.0; NaN is left out (maxnum returns the other operand), as in ClipCounter.count.
+            mx_k = tl.maximum(mx_k, tl.max(tl.abs(xk), axis=1, keep_dims=True))
+            mx_v = tl.maximum(mx_v, tl.max(tl.abs(xv), axis=1, keep_dims=True))
     if COUNT:
-        _record_clip(clip_ctr_ptr, 0, tl.sum(cnt_k, axis=None), tl.max(mx_k, axis=None).to(tl.int64))  # slots 0, 2
-        _record_clip(clip_ctr_ptr, 1, tl.sum(cnt_v, axis=None), tl.max(mx_v, axis=None).to(tl.int64))  # slots 1, 3
+        # Two reductions for the program's tail (K's and V's maxima); the clip test reuses them (one threshold) or
+        # compares per head. (Joining the two tiles to reduce them in one pass cost more: the join goes through
+        # shared memory.)
+        m_k = tl.max(mx_k, axis=None)
+        m_v = tl.max(mx_v, axis=None)
+        over_k = _over(mx_k, m_k, thr_k, K_SCALE_MODE)
+        over_v = _over(mx_v, m_v, thr_v, V_SCALE_MODE)
+        # The rare path: exact counts, from a second read of this program's tokens.
+        if over_k:
+            n_k = _count_clipped(
+                key_ptr,
+                key_stride,
+                slot_ptr,
+                num_tokens,
+                num_slots,
+                src,
+                in_tile,
+                h,
+                d,
+                thr_k,
+                TOKENS_PER_PROGRAM,
+                GUARD,
+            )
+            tl.atomic_add(clip_ctr_ptr + 0, n_k.to(tl.int64))
+        if over_v:
+            n_v = _count_clipped(
+                value_ptr,
+                value_stride,
+                slot_ptr,
+                num_tokens,
+                num_slots,
+                src,
+                in_tile,
+                h,
+                d,
+                thr_v,
+                TOKENS_PER_PROGRAM,
+                GUARD,
+            )
+            tl.atomic_add(clip_ctr_ptr + 1, n_v.to(tl.int64))
+        # Max magnitude as float32 bits (monotone for non-negative floats, so an integer atomic max is valid).
+        bits_k = m_k.to(tl.int32, bitcast=True).to(tl.int64)
+        bits_v = m_v.to(tl.int32, bitcast=True).to(tl.int64)
+        if bits_k > prev_k:
+            tl.atomic_max(clip_ctr_ptr + 2, bits_k)
+        if bits_v > prev_v:
+            tl.atomic_max(clip_ctr_ptr + 3, bits_v)
 
 
 def _scale_arg(scale: float | torch.Tensor, heads: int, device: torch.device, what: str) -> tuple[object, int]:
@@ -297,18 +373,21 @@ def _check_inputs(
 
 
 _SM_COUNT: dict[torch.device, int] = {}
+# H200 sweep (bench_numerics.py shapes): 4 tokens per program was the fastest counted kernel at 16384 and 32768 tokens
+# (16 was 10-15 % slower: fewer programs to hide latency with), and as fast as 1-2 at 2048.
+_MAX_TOKENS_PER_PROGRAM = 4
 
 
 def _tokens_per_program(tokens: int, device: torch.device) -> int:
-    """Tokens per program: enough programs for about four waves over the SMs, at most 16 tokens each, a power of
-    two (a constexpr: at most five compiled variants). The SM count is a cached host-side property (no sync)."""
+    """Tokens per program: enough programs for about four waves over the SMs, at most _MAX_TOKENS_PER_PROGRAM each,
+    a power of two (a constexpr: at most three compiled variants). The SM count is a cached host property (no sync)."""
     if device.type != "cuda":
         return 1 if tokens < 64 else 4
     sms = _SM_COUNT.get(device)
     if sms is None:
         sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
     per = max(1, tokens // (4 * sms))
-    return min(16, 1 << (per.bit_length() - 1))
+    return min(_MAX_TOKENS_PER_PROGRAM, 1 << (per.bit_length() - 1))
 
 
 def _launch(
