@@ -555,3 +555,29 @@ def test_unknown_kind_is_logged_once_not_a_loop_failure(registry, caplog):
         m.poll()
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and "no reporter" in r.getMessage()]
     assert len(errors) == 1 and m.armed is None and m.loop_errors == 0
+
+
+def test_progress_sums_each_kinds_own_count_slots(registry, monitor, caplog):
+    """A row's progress is the sum of ITS kind's count slots (computed as whole-column operations): a clip row's
+    V count (slot 1) is progress, a guard row's slot 1 (its max row) is not, and a row of a kind with no reporter
+    is read but never reported."""
+    import tripwire.numerics  # noqa: F401  (registers the "clip" reporter)
+
+    g = registry.register("k.guard")
+    c = registry.register("k.clip", kind="clip")
+    u = registry.register("k.unknown", kind="no-such-kind")
+    gr, cr, ur = (monitor.counter(s, "cpu") for s in (g, c, u))
+    cr[1] = 3  # V clipped count only
+    gr[MAX_ROW] = encode(9)  # an extreme without a count: no progress for a guard row
+    ur[COUNT] = 5
+    for _ in range(6):  # past the bounded wait for a first offender that never lands
+        monitor.poll()
+    lines = warnings(caplog)
+    assert len(lines) == 1 and "'k.clip'" in lines[0]
+    assert monitor.snapshot().get(("cpu", "k.guard")) is None
+    # The same plan after the registry grows (the cached plan is rebuilt for the new size).
+    g2 = registry.register("k.guard2")
+    hit(monitor.counter(g2, "cpu"), 4, 7)
+    monitor.poll()
+    monitor.poll()
+    assert any("'k.guard2'" in line for line in warnings(caplog))

@@ -36,6 +36,7 @@ from .layout import (
     MAX_ROW,
     MAX_VALUE,
     NEG_MIN,
+    SLOTS,
     VALUE_MAX,
     VALUE_MIN,
     decode,
@@ -209,7 +210,8 @@ class Monitor:
         self._pending: dict[str, dict[int, list[int]]] = {}
         self._latest: dict[str, np.ndarray] = {}
         self._emitted: dict[tuple[str, int], _Emitted] = {}
-        self._kind_index: tuple[int, dict[str, np.ndarray]] = (-1, {})
+        # Per registry size: the row ids of each kind, and the progress plan (slot, 0/1 mask or None = every row).
+        self._kind_index: tuple[int, dict[str, np.ndarray], tuple[tuple[int, np.ndarray | None], ...]] = (-1, {}, ())
         self._relaxed: str | None = None  # how the latest reader thread's capture mode was relaxed
         # The capture mode is per THREAD: a reader thread started again after stop() must relax its own.
         self._tls = threading.local()
@@ -515,8 +517,11 @@ class Monitor:
             rep = self._reporters[kind] = factory()
         return rep  # type: ignore[no-any-return]
 
-    def _kinds(self, n: int) -> dict[str, np.ndarray]:
-        cached_n, index = self._kind_index
+    def _kinds(self, n: int) -> tuple[dict[str, np.ndarray], tuple[tuple[int, np.ndarray | None], ...]]:
+        """Row ids per kind, and how to compute every row's progress (the sum of its kind's count slots) as a few
+        whole-column numpy operations: ``(slot, mask)`` pairs, mask None when every row counts that slot. Built
+        once per registry size: the tick then does no fancy indexing (it cost ~20 ns per row per tick)."""
+        cached_n, index, plan = self._kind_index
         if cached_n != n:
             groups: dict[str, list[int]] = {}
             for site in self.registry.all()[:n]:
@@ -530,8 +535,19 @@ class Monitor:
                     continue
                 groups.setdefault(site.kind, []).append(site.id)
             index = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
-            self._kind_index = (n, index)
-        return index
+            counts = np.zeros((n, SLOTS), dtype=bool)
+            counts[:, COUNT] = True  # rows without a reporter: slot 0, like guard rows (read, never reported)
+            for kind, ids in index.items():
+                counts[ids] = False
+                for slot in self._reporter(kind).count_slots:
+                    counts[ids, slot] = True
+            plan = tuple(
+                (slot, None if counts[:, slot].all() else counts[:, slot].astype(np.int64))
+                for slot in range(SLOTS)
+                if counts[:, slot].any()
+            )
+            self._kind_index = (n, index, plan)
+        return index, plan
 
     def _process(self, device: str, rows: np.ndarray, now: float, *, final: bool) -> None:
         n = rows.shape[0]
@@ -543,12 +559,10 @@ class Monitor:
                 grown[: reported.shape[0]] = reported
             reported = self._reported[device] = grown
         pending = self._pending.setdefault(device, {})
-        # Most rows count in slot 0; only kinds that count elsewhere pay for fancy indexing.
-        progress = rows[:, COUNT].copy()
-        for kind, ids in self._kinds(n).items():
-            slots = tuple(self._reporter(kind).count_slots)
-            if slots != (COUNT,):
-                progress[ids] = rows[ids][:, list(slots)].sum(axis=1)
+        # progress = the sum of each row's count slots, one whole-column operation per slot in use (see _kinds).
+        progress = np.zeros(n, dtype=np.int64)
+        for slot, mask in self._kinds(n)[1]:
+            progress += rows[:, slot] if mask is None else rows[:, slot] * mask
         # A counter that went down was zeroed behind our back (reset of another kind): follow it, report nothing.
         down = progress < reported[:n]
         reported[:n][down] = progress[down]
