@@ -369,3 +369,34 @@ def test_gpu_graph_replay_counts_n_times(caplog):
         torch.cuda.synchronize()
     msgs = warnings_of(caplog)
     assert msgs and f"({n * rk} total)" in msgs[-1] and "cuda:0" in msgs[-1]
+
+
+def test_heartbeat_continues_after_reset(caplog):
+    """reset() drops the reporters (they keep per-row state); the next read makes them again, so the heartbeat
+    goes on. Control: without re-making them on the read, no heartbeat follows the reset."""
+    caplog.set_level(logging.INFO, logger="tripwire")
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16, heartbeat=0.01, interval=0.01)
+    ClipCounter("layers.0.attn", "cpu", monitor=m)
+
+    def beats():
+        return [r for r in caplog.records if r.levelno == logging.INFO and "alive" in r.getMessage()]
+
+    def polls(k: int) -> int:
+        before = len(beats())
+        for _ in range(k):
+            time.sleep(0.012)
+            m.poll()
+        return len(beats()) - before
+
+    assert polls(3) == 3
+    m.reset()
+    assert polls(3) == 3
+    # Control: the reporter is not re-made on the read (the regression), so nothing ticks.
+    m.reset()
+    real = m._reporter
+    m._reporter = lambda kind: m._reporters.get(kind)  # type: ignore[method-assign,assignment]
+    try:
+        assert polls(3) == 0
+    finally:
+        m._reporter = real  # type: ignore[method-assign]

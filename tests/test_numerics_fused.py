@@ -547,3 +547,46 @@ def test_nan_and_inf_inputs(monitor, kernel_device, dtype):
         torch_path.count(key, value, 1.0, 1.0, slots)
         want = {"k": 2, "v": 1, "k_max": float("inf"), "v_max": float("inf")}
         assert fused.totals() == torch_path.totals() == want
+
+
+@pytest.mark.parametrize("tokens", [5, 70])
+@pytest.mark.parametrize("kind", ["1elem", "per_head"])
+def test_corrupted_negative_scale_tensor_counts_only_live_lanes(monitor, kernel_device, tokens, kind):
+    """A scale TENSOR cannot be checked on the host without a sync, so a corrupted one (negative) reaches the kernel:
+    every element then exceeds the (negative) ceiling, and the exact recount must still count only live lanes --
+    not padded head_dim lanes, padding rows, slots past the cache, or tokens past a partial last program. The
+    control: counting the masked lanes too (what an unmasked recount did) gives a different number."""
+    heads, dim, nslots = 3, 12, 200
+    scale = torch.tensor([-1.0] if kind == "1elem" else [-1.0, 1.0, -2.0], device=kernel_device)
+    g = torch.Generator().manual_seed(tokens)
+    key = (torch.randn(tokens, heads, dim, generator=g) * 3).to(kernel_device)
+    value = key.clone()
+    slots = torch.randperm(nslots, generator=g)[:tokens]
+    slots[1] = -1  # padding row
+    slots[2] = nslots + 7  # past the cache: masked and counted at the slot site, never as clipping
+    slots = slots.to(kernel_device)
+    kc = torch.zeros(nslots, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
+    vc = kc.clone()
+    fused = ClipCounter(f"neg.fused.{tokens}.{kind}", kernel_device, "e4m3", monitor=monitor)
+    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, scale, scale, fused)
+    torch_path = ClipCounter(f"neg.torch.{tokens}.{kind}", kernel_device, "e4m3", monitor=monitor)
+    valid = (slots >= 0) & (slots < nslots)
+    torch_path.count(key, value, scale, scale, torch.where(valid, slots, -1))
+    want, _ = f64_reference(key, scale, "e4m3", valid)
+    assert fused.totals()["k"] == torch_path.totals()["k"] == want > 0
+    # Control: what a recount that also counted masked lanes would report. Masked lanes load 0.0, and 0.0 exceeds
+    # a negative ceiling; padded heads load the scale 1.0 (positive ceiling). Tiles are 4 x 16, programs cover
+    # whole groups of tokens_per_program tokens.
+    from tripwire.numerics.fused import _tokens_per_program
+
+    tpp = _tokens_per_program(tokens, torch.device(kernel_device))
+    ceil = (scale.double().cpu().expand(heads) if kind == "1elem" else scale.double().cpu()) * FP8_MAX["e4m3"]
+    ceil = torch.cat([ceil, ceil[:1] if kind == "1elem" else torch.tensor([448.0], dtype=torch.float64)])
+    unmasked = 0
+    for t in range(-(-tokens // tpp) * tpp):
+        for h in range(4):
+            for d in range(16):
+                live = t < tokens and bool(valid[t]) and h < heads and d < dim
+                a = abs(float(key[t, h, d])) if live else 0.0
+                unmasked += a > float(ceil[h])
+    assert unmasked != want

@@ -559,9 +559,13 @@ class Monitor:
                 grown[: reported.shape[0]] = reported
             reported = self._reported[device] = grown
         pending = self._pending.setdefault(device, {})
+        index, plan = self._kinds(n)
+        for kind in index:
+            # Reporters are made lazily and reset() drops them; _poll ticks (heartbeats) only those that exist.
+            self._reporter(kind)
         # progress = the sum of each row's count slots, one whole-column operation per slot in use (see _kinds).
         progress = np.zeros(n, dtype=np.int64)
-        for slot, mask in self._kinds(n)[1]:
+        for slot, mask in plan:
             progress += rows[:, slot] if mask is None else rows[:, slot] * mask
         # A counter that went down was zeroed behind our back (reset of another kind): follow it, report nothing.
         down = progress < reported[:n]

@@ -147,7 +147,9 @@ def _count_clipped(
         _, _, lane = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
         x = tl.load(src_ptr + tok.to(tl.int64) * stride + src, mask=lane, other=0.0).to(tl.float32)
         # A reduction per token (rare path) instead of a tile accumulator: no extra registers held across the loop.
-        n += tl.sum((tl.abs(x) > thr).to(tl.int32), axis=None)
+        # Masked by `lane`: a masked lane loaded 0.0, which a threshold below zero (a corrupted scale TENSOR, which
+        # the launcher cannot check without a sync) would count.
+        n += tl.sum((lane & (tl.abs(x) > thr)).to(tl.int32), axis=None)
     return n
 
 
