@@ -151,7 +151,7 @@ def _nonfinite(
     # The rare path: a few NaNs (one set of atomics in the programs that hold them).
     x.view(-1)[:: x.numel() // 7] = float("nan")
     t_nan = _time({"with_nan": fns["nonfinite"]}, 1, rep_ms, per_graph=10)["with_nan"]
-    default_block = max(1024, nonfinite_mod._BLOCK_BYTES // x.element_size())
+    default_block = nonfinite_mod.default_block(x.dtype)
     return {
         "shape": list(shape),
         "dtype": "bfloat16",

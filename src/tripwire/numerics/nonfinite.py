@@ -130,8 +130,12 @@ def count_nonfinite(
     numel = tensor.numel()
     if numel == 0:
         return
-    block = max(1024, _BLOCK_BYTES // tensor.element_size())
-    _launch(tensor, ctr, block, _NUM_WARPS, _ITERS)
+    _launch(tensor, ctr, default_block(tensor.dtype), _NUM_WARPS, _ITERS)
+
+
+def default_block(dtype: torch.dtype) -> int:
+    """Elements per load step for ``dtype``: _BLOCK_BYTES worth, at least 1024 (float64: 8 KiB)."""
+    return max(1024, _BLOCK_BYTES // dtype.itemsize)
 
 
 def _launch(tensor: torch.Tensor, ctr: torch.Tensor, block: int, num_warps: int, iters: int = 1) -> None:
