@@ -232,3 +232,17 @@ def test_bench_gather_kernel_counts_and_masks(kernel_device) -> None:
     assert not out[2].any() and torch.equal(out[[0, 1, 3]], table[good[[0, 1, 3]]])
     with pytest.raises(ValueError, match="ctr"):
         gather_rows(table, good, out)
+
+
+def test_q3_median_and_se_resists_phase_rounds() -> None:
+    """q3's estimator: the median of per-round paired overheads with a MAD-based standard error. Two rounds caught in
+    a host phase change (+60 %) must not move it; the control, a plain mean, moves by several percent."""
+    import statistics
+
+    from q3_step_loop import median_and_se
+
+    rounds = [0.05, -0.05, 0.1, 0.0, -0.1, 0.05, 0.0, 60.0, -38.0, 0.02]
+    med, se = median_and_se(rounds)
+    assert abs(med - 0.01) < 1e-9 and 0 < se < 0.1
+    assert abs(statistics.fmean(rounds) - med) > 2.0  # the control: the mean is dragged by the two phase rounds
+    assert median_and_se([0.3]) == (0.3, float("inf"))

@@ -489,7 +489,7 @@ types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_c
          "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "clip_ctr_ptr": "*i64", "slot_ctr_ptr": "*i64",
          "num_slots": "i64", "num_tokens": "i32", "key_stride": "i64", "value_stride": "i64"}
 consts = dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128, K_SCALE_MODE=0, V_SCALE_MODE=0, FP8_MAX=57344.0,
-              FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4)
+              FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4, VEC=8)
 try:
     k = ptx(_fp8_kv_cache_kernel, types, consts)
     c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
@@ -590,3 +590,40 @@ def test_corrupted_negative_scale_tensor_counts_only_live_lanes(monitor, kernel_
                 a = abs(float(key[t, h, d])) if live else 0.0
                 unmasked += a > float(ceil[h])
     assert unmasked != want
+
+
+@pytest.mark.parametrize("vec", [1, 2, 4, 8, 16, 32])
+def test_running_max_chunk_gives_the_same_counts(monitor, kernel_device, vec):
+    """The running max reduces each thread's ``vec`` contiguous elements per token (the launcher picks the thread's
+    16-byte load); any chunk must give the torch path's exact counts and maxima. The planted maximum and the clipped
+    elements sit at the end of a chunk and in the last live column before head_dim's padding (20 of a 32-wide block),
+    so a reduction that skipped chunk elements or read padded lanes would change the totals."""
+    tokens, heads, dim = 9, 3, 20
+    g = torch.Generator().manual_seed(vec)
+    key = (torch.randn(tokens, heads, dim, generator=g) * 50).to(kernel_device)
+    value = (torch.randn(tokens, heads, dim, generator=g) * 50).to(kernel_device)
+    key[4, 2, 19] = 1000.0  # clipped, the maximum, last live column
+    key[7, 0, 7] = -700.0  # clipped, end of an 8-chunk
+    value[2, 1, 15] = 3000.0  # clipped, the maximum, end of a 16-chunk
+    slots = torch.arange(tokens, device=kernel_device)
+    slots[3] = -1  # padding: its row holds the V maximum below, which must not count
+    value[3, 0, 0] = 9000.0
+    kc = torch.zeros(tokens, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
+    vc = kc.clone()
+    fused = ClipCounter(f"vec.fused.{vec}", kernel_device, "e4m3", monitor=monitor)
+    _launch(key, value, kc, vc, slots, 1.0, 1.0, fused, count=True, guard=True, vec=vec)
+    torch_path = ClipCounter(f"vec.torch.{vec}", kernel_device, "e4m3", monitor=monitor)
+    torch_path.count(key, value, 1.0, 1.0, slots)
+    want = torch_path.totals()
+    assert (want["k"], want["v"], want["k_max"], want["v_max"]) == (2, 1, 1000.0, 3000.0)
+    assert fused.totals() == want
+
+
+def test_running_max_chunk_is_checked(monitor, kernel_device):
+    c = ClipCounter("vec.bad", kernel_device, "e4m3", monitor=monitor)
+    x = torch.zeros(2, 1, 16, device=kernel_device)
+    kc = torch.zeros(4, 1, 16, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
+    slots = torch.arange(2, device=kernel_device)
+    for bad in (0, 3, 32):
+        with pytest.raises(ValueError, match="vec must be a power of two"):
+            _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, vec=bad)

@@ -10,11 +10,12 @@ the number of elements with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire
 magnitude, recorded in the layer's clip row with at most one set of atomics per program (the ``|x|`` tested is
 the input before scaling, NaN neither clips nor counts as a maximum).
 
-Hot-path cost of counting: a running max of ``|x|`` per head (one fmax per element plus a row reduction per token),
-two reductions per program, two L2 loads of the stored maxima issued at the program's start, and atomics only when a
-program clipped something or saw a new maximum (rare once the maximum has settled). A program whose maximum exceeds
-its threshold counts exactly in a second read of its tokens (the fault case pays, the healthy case does not).
-``benchmarks/bench_numerics.py`` measures it against the same kernel with ``COUNT=False, GUARD=False``.
+Hot-path cost of counting: a running max of ``|x|`` kept per thread (one fmax per element, no cross-thread work per
+token), one joint K/V block reduction per program and two fire-and-forget atomic maxima per program. A program
+whose maximum exceeds its threshold counts exactly in a second read of its tokens (the fault case pays, the healthy
+case does not). ``benchmarks/bench_numerics.py`` measures it against the same kernel with ``COUNT=False,
+GUARD=False``: on an H200 about +6..8 % (the kernel is issue-bound: the division, clamp and FP8 rounding are ~30
+instructions per element, the running max is one more, and the per-program reduction is the rest).
 
 Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
 the GPU (the PTX conversion is ``cvt.rn.satfinite``, torch's is round-to-nearest-even; after the clamp both agree).
@@ -93,7 +94,7 @@ def _round_to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, SUB_SCALE: 
 
 @triton.jit
 def _quantize_store(
-    src_ptrs,
+    x,
     dst_ptrs,
     lane,
     s,
@@ -103,7 +104,6 @@ def _quantize_store(
     MIN_EXP: tl.constexpr,
     SUB_SCALE: tl.constexpr,
 ):
-    x = tl.load(src_ptrs, mask=lane, other=0.0).to(tl.float32)
     # Correctly rounded division (div.rn.f32), as torch's CUDA `x / s` with a tensor divisor computes it. Neither
     # `/` nor `tl.fdiv(..., ieee_rounding=True)` gives that on Triton 3.6: its fdiv ignores ieee_rounding and
     # lowers to the approximate div.full.f32 (measured on an H200: 18432 / 0.6f came out 30720.0, not 30719.998,
@@ -115,14 +115,13 @@ def _quantize_store(
     y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     y = _round_to_fp8_grid(y, MANT, MIN_EXP, SUB_SCALE)
     tl.store(dst_ptrs, y.to(FP8_TYPE), mask=lane)
-    return x
 
 
 @triton.jit
 def _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD: tl.constexpr):
-    """``(raw, slot, lane)`` of token ``tok``: ``raw`` = the slot read (-1 past the batch); ``lane`` = the tile where
-    the token is present, not padding (negative slot) and, with ``GUARD``, inside the cache; ``slot`` = ``raw``
-    where it is used, 0 elsewhere. Recording happens in the caller (the main pass records a bad slot once; the
+    """``(raw, slot, lane, ok)`` of token ``tok``: ``raw`` = the slot read (-1 past the batch); ``ok`` = the token is
+    present, not padding (negative slot) and, with ``GUARD``, inside the cache; ``lane`` = ``ok`` over the tile;
+    ``slot`` = ``raw`` where it is used, 0 elsewhere. Recording happens in the caller (the main pass records a bad slot once; the
     recount pass must not record it again)."""
     present = tok < num_tokens
     raw = tl.load(slot_ptr + tok, mask=present, other=-1).to(tl.int64)
@@ -133,7 +132,7 @@ def _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD: tl.c
     # The scalar `ok` is widened through an int32 block: the interpreter splats a scalar int1 as int32, which it then
     # refuses as a load mask (on the GPU this folds away).
     lane = in_tile & ((h * 0 + d * 0 + ok.to(tl.int32)) != 0)
-    return raw, slot, lane
+    return raw, slot, lane, ok
 
 
 @triton.jit
@@ -145,13 +144,18 @@ def _count_clipped(
     n = tl.full([], 0, tl.int32)
     for i in range(TPP):
         tok = tl.program_id(0) * TPP + i
-        _, _, lane = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
+        _, _, lane, _ = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
         x = tl.load(src_ptr + tok.to(tl.int64) * stride + src, mask=lane, other=0.0).to(tl.float32)
         # A reduction per token (rare path) instead of a tile accumulator: no extra registers held across the loop.
         # Masked by `lane`: a masked lane loaded 0.0, which a threshold below zero (a corrupted scale TENSOR, which
         # the launcher cannot check without a sync) would count.
         n += tl.sum((lane & (tl.abs(x) > thr)).to(tl.int32), axis=None)
     return n
+
+
+@triton.jit
+def _max2(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.maximum(b0, b1)
 
 
 @triton.jit
@@ -191,13 +195,14 @@ def _fp8_kv_cache_kernel(
     COUNT: tl.constexpr,
     GUARD: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     # Several tokens per program, reduced ONCE at the end: per-token block reductions and counter atomics dominated
     # this short kernel. The uncounted twin runs the same loop, so the comparison stays fair.
-    # Counting on the hot path is a running max of |x| per head (fmax with an abs operand, then a row reduction).
-    # "Some element of the program clipped" is exactly "the program's max |x| exceeds its threshold", so only such
-    # a program (rare: the fault case) pays for an exact count, in a second pass (_count_clipped). Counting every
-    # element in the main pass (compare, convert, add, plus a bit-pattern max) cost +42..58 % on an H200.
+    # Counting on the hot path is a running max of |x|. "Some element of the program clipped" is exactly "the
+    # program's max |x| exceeds its threshold", so only such a program (rare: the fault case) pays for an exact
+    # count, in a second pass (_count_clipped). Counting every element in the main pass (compare, convert, add, plus
+    # a bit-pattern max) cost +42..58 % on an H200.
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     src = h * D + d
@@ -210,49 +215,42 @@ def _fp8_kv_cache_kernel(
     MIN_EXP: tl.constexpr = 113 if FP8_MAX == 57344.0 else 121
     SUB_SCALE: tl.constexpr = 65536.0 if FP8_MAX == 57344.0 else 512.0
     if COUNT:
-        # Per-head running maxima ([BLOCK_H, 1]): a full-tile accumulator held 16 more registers per thread across
-        # the loop, and registers are what this latency-bound kernel's occupancy is made of (H200 sweep: 71 vs 55
-        # registers, +29 % vs +17 % over the twin at 32768 tokens).
-        mx_k = tl.zeros([BLOCK_H, 1], tl.float32)
-        mx_v = tl.zeros([BLOCK_H, 1], tl.float32)
-        # The stored maxima, read before the loop so that their L2 latency can overlap it (the H200 sweep measured
-        # this and a read at the end within noise of each other). Stale is fine: the slots only grow, so a stale value
-        # can only cause a redundant atomic, never a missed one; once settled, programs issue no atomics at all.
-        prev_k = tl.load(clip_ctr_ptr + 2, cache_modifier=".cg")
-        prev_v = tl.load(clip_ctr_ptr + 3, cache_modifier=".cg")
-        thr_k = _threshold(ks, FP8_MAX)
-        thr_v = _threshold(vs, FP8_MAX)
+        # Running maxima kept per thread: [BLOCK_H, BLOCK_D // VEC], VEC = the contiguous elements one thread holds
+        # (its 16-byte load), so the per-token max over VEC is in-thread fmax only. A per-head row reduction per
+        # token (warp shuffles) measured +12 % over the twin on an H200, this +7 %; a full-tile accumulator holds
+        # VEC times more registers for the same instruction count.
+        mx_k = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
+        mx_v = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
     for i in range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0) * TOKENS_PER_PROGRAM + i
-        raw, slot, lane = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
+        tok64 = tok.to(tl.int64)
+        # K and V are loaded first, masked by the batch only, not by the slot: no store can sit between the loads
+        # (the compiler cannot move a load across a store to a possibly aliasing cache) and the loads need not wait
+        # for the slot's load. Padding rows are read (they are inside the batch) and masked below.
+        ld = in_tile & ((h * 0 + d * 0 + (tok < num_tokens).to(tl.int32)) != 0)
+        xk = tl.load(key_ptr + tok64 * key_stride + src, mask=ld, other=0.0).to(tl.float32)
+        xv = tl.load(value_ptr + tok64 * value_stride + src, mask=ld, other=0.0).to(tl.float32)
+        raw, slot, lane, ok = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
+        if COUNT:
+            # Out-of-tile lanes loaded 0.0; a token that is not written (padding, a bad slot) is left out by `ok`.
+            # NaN is left out (maxnum returns the other operand), as in ClipCounter.count.
+            pk = tl.max(tl.reshape(tl.abs(xk), [BLOCK_H, BLOCK_D // VEC, VEC]), axis=2)
+            pv = tl.max(tl.reshape(tl.abs(xv), [BLOCK_H, BLOCK_D // VEC, VEC]), axis=2)
+            mx_k = tl.maximum(mx_k, tl.where(ok, pk, 0.0))
+            mx_v = tl.maximum(mx_v, tl.where(ok, pv, 0.0))
         if GUARD:
             # A token whose slot is past the cache: masked in _token_lane, recorded here (once) with the raw slot.
             record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
         dst = slot * (H * D) + src
-        tok64 = tok.to(tl.int64)
-        xk = _quantize_store(
-            key_ptr + tok64 * key_stride + src, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE
-        )
-        xv = _quantize_store(
-            value_ptr + tok64 * value_stride + src,
-            v_cache_ptr + dst,
-            lane,
-            vs,
-            FP8_MAX,
-            FP8_TYPE,
-            MANT,
-            MIN_EXP,
-            SUB_SCALE,
-        )
-        if COUNT:
-            # Masked lanes loaded 0.0; NaN is left out (maxnum returns the other operand), as in ClipCounter.count.
-            mx_k = tl.maximum(mx_k, tl.max(tl.abs(xk), axis=1, keep_dims=True))
-            mx_v = tl.maximum(mx_v, tl.max(tl.abs(xv), axis=1, keep_dims=True))
+        _quantize_store(xk, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
+        _quantize_store(xv, v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
     if COUNT:
-        # Two reductions for the program's tail (K's and V's maxima); the clip test reuses them (one threshold) or
-        # compares per head. (Joining the two tiles to reduce them in one pass measured slower on an H200.)
-        m_k = tl.max(mx_k, axis=None)
-        m_v = tl.max(mx_v, axis=None)
+        # The program's tail: ONE block reduction for both maxima (a tuple reduce shares the shared-memory round
+        # trip and its barriers); the clip test reuses them (one threshold) or compares per head.
+        thr_k = _threshold(ks, FP8_MAX)
+        thr_v = _threshold(vs, FP8_MAX)
+        N: tl.constexpr = BLOCK_H * (BLOCK_D // VEC)
+        m_k, m_v = tl.reduce((tl.reshape(mx_k, [N]), tl.reshape(mx_v, [N])), 0, _max2)
         over_k = _over(mx_k, m_k, thr_k, K_SCALE_MODE)
         over_v = _over(mx_v, m_v, thr_v, V_SCALE_MODE)
         # The rare path: exact counts, from a second read of this program's tokens.
@@ -289,12 +287,14 @@ def _fp8_kv_cache_kernel(
             )
             tl.atomic_add(clip_ctr_ptr + 1, n_v.to(tl.int64))
         # Max magnitude as float32 bits (monotone for non-negative floats, so an integer atomic max is valid).
+        # Unconditional and relaxed: a reduction the program does not wait for (no result is read back). Reading
+        # the stored maxima first to skip settled ones cost more on an H200 (+8.9 % vs +8.1 % over the twin): the
+        # read's latency lands in every program's tail. Relaxed is enough: nothing is ordered against these slots,
+        # and the reader sees them complete once the kernel has finished.
         bits_k = m_k.to(tl.int32, bitcast=True).to(tl.int64)
         bits_v = m_v.to(tl.int32, bitcast=True).to(tl.int64)
-        if bits_k > prev_k:
-            tl.atomic_max(clip_ctr_ptr + 2, bits_k)
-        if bits_v > prev_v:
-            tl.atomic_max(clip_ctr_ptr + 3, bits_v)
+        tl.atomic_max(clip_ctr_ptr + 2, bits_k, sem="relaxed")
+        tl.atomic_max(clip_ctr_ptr + 3, bits_v, sem="relaxed")
 
 
 def _scale_arg(scale: float | torch.Tensor, heads: int, device: torch.device, what: str) -> tuple[object, int]:
@@ -375,20 +375,22 @@ def _check_inputs(
 
 
 _SM_COUNT: dict[torch.device, int] = {}
-# H200 sweep (bench_numerics.py shapes): 4 tokens per program was the fastest counted kernel at 16384 and 32768 tokens
-# (16 was 10-15 % slower: fewer programs to hide latency with), and as fast as 1-2 at 2048.
+# H200 sweep (bench_numerics.py shapes, 2048..32768 tokens): 4 tokens per program was the fastest counted kernel at
+# every size. More tokens per program spread the per-program reduction thinner (the ratio to the twin drops to
+# +4..6 % at 8-32) but leave fewer warps resident, and the kernel itself gets 5-20 % slower; an even split over a
+# persistent grid of 8-32 programs per SM was slower still.
 _MAX_TOKENS_PER_PROGRAM = 4
 
 
 def _tokens_per_program(tokens: int, device: torch.device) -> int:
-    """Tokens per program: enough programs for about four waves over the SMs, at most _MAX_TOKENS_PER_PROGRAM each,
-    a power of two (a constexpr: at most three compiled variants). The SM count is a cached host property (no sync)."""
+    """Tokens per program: at least two programs per SM, at most _MAX_TOKENS_PER_PROGRAM tokens each, a power of two
+    (a constexpr: at most three compiled variants). The SM count is a cached host property (no sync)."""
     if device.type != "cuda":
         return 1 if tokens < 64 else 4
     sms = _SM_COUNT.get(device)
     if sms is None:
         sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    per = max(1, tokens // (4 * sms))
+    per = max(1, tokens // (2 * sms))
     return min(_MAX_TOKENS_PER_PROGRAM, 1 << (per.bit_length() - 1))
 
 
@@ -404,7 +406,11 @@ def _launch(
     *,
     count: bool,
     guard: bool,
+    vec: int | None = None,
 ) -> None:
+    """The launch behind :func:`quantize_kv_to_fp8_cache`. ``count``/``guard`` compile the counting and the slot
+    guard in or out (the benchmark's twins); ``vec`` overrides the running max's in-thread chunk (tests: any power
+    of two up to head_dim's block gives the same counts)."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
@@ -413,6 +419,13 @@ def _launch(
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
     num_warps = max(1, min(8, block_h * block_d // 256))
+    # The contiguous elements one thread holds along head_dim: a 16-byte load, at most what the tile gives each
+    # thread. The running max reduces over exactly these in-thread (any power of two is correct, this one is free).
+    chunk = min(16 // key.element_size(), block_d, max(1, block_h * block_d // (32 * num_warps)))
+    if vec is not None:
+        if vec < 1 or vec > block_d or vec & (vec - 1):
+            raise ValueError(f"vec must be a power of two in [1, {block_d}], got {vec}")
+        chunk = vec
     tpp = _tokens_per_program(tokens, counter.device)
     _fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
         key,
@@ -439,6 +452,7 @@ def _launch(
         COUNT=count,
         GUARD=guard,
         TOKENS_PER_PROGRAM=tpp,
+        VEC=chunk,
         num_warps=num_warps,
     )
 
