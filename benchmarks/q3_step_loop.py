@@ -24,12 +24,13 @@ median. Target: tripwire at 50 ms within 0.1 % of no reader.
 Resolving 0.1 % on a shared host: the H200 hosts' step time moves in steps of up to 60 % for seconds at a time
 (measured: phases at ~720 us and ~1200 us), so the runs are SHORT and MANY (on the GPU 40 rounds of 250 steps, every
 variant once per round in rotated order), each variant is compared with the no-reader arms OF ITS OWN ROUND, and the
-estimate is the MEDIAN over rounds of that paired overhead (a round that straddles a phase change is an outlier, not
-a shift of the mean). The engine thread is pinned to one core with every reader thread on the others
-(``os.sched_setaffinity``: no migration, no reader sharing the engine's core). The noise floor is the median A/A
-difference (none_a vs none_b, same rounds) or twice its robust standard error (1.253 x 1.4826 x MAD / sqrt(rounds)),
-whichever is larger: a figure under the target is only evidence when the floor is too. Pooled means are reported
-beside them.
+judged figure is the LARGER of the median over rounds of that paired overhead (a round that straddles a phase change
+is an outlier there) and the pooled means (where a reader that costs a lot in a few rounds shows). The engine thread is pinned to one core with every reader thread on the others
+(``os.sched_setaffinity``: no migration, no reader sharing the engine's core). The noise floor is the largest of the
+median A/A difference (none_a vs none_b, same rounds), the pooled A/A difference, and twice the median's robust
+standard error (1.253 x 1.4826 x MAD / sqrt(rounds)): a figure under the target is only evidence when the floor is
+too. The reader thread's own CPU time per wall time is measured as well: about the most it can take from the engine
+thread through the GIL.
 
 Without a GPU the same loop runs with an eager CPU "decode step" (torch ops on small tensors, an index_select for
 the gather) and CPU arenas: it measures what a reader thread costs the engine thread through the GIL alone.
@@ -50,7 +51,10 @@ from _common import Ctx, Result, calibrate_spin, capture, single, stats
 from tripwire import Monitor, SiteRegistry
 
 N_ROWS = 64
-VARIANTS = ("none_a", "tripwire_50ms", "tripwire_1ms", "sync_50ms", "per_instrument_64", "none_b")
+# The two no-reader arms sit opposite each other in the rotation, so that their pair spans as much time (and host
+# drift) as a reader's pair with them does; adjacent, the A/A floor came out optimistic.
+VARIANTS = ("none_a", "tripwire_50ms", "tripwire_1ms", "none_b", "sync_50ms", "per_instrument_64")
+READERS = tuple(v for v in VARIANTS if not v.startswith("none"))
 
 
 class _Decode:
@@ -276,7 +280,7 @@ def run(ctx: Ctx) -> dict:
     res = Result("q3", title, ctx)
     dev = "cuda" if ctx.cuda else "cpu"
     if ctx.cuda:
-        steps, rounds = (300, 4) if ctx.quick else (250, 40)
+        steps, rounds = (300, 4) if ctx.quick else (250, 42)  # 42: every variant in every position 7 times
     else:
         steps, rounds = (300, 3) if ctx.quick else (1000, 3)
     reg = SiteRegistry(capacity=N_ROWS)
@@ -337,27 +341,36 @@ def run(ctx: Ctx) -> dict:
     pool_base = (pool["none_a"] + pool["none_b"]) / 2
     aa = [(a / b - 1) * 100 for a, b in zip(means["none_a"], means["none_b"], strict=True)]
     aa_median, aa_se = median_and_se(aa)
-    floor = max(abs(aa_median), 2 * aa_se)
+    aa_pooled = (pool["none_a"] / pool["none_b"] - 1) * 100
+    floor = max(abs(aa_median), abs(aa_pooled), 2 * aa_se)
     res.fig("run_noise_pct", stats([abs(x) for x in aa], unit="%", label="|none_a / none_b - 1| per round (one pair)"))
     res.fig("aa_median_pct", single(aa_median, unit="%", label="none_a / none_b - 1, median over rounds"))
     res.fig("aa_se_pct", single(aa_se, unit="%", label="robust standard error of that median"))
-    res.fig("aa_pooled_pct", single((pool["none_a"] / pool["none_b"] - 1) * 100, unit="%", label="pooled A/A"))
-    res.fig("noise_floor_pct", single(floor, unit="%", label="noise floor: max(|median A/A|, 2 x its standard error)"))
-    for v in VARIANTS[1:-1]:
+    res.fig("aa_pooled_pct", single(aa_pooled, unit="%", label="pooled A/A"))
+    res.fig(
+        "noise_floor_pct",
+        single(floor, unit="%", label="noise floor: max(|median A/A|, |pooled A/A|, 2 x the median's standard error)"),
+    )
+    for v in READERS:
         ov = [(x / b - 1) * 100 for x, b in zip(means[v], base, strict=True)]
         med, se = median_and_se(ov)
+        pooled_ov = (pool[v] / pool_base - 1) * 100
         res.fig(f"overhead_round_pct_{v}", stats(ov, unit="%", label=f"{v} vs no reader (paired per round)"))
-        res.fig(f"overhead_pct_{v}", single(med, unit="%", label=f"{v} vs no reader (median of paired rounds)"))
+        res.fig(f"overhead_median_pct_{v}", single(med, unit="%", label=f"{v} vs no reader (median of paired rounds)"))
         res.fig(f"overhead_se_pct_{v}", single(se, unit="%", label=f"{v}: robust standard error of that median"))
+        res.fig(f"overhead_pooled_pct_{v}", single(pooled_ov, unit="%", label=f"{v} vs no reader (pooled means)"))
+        # The judged figure: the larger of the two. A median alone hides a reader that costs a lot in a few rounds
+        # (sync_50ms: median 0.67 %, pooled 2.1 % on an H200); pooled means alone move with the host's phases.
         res.fig(
-            f"overhead_pooled_pct_{v}",
-            single((pool[v] / pool_base - 1) * 100, unit="%", label=f"{v} vs no reader (pooled means)"),
+            f"overhead_pct_{v}",
+            single(max(med, pooled_ov), unit="%", label=f"{v} vs no reader (max of median and pooled)"),
         )
     for v in VARIANTS:
         if cpu_share[v]:
-            # What the reader can take from the engine thread through the GIL (or the driver's lock) is at most the
-            # CPU time it runs: a bound that does not depend on the host's step-time noise. (It holds for a reader
-            # that never waits on the compute stream, q2's subject; a synchronous reader's cost is its wait.)
+            # What the reader can take from the engine thread through the GIL (or the driver's lock) is about the
+            # CPU time it runs: a bound that does not depend on the host's step-time noise, approximate (it leaves
+            # out the engine's own wake-up after a GIL hand-off). It applies to a reader that never waits on the
+            # compute stream, q2's subject; a synchronous reader's cost is its wait.
             res.fig(
                 f"reader_cpu_share_pct_{v}",
                 stats(cpu_share[v], unit="%", label=f"{v}: reader CPU time / wall time (per short run, incl. start)"),
@@ -377,8 +390,8 @@ def run(ctx: Ctx) -> dict:
     passed, why = judge(ov50, floor)
     if passed is None and steady_share is not None:
         why += (
-            f"; the reader thread's CPU share over a {steady_s:.1f} s run, an upper bound on what it can take from "
-            f"the engine thread, is {steady_share:.3f} %"
+            f"; the reader thread's CPU share over a {steady_s:.1f} s run, which approximately bounds what it can "
+            f"take from the engine thread through the GIL, is {steady_share:.3f} %"
         )
     res.target(
         "tripwire at 50 ms vs no reader", "overhead_pct_tripwire_50ms", "mean step time within 0.1 %", ov50, passed, why
@@ -390,7 +403,7 @@ def run(ctx: Ctx) -> dict:
         f"{steps} steps x {rounds} rounds per variant, rotated order, pooled; "
         + (f"engine thread on CPU {min(split[0])}, readers on {len(split[1])} other CPUs; " if split else "unpinned; ")
         + "reads per run: "
-        + ", ".join(f"{v}={sum(reads[v]) // max(len(reads[v]), 1)}" for v in VARIANTS[1:-1])
+        + ", ".join(f"{v}={sum(reads[v]) // max(len(reads[v]), 1)}" for v in READERS)
     )
     if not ctx.cuda:
         res.note("CPU figures: eager CPU decode step; the readers cost the engine thread only through the GIL here")

@@ -1,20 +1,21 @@
 """Fused FP8 KV-cache write: quantise K/V into a paged FP8 cache through a slot mapping and count clipping in the
 same pass.
 
-Each program handles a few tokens (``TOKENS_PER_PROGRAM``). For each it loads the token's slot, skips it when
-negative (padding of a captured batch), guards it against the cache size (a slot past the cache is masked --
-nothing is written -- and counted at the fatal site ``numerics.fp8_cache.slot``, row = token index, value = slot),
-then for K and V: ``y = x / scale`` (IEEE division), ``clamp(y, -fp8_max, fp8_max)``, round-to-nearest-even cast to
-FP8, store. With ``COUNT`` the same registers give
-the number of elements with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and the max
-magnitude, recorded in the layer's clip row with at most one set of atomics per program (the ``|x|`` tested is
-the input before scaling, NaN neither clips nor counts as a maximum).
+Each program handles a few tokens (``TOKENS_PER_PROGRAM``). For each it loads the token's K and V rows and its slot,
+skips the token when the slot is negative (padding of a captured batch), guards the slot against the cache size (a
+slot past the cache is masked -- nothing is written -- and counted at the fatal site ``numerics.fp8_cache.slot``,
+row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE division), ``clamp(y, -fp8_max,
+fp8_max)``, round-to-nearest-even cast to FP8, store. With ``COUNT`` the same registers give the number of elements
+with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and the max magnitude, recorded in the
+layer's clip row by per-program atomics: two maxima always, the counts only from a program that clipped (the
+``|x|`` tested is the input before scaling; NaN neither clips nor counts as a maximum; skipped and masked tokens
+count nothing).
 
 Hot-path cost of counting: a running max of ``|x|`` kept per thread (one fmax per element, no cross-thread work per
 token), one joint K/V block reduction per program and two fire-and-forget atomic maxima per program. A program
 whose maximum exceeds its threshold counts exactly in a second read of its tokens (the fault case pays, the healthy
 case does not). ``benchmarks/bench_numerics.py`` measures it against the same kernel with ``COUNT=False,
-GUARD=False``: on an H200 about +6..8 % (the kernel is issue-bound: the division, clamp and FP8 rounding are ~30
+GUARD=False``: on an H200 +8..9 % (the kernel is issue-bound: the division, clamp and FP8 rounding are ~30
 instructions per element, the running max is one more, and the per-program reduction is the rest).
 
 Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
@@ -121,8 +122,8 @@ def _quantize_store(
 def _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD: tl.constexpr):
     """``(raw, slot, lane, ok)`` of token ``tok``: ``raw`` = the slot read (-1 past the batch); ``ok`` = the token is
     present, not padding (negative slot) and, with ``GUARD``, inside the cache; ``lane`` = ``ok`` over the tile;
-    ``slot`` = ``raw`` where it is used, 0 elsewhere. Recording happens in the caller (the main pass records a bad slot once; the
-    recount pass must not record it again)."""
+    ``slot`` = ``raw`` where it is used, 0 elsewhere. Recording happens in the caller (the main pass records a bad
+    slot once; the recount pass must not record it again)."""
     present = tok < num_tokens
     raw = tl.load(slot_ptr + tok, mask=present, other=-1).to(tl.int64)
     ok = raw >= 0  # negative slot (or past the batch): padding row, neither written nor counted
@@ -217,7 +218,7 @@ def _fp8_kv_cache_kernel(
     if COUNT:
         # Running maxima kept per thread: [BLOCK_H, BLOCK_D // VEC], VEC = the contiguous elements one thread holds
         # (its 16-byte load), so the per-token max over VEC is in-thread fmax only. A per-head row reduction per
-        # token (warp shuffles) measured +12 % over the twin on an H200, this +7 %; a full-tile accumulator holds
+        # token (warp shuffles) measured +12 % over the twin on an H200, this +9 %; a full-tile accumulator holds
         # VEC times more registers for the same instruction count.
         mx_k = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
         mx_v = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
@@ -377,14 +378,15 @@ def _check_inputs(
 _SM_COUNT: dict[torch.device, int] = {}
 # H200 sweep (bench_numerics.py shapes, 2048..32768 tokens): 4 tokens per program was the fastest counted kernel at
 # every size. More tokens per program spread the per-program reduction thinner (the ratio to the twin drops to
-# +4..6 % at 8-32) but leave fewer warps resident, and the kernel itself gets 5-20 % slower; an even split over a
+# +4..6 % at 8-32) but the kernel itself gets 5-20 % slower (fewer, longer programs); an even split over a
 # persistent grid of 8-32 programs per SM was slower still.
 _MAX_TOKENS_PER_PROGRAM = 4
 
 
 def _tokens_per_program(tokens: int, device: torch.device) -> int:
-    """Tokens per program: at least two programs per SM, at most _MAX_TOKENS_PER_PROGRAM tokens each, a power of two
-    (a constexpr: at most three compiled variants). The SM count is a cached host property (no sync)."""
+    """Tokens per program: the largest power of two, at most _MAX_TOKENS_PER_PROGRAM, that leaves at least two
+    programs per SM (1 when the batch has fewer than four tokens per SM). A constexpr: at most three compiled
+    variants. The SM count is a cached host property (no sync)."""
     if device.type != "cuda":
         return 1 if tokens < 64 else 4
     sms = _SM_COUNT.get(device)
@@ -414,18 +416,21 @@ def _launch(
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
-    if tokens == 0:
-        return
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
     num_warps = max(1, min(8, block_h * block_d // 256))
-    # The contiguous elements one thread holds along head_dim: a 16-byte load, at most what the tile gives each
-    # thread. The running max reduces over exactly these in-thread (any power of two is correct, this one is free).
-    chunk = min(16 // key.element_size(), block_d, max(1, block_h * block_d // (32 * num_warps)))
+    # The contiguous elements one thread holds along head_dim: a 16-byte load of the wider input, at most what the
+    # tile gives each thread. The running max reduces over exactly these, in-thread when the loads vectorise (16-byte
+    # aligned rows; otherwise the chunk's max takes warp shuffles: slower, still exact). Any power of two is exact.
+    chunk = min(
+        16 // max(key.element_size(), value.element_size()), block_d, max(1, block_h * block_d // (32 * num_warps))
+    )
     if vec is not None:
         if vec < 1 or vec > block_d or vec & (vec - 1):
             raise ValueError(f"vec must be a power of two in [1, {block_d}], got {vec}")
         chunk = vec
+    if tokens == 0:
+        return
     tpp = _tokens_per_program(tokens, counter.device)
     _fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
         key,
