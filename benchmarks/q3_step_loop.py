@@ -22,15 +22,15 @@ The figure is the MEAN step time (total time / steps): a reader that costs one s
 median. Target: tripwire at 50 ms within 0.1 % of no reader.
 
 Resolving 0.1 % on a shared host: the H200 hosts' step time moves in steps of up to 60 % for seconds at a time
-(measured: phases at ~720 us and ~1200 us), so the runs are SHORT and MANY (on the GPU 40 rounds of 250 steps, every
+(measured: phases at ~720 us and ~1200 us), so the runs are SHORT and MANY (on the GPU 42 rounds of 250 steps, every
 variant once per round in rotated order), each variant is compared with the no-reader arms OF ITS OWN ROUND, and the
 judged figure is the LARGER of the median over rounds of that paired overhead (a round that straddles a phase change
-is an outlier there) and the pooled means (where a reader that costs a lot in a few rounds shows). The engine thread is pinned to one core with every reader thread on the others
-(``os.sched_setaffinity``: no migration, no reader sharing the engine's core). The noise floor is the largest of the
-median A/A difference (none_a vs none_b, same rounds), the pooled A/A difference, and twice the median's robust
-standard error (1.253 x 1.4826 x MAD / sqrt(rounds)): a figure under the target is only evidence when the floor is
-too. The reader thread's own CPU time per wall time is measured as well: about the most it can take from the engine
-thread through the GIL.
+is an outlier there) and the pooled means (where a reader that costs a lot in a few rounds shows). The engine thread
+is pinned to one core with every reader thread on the others (``os.sched_setaffinity``: no migration, no reader
+sharing the engine's core). The noise floor is the largest of the median A/A difference (none_a vs none_b, same
+rounds), the pooled A/A difference, and twice the median's robust standard error (1.253 x 1.4826 x MAD /
+sqrt(rounds)): a figure under the target is only evidence when the floor is too. The reader thread's own CPU time
+per wall time is measured as well: about the most it can take from the engine thread through the GIL.
 
 Without a GPU the same loop runs with an eager CPU "decode step" (torch ops on small tensors, an index_select for
 the gather) and CPU arenas: it measures what a reader thread costs the engine thread through the GIL alone.
@@ -321,9 +321,10 @@ def run(ctx: Ctx) -> dict:
             cpu1, wall1, k1 = _reader_cpu_s(m), time.perf_counter(), m.ticks
         finally:
             readers.stop()
-        steady = cpu0 is not None and cpu1 is not None
-        steady_share = (cpu1 - cpu0) / (wall1 - wall0) * 100 if steady else None  # type: ignore[operator]
-        steady_tick_us = (cpu1 - cpu0) / max(k1 - k0, 1) * 1e6 if steady else None  # type: ignore[operator]
+        steady_share = steady_tick_us = None
+        if cpu0 is not None and cpu1 is not None:
+            steady_share = (cpu1 - cpu0) / (wall1 - wall0) * 100
+            steady_tick_us = (cpu1 - cpu0) / max(k1 - k0, 1) * 1e6
         steady_s = wall1 - wall0
     finally:
         gc.unfreeze()
