@@ -9,11 +9,13 @@ way ``tripwire bench`` sets them. It measures nothing: figures belong in the ben
 from __future__ import annotations
 
 import builtins
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,3 +248,88 @@ def test_q3_median_and_se_resists_phase_rounds() -> None:
     assert abs(med - 0.01) < 1e-9 and 0 < se < 0.1
     assert abs(statistics.fmean(rounds) - med) > 2.0  # the control: the mean is dragged by the two phase rounds
     assert median_and_se([0.3]) == (0.3, float("inf"))
+
+
+def _step_trace(n: int, seed: int, delay_at: list[float] | None = None, delay: float = 0.0):
+    """A synthetic step loop: durations 0.7-1.3 ms (uniform, so a window is likelier to land on a long step),
+    phases of 20 % slower steps lasting ~1 s, and ``delay`` added to the step running at each time in ``delay_at``."""
+    import random
+
+    rng = random.Random(seed)
+    starts, durs = [], []
+    t = 0.0
+    todo = sorted(delay_at or [])
+    while len(durs) < n:
+        d = rng.uniform(0.0007, 0.0013) * (1.2 if int(t) % 2 else 1.0)
+        while todo and todo[0] < t + d:  # the reader's tick lands in this step: it waits for the GIL
+            d += delay
+            todo.pop(0)
+        starts.append(t)
+        durs.append(d)
+        t += d + 2e-6
+    return starts, durs
+
+
+def test_q3_attribution_recovers_a_planted_tick_cost_and_nothing_else() -> None:
+    """The attribution measures the time ticks add to the steps they touch. On synthetic loops: a planted 60 us
+    per tick (every 50 ms: 0.12 %) comes back within 0.03 %, and a loop without any cost comes back at 0 within
+    0.03 %, although touched steps are length-biased. Control: the naive estimator (touched steps' mean against
+    all steps' mean, no shifted windows) reports a cost where there is none."""
+    import statistics
+
+    from q3_step_loop import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute, attributed_pct
+
+    ticks = [0.013 + k * ATTR_INTERVAL_S for k in range(400)]  # 20 s of ticks
+    spans = [(a, a + 1e-4) for a in ticks]
+    runs_cost, runs_null, naive = [], [], []
+    for seed in range(4):
+        for planted, runs in ((60e-6, runs_cost), (0.0, runs_null)):
+            starts, durs = _step_trace(20000, seed, [a + 5e-5 for a in ticks], planted)
+            real, shifted, used = attribute(starts, durs, spans, ATTR_INTERVAL_S / 2, ATTR_MARGIN_S)
+            assert used >= 390
+            runs.append((real, shifted, sum(durs)))
+            if planted == 0.0:
+                s_arr, d_arr = np.asarray(starts), np.asarray(durs)
+                touched = [int(np.searchsorted(s_arr, a, side="right")) - 1 for a, _ in spans if a < s_arr[-1]]
+                naive.append((statistics.fmean(d_arr[touched]) / statistics.fmean(durs) - 1) * len(touched) / len(durs))
+    total = sum(r[2] for r in runs_cost)
+    expected = 60e-6 * sum(1 for a in ticks if a < total / 4) * 4 / total * 100
+    cost, _ = attributed_pct(runs_cost)
+    null, _ = attributed_pct(runs_null)
+    assert abs(cost - expected) < 0.03, (cost, expected)
+    assert abs(null) < 0.03, null
+    assert statistics.fmean(naive) * 100 > 0.04  # the control: length bias alone looks like a cost
+
+
+def test_q3_attribution_leaves_out_ticks_outside_the_run() -> None:
+    from q3_step_loop import attribute, virtual_spans
+
+    starts, durs = _step_trace(100, 0)
+    end = starts[-1] + durs[-1]
+    spans = [(-0.01, -0.0099), (0.02, 0.0201), (end - 0.001, end - 0.0009)]  # before, inside, shifted past the end
+    real, shifted, used = attribute(starts, durs, spans, 0.025, 0.0005)
+    assert used == 1 and real > 0 and shifted > 0
+    assert attribute([], [], spans, 0.025, 0.0005) == (0.0, 0.0, 0)
+    v = virtual_spans(starts, durs, 1e-4, seed=1)
+    assert v and all(starts[0] <= a < b <= end for a, b in v)
+    assert all(abs((b2[0] - b1[0]) - 0.05) < 1e-12 for b1, b2 in itertools.pairwise(v))
+
+
+def test_q3_judge_attributed() -> None:
+    """The attribution's mark: evidence only when its floor is under the target, the GIL-holding control is seen
+    and agrees with the run means, and the run means show no cost above their own floor."""
+    from q3_step_loop import judge_attributed
+
+    ok_direct = (None, "not resolvable")
+    heavy, heavy_direct = (4.0, 0.2), (4.3, 0.5)
+    assert judge_attributed((0.02, 0.01), (0.005, 0.01), heavy, heavy_direct, ok_direct).passed is True
+    assert judge_attributed((0.3, 0.02), (0.005, 0.01), heavy, heavy_direct, ok_direct).passed is False
+    assert judge_attributed((0.09, 0.02), (0.005, 0.01), heavy, heavy_direct, ok_direct).passed is None  # straddles
+    # Controls: each missing condition turns a would-be pass into n/a or short.
+    assert judge_attributed((0.02, 0.01), (0.2, 0.01), heavy, heavy_direct, ok_direct).passed is None  # null offset
+    v = judge_attributed((0.02, 0.01), (0.005, 0.01), heavy, (8.0, 0.5), ok_direct)  # control disagrees
+    assert v.passed is None and "not validated" in v.why
+    v = judge_attributed((0.02, 0.01), (0.005, 0.01), (0.01, 0.01), (4.0, 0.5), ok_direct)  # control unseen
+    assert v.passed is None and "not validated" in v.why
+    v = judge_attributed((0.02, 0.01), (0.005, 0.01), heavy, heavy_direct, (False, "exceeds the floor"))
+    assert v.passed is False and "run means show more" in v.why

@@ -581,3 +581,57 @@ def test_progress_sums_each_kinds_own_count_slots(registry, monitor, caplog):
     monitor.poll()
     monitor.poll()
     assert any("'k.guard2'" in line for line in warnings(caplog))
+
+
+def _count_decodes(monkeypatch, m: Monitor) -> list[int]:
+    calls: list[int] = []
+    process = m._process
+
+    def counted(device, rows, now, *, final):
+        calls.append(int(rows[:, COUNT].sum()))
+        return process(device, rows, now, final=final)
+
+    monkeypatch.setattr(m, "_process", counted)
+    return calls
+
+
+def test_quiet_ticks_skip_the_decode_and_miss_nothing(registry, monitor, caplog, monkeypatch):
+    s = registry.register("k.site")
+    ctr = monitor.counter(s, "cpu")
+    decodes = _count_decodes(monkeypatch, monitor)
+    for _ in range(5):
+        monitor.poll()
+    # The first copy is decoded; the four identical ones after it are not.
+    assert decodes == [0] and monitor.quiet_ticks == 4
+    hit(ctr, 7, 300, n=3)
+    monitor.poll()  # the rise is decoded (pending), and the next copy confirms it although it is identical
+    monitor.poll()
+    assert decodes == [0, 3, 3] and monitor.quiet_ticks == 4
+    (line,) = warnings(caplog)
+    assert "3 new out-of-range accesses masked (3 total)" in line and "row 7, value 300" in line
+    for _ in range(3):
+        monitor.poll()
+    assert decodes == [0, 3, 3] and monitor.quiet_ticks == 7
+    hit(ctr, 9, 500, n=2)  # a later rise after quiet ticks is seen on the very next copy, confirmed on the one after
+    monitor.poll()
+    assert int(monitor._reported["cpu"][s.id]) == 3 and monitor._pending["cpu"]
+    monitor.poll()
+    assert int(monitor._reported["cpu"][s.id]) == 5 and not monitor._pending["cpu"]
+    # Registry growth changes the rows' shape: decoded, never mistaken for quiet.
+    registry.register("k.other")
+    monitor.poll()
+    assert len(decodes) == 6
+
+
+def test_control_quiet_skip_while_pending_loses_the_report(registry, monitor, caplog, monkeypatch):
+    """Control: skipping identical copies even while a confirmation is pending (it counts copies) never reports
+    a rise whose extremes have already landed; the real monitor reports it on the next copy."""
+    s = registry.register("k.site")
+    ctr = monitor.counter(s, "cpu")
+    monkeypatch.setattr(monitor, "_quiet_reference", lambda device: monitor._latest.get(device))
+    monitor.poll()
+    hit(ctr, 7, 300, n=3)
+    for _ in range(6):
+        monitor.poll()
+    assert warnings(caplog) == []
+    assert int(monitor._reported["cpu"][s.id]) == 0

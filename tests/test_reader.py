@@ -218,6 +218,32 @@ def test_cuda_reader_numpy_rows_match_arena(registry, cuda_monitor):
     assert rows is not None and rows.dtype == np.int64 and rows[s.id, 0] == 5
 
 
+@pytest.mark.parametrize("path", ["driver", "torch"])
+def test_cuda_quiet_copy_comes_back_as_the_same_object(registry, cuda_monitor, path):
+    """The quiet-tick fast path on the device: a landed copy equal to the caller's rows is that object (no copy
+    made); a copy that differs by one word is a fresh array holding it."""
+    s = registry.register("gpu.quiet")
+    ctr = cuda_monitor.counter(s, "cuda")
+    r = cuda_monitor.readers()["cuda:0"]
+    if path == "torch":
+        r._drv = None
+    n = len(registry)
+    assert r.poll(n) is None
+    torch.cuda.synchronize()
+    first = r.poll(n)
+    assert first is not None and first[s.id, 0] == 0
+    torch.cuda.synchronize()
+    assert r.poll(n, first) is first
+    ctr[0] = 4
+    torch.cuda.synchronize()
+    r.poll(n, first)  # the copy started before the write: it may or may not hold it
+    torch.cuda.synchronize()
+    rows = r.poll(n, first)
+    assert rows is not first and rows[s.id, 0] == 4 and first[s.id, 0] == 0
+    torch.cuda.synchronize()
+    assert r.poll(n, rows) is rows
+
+
 def test_cuda_and_cuda0_are_the_same_arena(registry, cuda_monitor):
     a = cuda_monitor.prealloc("cuda")
     b = cuda_monitor.prealloc("cuda:0")

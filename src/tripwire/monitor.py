@@ -217,6 +217,7 @@ class Monitor:
         self._tls = threading.local()
         self._skip_relax = False  # tests' control only: a reader that keeps the global mode
         self.ticks = 0
+        self.quiet_ticks = 0  # device reads that landed unchanged and skipped the decode (one per device per tick)
         self.idle_skips = 0
         self.loop_errors = 0
 
@@ -476,13 +477,26 @@ class Monitor:
                 self._relax_once()  # CUDA may have been initialised since the top of the tick
                 if self._relaxed is None and visible_captures() > 0:
                     continue  # fallback: pause while a capture we can see is in progress
+            same_as = self._quiet_reference(reader.name)
             try:
-                rows = reader.poll(n)
+                rows = reader.poll(n, same_as)
             except Exception as e:
                 self._lose(reader, e)
                 continue
-            if rows is not None:
-                self._process(reader.name, rows, now, final=False)
+            if rows is None:
+                continue
+            if rows is same_as:
+                self.quiet_ticks += 1
+                continue
+            self._process(reader.name, rows, now, final=False)
+
+    def _quiet_reference(self, device: str) -> np.ndarray | None:
+        """The rows a landed copy may be compared with to skip its decode (the quiet-tick fast path), or None.
+
+        Rows identical to the last processed ones change nothing in _process (no rise, no fall, same registry
+        size), unless a confirmation is waiting: those count copies (and give up after a few), so then every landed
+        copy must reach _process."""
+        return None if self._pending.get(device) else self._latest.get(device)
 
     def _lose(self, reader: DeviceReader, e: BaseException) -> None:
         # Stop polling this device, but KEEP its arena: captured graphs still write there.
