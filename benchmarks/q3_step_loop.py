@@ -25,7 +25,7 @@ vanish in a median), each variant against the no-reader arms OF ITS OWN ROUND (o
 every variant once per round in rotated order: the H200 hosts' step time moves by up to 60 % for seconds at a time,
 so runs are short and many). The judged figure is the larger of the median over rounds of that paired overhead and
 the pooled means; the noise floor is the largest of the median and pooled A/A differences (none_a vs none_b) and
-twice the median's robust standard error. On those hosts that floor is 0.7-2.4 %: run means cannot resolve 0.1 %.
+twice the median's robust standard error. On those hosts that floor is 0.7-3.9 %: run means cannot resolve 0.1 %.
 (2) Attribution (:func:`attribute`): every tick's span is traced, and the time of the few steps it touched is
 compared with the steps touched by the same ticks moved half an interval away (same selection, same host phase, no
 tick): the ticks' own cost, with the noise of a few steps per tick; its floor comes from virtual ticks on the

@@ -3,9 +3,11 @@
 A tick is one ``Monitor.poll()``: on CUDA, query the previous copy's event, take its rows, start the next copy
 (one ``cudaMemcpyAsync`` of the registered rows); on CPU, read the rows directly. Then the rise detection over
 every row. Between ticks (outside the timing) the side stream is synchronised, so every timed tick finds its copy
-landed and does the full work: this is the worst case per tick, not the average.
+landed. Two series: ``tick_wall_us_N`` forces the full decode every tick (the monitor's last processed rows are
+forgotten outside the timing, as when a counter has changed): the worst case per tick, which the target judges;
+``tick_wall_quiet_us_N`` is the common tick, whose landed copy equals the rows processed last and skips the decode.
 
-Targets: one copy per device per tick at every row count; tick < 50 us at 1024 rows (median wall time).
+Targets: one copy per device per tick at every row count; tick < 50 us at 1024 rows (median wall time, worst case).
 """
 
 from __future__ import annotations
@@ -57,25 +59,24 @@ def run(ctx: Ctx) -> dict:
     for n in ROWS:
         m, _ = build(n, dev, clip_kind)
         reader = next(iter(m.readers().values()))
-        wall: list[float] = []
-        cpu: list[float] = []
         for _ in range(5):  # warm-up: first copy, numpy paths, kind index
             _settle(reader)
             m.poll()
         c0, b0 = reader.copies, reader.bytes_copied
-        for _ in range(ticks):
-            _settle(reader)
-            t_cpu = time.thread_time_ns()
-            t_wall = time.perf_counter_ns()
-            m.poll()
-            wall.append((time.perf_counter_ns() - t_wall) / 1e3)
-            cpu.append((time.thread_time_ns() - t_cpu) / 1e3)
+        wall, cpu = _timed_ticks(m, reader, ticks, decode=True)
+        quiet, _ = _timed_ticks(m, reader, ticks, decode=False)
         copies = reader.copies - c0
-        per_tick = copies / ticks
+        per_tick = copies / (2 * ticks)
         bytes_per_tick = (reader.bytes_copied - b0) / max(copies, 1)
-        one_copy &= copies == ticks
-        res.fig(f"tick_wall_us_{n}", stats(wall, unit="us", label=f"tick wall time, {n} rows", dist=True))
-        res.fig(f"tick_cpu_us_{n}", stats(cpu, unit="us", label=f"tick thread CPU time, {n} rows", dist=True))
+        one_copy &= copies == 2 * ticks
+        res.fig(f"tick_wall_us_{n}", stats(wall, unit="us", label=f"tick wall time, {n} rows (full decode)", dist=True))
+        res.fig(
+            f"tick_cpu_us_{n}", stats(cpu, unit="us", label=f"tick thread CPU time, {n} rows (full decode)", dist=True)
+        )
+        res.fig(
+            f"tick_wall_quiet_us_{n}",
+            stats(quiet, unit="us", label=f"tick wall time, {n} rows (quiet tick)", dist=True),
+        )
         res.fig(f"copies_per_tick_{n}", single(per_tick, unit="copies", label=f"copies per tick, {n} rows"))
         res.fig(f"bytes_per_copy_{n}", single(bytes_per_tick, unit="B", label=f"bytes per copy, {n} rows"))
         ctx.log(f"{n} rows: tick p50 {res.figures[f'tick_wall_us_{n}']['p50']:.1f} us, {per_tick:.2f} copies/tick")
@@ -91,6 +92,23 @@ def run(ctx: Ctx) -> dict:
     if not ctx.cuda:
         res.note("CPU arenas: a 'copy' is a direct numpy read of the rows (no side stream, no event)")
     return res.to_dict()
+
+
+def _timed_ticks(m: Monitor, reader, ticks: int, *, decode: bool) -> tuple[list[float], list[float]]:  # type: ignore[no-untyped-def]
+    """``ticks`` timed ``poll()`` calls (wall and thread CPU, us), each with its copy landed; with ``decode`` the
+    monitor's last processed rows are forgotten first (outside the timing), so the tick decodes in full."""
+    wall: list[float] = []
+    cpu: list[float] = []
+    for _ in range(ticks):
+        _settle(reader)
+        if decode:
+            m._latest.clear()  # the bench reaches into the monitor: the only way to force the decode on equal rows
+        t_cpu = time.thread_time_ns()
+        t_wall = time.perf_counter_ns()
+        m.poll()
+        wall.append((time.perf_counter_ns() - t_wall) / 1e3)
+        cpu.append((time.thread_time_ns() - t_cpu) / 1e3)
+    return wall, cpu
 
 
 def _settle(reader) -> None:  # type: ignore[no-untyped-def]
