@@ -15,7 +15,7 @@ Hot-path cost of counting: a running max of ``|x|`` kept per thread (one fmax pe
 token), a two-stage K/V reduction per program (in-warp integer maxima, then one joint cross-warp round trip) and
 two fire-and-forget atomic maxima per program. A program whose maximum exceeds its threshold counts exactly in a
 second read of its tokens (the fault case pays, the healthy case does not). ``benchmarks/bench_numerics.py``
-measures it against the same kernel with ``COUNT=False, GUARD=False``: on an H200 +7.3..8.1 % (the kernel is
+measures it against the same kernel with ``COUNT=False, GUARD=False``: on an H200 +7.1..8.1 % (the kernel is
 issue-bound: the division, clamp and FP8 rounding are ~30 instructions per element, the running max is one more,
 and the per-program reduction, thresholds and atomics are the rest; by SASS count at 4 tokens per program, 2001
 instructions per program bare against 2158 counted).
@@ -254,7 +254,7 @@ def _fp8_kv_cache_kernel(
         # float max is five shuffle+fmax levels (with the launcher's 4 warps each quarter is one warp's; any
         # grouping gives the same result). (2) ONE joint reduction of the (K, V) pairs across the quarters (a
         # tuple reduce shares the shared-memory round trip and its barriers). The clip test reuses the maxima (one
-        # threshold) or compares per head. Measured on an H200 against the one-stage float reduction: +7.3..8.1 %
+        # threshold) or compares per head. Measured on an H200 against the one-stage float reduction: +7.1..8.1 %
         # over the twin instead of +8.1..8.9 %, bit-identical caches and counts.
         thr_k = _threshold(ks, FP8_MAX)
         thr_v = _threshold(vs, FP8_MAX)
