@@ -333,3 +333,58 @@ def test_q3_judge_attributed() -> None:
     assert v.passed is None and "not validated" in v.why
     v = judge_attributed((0.02, 0.01), (0.005, 0.01), heavy, heavy_direct, (False, "exceeds the floor"))
     assert v.passed is False and "run means show more" in v.why
+
+
+def _short_run(seed: int, *, drift: float, planted: float = 0.0, n: int = 250):
+    """One bench-shaped run: ``n`` steps of 0.7-1.3 ms that get ``drift`` faster from first to last (a host
+    warming up), reader ticks every 50 ms at a random phase, ``planted`` seconds added to the step each tick lands
+    in. Returns (starts, durations, spans, planted total)."""
+    import random
+
+    rng = random.Random(seed)
+    ticks = [rng.uniform(0, 0.05) + k * 0.05 for k in range(8)]
+    starts, durs, t, todo, total = [], [], 0.0, list(ticks), 0.0
+    for i in range(n):
+        d = rng.uniform(0.0007, 0.0013) * (1 - drift * i / n)
+        while todo and todo[0] + 5e-5 < t + d:
+            if todo[0] + 5e-5 >= t:
+                d += planted
+                total += planted
+            todo.pop(0)
+        starts.append(t)
+        durs.append(d)
+        t += d + 2e-6
+    return starts, durs, [(a, a + 1e-4) for a in ticks if a < t], total
+
+
+def test_q3_attribution_is_unbiased_on_short_drifting_runs() -> None:
+    """2000 runs shaped like the bench's (250 steps, a 5 % speed-up over each): without a cost the symmetric
+    control reads ~0, with 60 us per tick it reads the planted total. Controls: a one-sided control (ticks moved
+    one way only, the first version) reads the drift as a cost; requiring both control sides drops the ticks near
+    the ends of each run."""
+    from q3_step_loop import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute
+
+    half = ATTR_INTERVAL_S / 2
+
+    def pooled(planted: float, **kw) -> tuple[float, float, int]:
+        diff = total = truth = 0.0
+        used = 0
+        for seed in range(2000):
+            starts, durs, spans, planted_total = _short_run(seed, drift=0.05, planted=planted)
+            real, control, n = attribute(starts, durs, spans, half, ATTR_MARGIN_S, **kw)
+            diff += real - control
+            total += sum(durs)
+            truth += planted_total
+            used += n
+        return diff / total * 100, truth / total * 100, used
+
+    null, _, used = pooled(0.0)
+    assert abs(null) < 0.015, null  # measured 0.001
+    cost, truth, _ = pooled(60e-6)
+    assert abs(cost - truth) < 0.015, (cost, truth)  # measured 0.115 vs 0.120
+    one_sided, _, _ = pooled(0.0, sides=(1,))
+    assert one_sided > 0.025, one_sided  # the control: the drift read as a cost (measured 0.037)
+    cost_both, _, used_both = pooled(60e-6, need_all_sides=True)
+    assert used_both < 0.85 * used and truth - cost_both > 0.02  # the control: end ticks dropped, cost understated
+    with pytest.raises(ValueError, match="shift"):
+        attribute([0.0], [0.001], [], 0.0001, 0.0005)

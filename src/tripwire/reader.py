@@ -12,11 +12,15 @@ CPU arenas are read directly (a numpy copy under the GIL).
 Fast path: the tick runs on a thread that shares the GIL with the engine, so every microsecond it holds the GIL is
 taken from the engine's Python. Issuing the copy through torch (stream context + ``copy_``) costs ~45 us per tick;
 the same driver calls through ctypes (push context, query, ``cuMemcpyDtoHAsync``, record, pop) cost a few us.
-They are called through ``ctypes.PyDLL``, i.e. WITHOUT releasing the GIL: each is non-blocking and takes about a
-microsecond, while a release would hand the GIL to the engine mid-tick and make the reader take it back (CPython
-forces that switch only after its 5 ms switch interval), several hand-offs per tick instead of one. torch's own
-``Event.query()`` holds the GIL the same way. The one blocking driver wait the reader needs (``discard``) goes
-through torch, which releases it. The torch path is kept as the fallback where ``libcuda.so.1`` cannot be loaded.
+Each ctypes call that releases the GIL hands it to the engine mid-tick, and the reader must then take it back
+(CPython forces that switch only after its 5 ms switch interval): with all five releasing, the traced tick took
+750 us on an H200 host; with none, 219 us. So the calls that cannot block -- the event query and the thread-local
+context push and pop -- keep the GIL (``ctypes.PyDLL``), like torch's own ``Event.query()``. The two that ENQUEUE
+(the copy and the event record) release it (``ctypes.CDLL``): an enqueue can block, on a hardware queue shared
+with a busy or hung compute stream (``CUDA_DEVICE_MAX_CONNECTIONS=1``) or on a driver lock another thread holds,
+and blocked with the GIL it would freeze every Python thread of the engine -- or deadlock it, where the GPU's
+progress waits on one of them. The one blocking wait the reader needs (``discard``) goes through torch, which
+releases the GIL. The torch path is kept as the fallback where ``libcuda.so.1`` cannot be loaded.
 
 A landed copy that is byte-for-byte the rows the monitor processed last (the common case: nothing happened since)
 is not copied again: :meth:`DeviceReader.poll` hands back the monitor's own array, and the monitor skips the whole
@@ -46,30 +50,33 @@ class _Driver:
     _lock = threading.Lock()
     _instance: _Driver | bool | None = False  # False: not looked up yet
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, keeps_gil: ctypes.CDLL, releases_gil: ctypes.CDLL) -> None:
         vp, u64, sz, i = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
 
-        def fn(name: str, *argtypes: object) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        def fn(lib: ctypes.CDLL, name: str, *argtypes: object) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
             f = getattr(lib, name)
             f.argtypes = list(argtypes)
             f.restype = ctypes.c_int
             return f
 
-        self.device_get = fn("cuDeviceGet", ctypes.POINTER(i), i)
-        self.primary_ctx_retain = fn("cuDevicePrimaryCtxRetain", ctypes.POINTER(vp), i)
-        self.ctx_push = fn("cuCtxPushCurrent_v2", vp)
-        self.ctx_pop = fn("cuCtxPopCurrent_v2", ctypes.POINTER(vp))
-        self.memcpy_dtoh_async = fn("cuMemcpyDtoHAsync_v2", vp, u64, sz, vp)
-        self.event_record = fn("cuEventRecord", vp, vp)
-        self.event_query = fn("cuEventQuery", vp)
+        # Set-up calls (once per device, may initialise the context): release the GIL.
+        self.device_get = fn(releases_gil, "cuDeviceGet", ctypes.POINTER(i), i)
+        self.primary_ctx_retain = fn(releases_gil, "cuDevicePrimaryCtxRetain", ctypes.POINTER(vp), i)
+        # Per tick, cannot block (a thread-local stack, an event's status): keep the GIL (module docstring).
+        self.ctx_push = fn(keeps_gil, "cuCtxPushCurrent_v2", vp)
+        self.ctx_pop = fn(keeps_gil, "cuCtxPopCurrent_v2", ctypes.POINTER(vp))
+        self.event_query = fn(keeps_gil, "cuEventQuery", vp)
+        # Per tick, enqueue and so can block: release the GIL (module docstring).
+        self.memcpy_dtoh_async = fn(releases_gil, "cuMemcpyDtoHAsync_v2", vp, u64, sz, vp)
+        self.event_record = fn(releases_gil, "cuEventRecord", vp, vp)
 
     @classmethod
     def get(cls) -> _Driver | None:
         with cls._lock:
             if cls._instance is False:
                 try:
-                    # PyDLL: the calls keep the GIL (see the module docstring); only non-blocking entry points here.
-                    cls._instance = _Driver(ctypes.PyDLL("libcuda.so.1"))
+                    # One library, two views: PyDLL's functions keep the GIL, CDLL's release it.
+                    cls._instance = _Driver(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
                 except (OSError, AttributeError):
                     cls._instance = None
             return cls._instance  # type: ignore[return-value]

@@ -251,8 +251,8 @@ def _fp8_kv_cache_kernel(
         # The program's tail, two stages. (1) Each quarter of the running maxima is reduced on its own, as int32
         # bits: the maxima are non-negative and never NaN (maxnum drops it), so their bits order like their values
         # and the reduction is exact; a single-operand integer max of a warp's lanes is one redux.sync where a
-        # float max is five shuffle+fmax levels (with the launcher's 4 warps each quarter is one warp's; any
-        # grouping gives the same result). (2) ONE joint reduction of the (K, V) pairs across the quarters (a
+        # float max is five shuffle+fmax levels (with 4 warps, as the benchmark's shape launches, each quarter is
+        # one warp's; with other warp counts the grouping only changes the cost, never the result). (2) ONE joint reduction of the (K, V) pairs across the quarters (a
         # tuple reduce shares the shared-memory round trip and its barriers). The clip test reuses the maxima (one
         # threshold) or compares per head. Measured on an H200 against the one-stage float reduction: +7.1..8.1 %
         # over the twin instead of +8.1..8.9 %, bit-identical caches and counts.
