@@ -332,7 +332,7 @@ def attribute(
 
     def steps_at(t: float) -> float | None:
         i = int(np.searchsorted(s_arr, t - margin, side="right")) - 1
-        if i < 0 or i + ATTR_STEPS > len(s_arr) or t - margin > s_arr[-1]:
+        if i < 0 or i + ATTR_STEPS > len(s_arr):  # before the first step, or too near the last
             return None
         return float(d_arr[i : i + ATTR_STEPS].sum())
 
@@ -365,7 +365,7 @@ def virtual_spans(starts: list[float], durs: list[float], width: float, seed: in
 
 
 def attributed_pct(runs: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Pooled attributed overhead (%) over ``(real, shifted, total)`` runs, and its standard error (per-run spread)."""
+    """Pooled attributed overhead (%) over ``(real, control, total)`` runs, and its standard error (per-run spread)."""
     total = sum(r[2] for r in runs)
     if not runs or total <= 0:
         return float("nan"), float("inf")
@@ -432,7 +432,6 @@ def _attribution(res: Result, raw: dict[str, list[Run]]) -> dict[str, tuple[floa
     spans50 = [b - a for _, _, spans in raw["tripwire_50ms"] for a, b in spans]
     width = statistics.median(spans50) if spans50 else 1e-4
     out: dict[str, tuple[float, float]] = {}
-    ticks_used: dict[str, int] = {}
     for v in (*ATTRIBUTED, "null"):
         runs = []
         used = 0
@@ -441,19 +440,18 @@ def _attribution(res: Result, raw: dict[str, list[Run]]) -> dict[str, tuple[floa
             for i, (starts, durs, spans) in enumerate(raw[arm]):
                 if v == "null":
                     spans = virtual_spans(starts, durs, width, seed=i + 1000 * arms.index(arm))
-                real, shifted, n = attribute(starts, durs, spans, half, ATTR_MARGIN_S)
-                runs.append((real, shifted, float(sum(durs))))
+                real, control, n = attribute(starts, durs, spans, half, ATTR_MARGIN_S)
+                runs.append((real, control, float(sum(durs))))
                 used += n
         out[v] = attributed_pct(runs)
-        ticks_used[v] = used
         label = (
             "no reader: virtual ticks every 50 ms (the attribution's null)"
             if v == "null"
-            else f"{v}: time of the steps its ticks touched minus the same half an interval later, over all time"
+            else f"{v}: time of the steps its ticks touched minus the same half an interval either side, over all time"
         )
         res.fig(f"attributed_pct_{v}", single(out[v][0], unit="%", label=label))
         res.fig(f"attributed_se_pct_{v}", single(out[v][1], unit="%", label=f"{v}: standard error (per-run spread)"))
-        res.fig(f"attributed_ticks_{v}", single(ticks_used[v], unit="ticks", label=f"{v}: ticks attributed"))
+        res.fig(f"attributed_ticks_{v}", single(used, unit="ticks", label=f"{v}: ticks attributed"))
     res.fig(
         "tick_span_us_tripwire_50ms", stats(spans50, unit="us", label="tripwire at 50 ms: traced tick span", scale=1e6)
     )
@@ -579,7 +577,7 @@ def run(ctx: Ctx) -> dict:
     res.fig(
         "attributed_pct_steady",
         single(
-            (steady_attr[0] - steady_attr[1]) / sum(steady_durs) * 100 if steady_durs else None,
+            attributed_pct([(steady_attr[0], steady_attr[1], sum(steady_durs))])[0] if steady_durs else None,
             unit="%",
             label=f"tripwire at 50 ms, the long run alone ({steady_attr[2]} ticks): attributed overhead",
         ),
