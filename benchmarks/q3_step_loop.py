@@ -256,12 +256,19 @@ def _hold_gil(m: Monitor) -> None:
 
 
 class _TickTrace:
-    """Records when each reader-thread tick ran: ``(start, end)`` on the steps' clock (perf_counter), by wrapping the
-    monitor's tick. Bench instrumentation, not the library's: its two clock reads and an append (~0.3 us) are
-    charged to the reader, so the attribution can only overstate its cost."""
+    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter). Python ticks by
+    wrapping the monitor's tick (its two clock reads and an append, ~0.3 us, are charged to the reader, so the
+    attribution can only overstate its cost); native quiet ticks from the native thread's own span ring
+    (CLOCK_MONOTONIC, which is perf_counter's clock on Linux: checked)."""
 
     def __init__(self, m: Monitor) -> None:
         self.spans: list[tuple[float, float]] = []
+        self.since = -inf
+        self.variant = ""
+        self.kinds: dict[str, list[int]] = {}  # variant -> [Python ticks, native ticks] traced
+        impl = time.get_clock_info("perf_counter").implementation
+        if "CLOCK_MONOTONIC" not in impl or "RAW" in impl:
+            raise RuntimeError(f"perf_counter is {impl}, not CLOCK_MONOTONIC: native tick spans would be misplaced")
         inner = m._poll
 
         def traced(*, on_reader_thread: bool) -> None:
@@ -271,8 +278,27 @@ class _TickTrace:
             finally:
                 if on_reader_thread:
                     self.spans.append((t0, time.perf_counter()))
+                    self.kinds.setdefault(self.variant, [0, 0])[0] += 1
 
         m._poll = traced  # type: ignore[method-assign]  # the instance attribute shadows the method for _run
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self.since = time.perf_counter()
+
+    @staticmethod
+    def arm(m: Monitor) -> None:
+        """Switch on the native thread's span ring (right after start(): each start makes a new native thread)."""
+        if m._native is not None:
+            m._native.trace(on=True)
+
+    def add_native(self, m: Monitor) -> None:
+        """Add the native ticks since :meth:`clear` (call before stop(), which frees the native thread)."""
+        if m._native is not None:
+            native = [(a / 1e9, b / 1e9) for a, b in m._native.trace().tolist() if a / 1e9 >= self.since]
+            self.kinds.setdefault(self.variant, [0, 0])[1] += len(native)
+            self.spans.extend(native)
+            self.spans.sort()
 
 
 def _run_variant(
@@ -376,11 +402,13 @@ def attributed_pct(runs: list[tuple[float, float, float]]) -> tuple[float, float
 
 
 def _reader_cpu_s(m: Monitor) -> float | None:
-    """CPU seconds the tripwire reader thread has used so far (its own thread clock), None if not available."""
+    """CPU seconds tripwire's reader has used so far: its Python thread's clock plus its native thread's, None if
+    not available."""
     t = m._thread  # the bench reads the library's private thread handle: the only way to its CPU clock
     if t is None or t.ident is None or not t.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
         return None
-    return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    native = m._native.cpu_s() if m._native is not None else 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(t.ident)) + (native or 0.0)
 
 
 Run = tuple[list[float], list[float], list[tuple[float, float]]]  # step starts, step durations, tick spans
@@ -408,12 +436,15 @@ def _rounds(
         order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for v in order:
             t0 = m.ticks
-            trace.spans.clear()
+            trace.clear()
+            trace.variant = v
             readers.start(v)
+            trace.arm(m)
             try:
                 cpu0, wall0 = _reader_cpu_s(m), time.perf_counter()
                 mean_us, times, starts = _run_variant(dec, work, m, steps)
                 cpu1, wall1 = _reader_cpu_s(m), time.perf_counter()
+                trace.add_native(m)
             finally:
                 readers.stop()
             if cpu0 is not None and cpu1 is not None:
@@ -498,12 +529,14 @@ def run(ctx: Ctx) -> dict:
         # ticks (each short run above starts a new reader thread, whose first CUDA work pays one-time per-thread
         # set-up), for the CPU-share bound.
         readers.start("tripwire_50ms")
+        trace.arm(m)
         try:
             _run_variant(dec, work, m, 600 if ctx.cuda else 100)
-            trace.spans.clear()
+            trace.clear()
             cpu0, wall0, k0 = _reader_cpu_s(m), time.perf_counter(), m.ticks
             _, steady_durs, steady_starts = _run_variant(dec, work, m, 6000 if ctx.cuda else 300)
             cpu1, wall1, k1 = _reader_cpu_s(m), time.perf_counter(), m.ticks
+            trace.add_native(m)
         finally:
             readers.stop()
         steady_attr = attribute(steady_starts, steady_durs, list(trace.spans), ATTR_INTERVAL_S / 2, ATTR_MARGIN_S)
@@ -564,12 +597,24 @@ def run(ctx: Ctx) -> dict:
             )
     res.fig(
         "reader_cpu_share_steady_pct",
-        single(steady_share, unit="%", label="tripwire at 50 ms, one long run: reader thread CPU time / wall time"),
+        single(
+            steady_share,
+            unit="%",
+            label="tripwire at 50 ms, one long run: reader CPU time (Python + native threads) / wall time",
+        ),
     )
     res.fig(
         "reader_cpu_per_tick_steady_us",
-        single(steady_tick_us, unit="us", label="tripwire at 50 ms, one long run: reader thread CPU time per tick"),
+        single(
+            steady_tick_us,
+            unit="us",
+            label="tripwire at 50 ms, one long run: reader CPU time (Python + native threads) per tick",
+        ),
     )
+    for v in TRIPWIRE:
+        py, nat = trace.kinds.get(v, [0, 0])
+        res.fig(f"python_ticks_{v}", single(py, unit="ticks", label=f"{v}: reader ticks run in Python (all runs)"))
+        res.fig(f"native_ticks_{v}", single(nat, unit="ticks", label=f"{v}: quiet ticks run natively (all runs)"))
     res.fig("full_gcs", single(full_gcs, unit="collections", label="full (gen-2) collections during the runs"))
     res.fig("scheduler_work_us", single(t_work, unit="us", label="scheduler-like Python work per step (min)"))
     res.fig("graph_launches_per_step", single(dec.layers * 5 + 2, unit="launches", label="kernel launches per step"))
@@ -595,7 +640,7 @@ def run(ctx: Ctx) -> dict:
     res.fig("attribution_floor_pct", single(verdict.floor, unit="%", label="attribution floor: max(|null|, 2 SE)"))
     why = verdict.why + f"; run means: {ov50:.3f} % against a noise floor of {floor:.3f} %"
     if steady_share is not None:
-        why += f"; reader thread CPU {steady_share:.3f} % of a core over a {steady_s:.1f} s run"
+        why += f"; reader CPU (Python + native) {steady_share:.3f} % of a core over a {steady_s:.1f} s run"
     res.target(
         "tripwire at 50 ms vs no reader",
         "attributed_pct_tripwire_50ms",

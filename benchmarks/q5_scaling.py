@@ -78,6 +78,12 @@ def run(ctx: Ctx) -> dict:
             f"tick_wall_quiet_us_{n}",
             stats(quiet, unit="us", label=f"tick wall time, {n} rows (quiet tick)", dist=True),
         )
+        native = _native_quiet_ticks(m)
+        if native is not None:
+            res.fig(
+                f"tick_wall_native_us_{n}",
+                stats(native, unit="us", label=f"native quiet tick span, {n} rows (no Python, no GIL)", dist=True),
+            )
         res.fig(f"copies_per_tick_{n}", single(per_tick, unit="copies", label=f"copies per tick, {n} rows"))
         res.fig(f"bytes_per_copy_{n}", single(bytes_per_tick, unit="B", label=f"bytes per copy, {n} rows"))
         ctx.log(f"{n} rows: tick p50 {res.figures[f'tick_wall_us_{n}']['p50']:.1f} us, {per_tick:.2f} copies/tick")
@@ -115,6 +121,26 @@ def _timed_ticks(m: Monitor, reader, ticks: int, *, decode: bool) -> tuple[list[
         wall.append((time.perf_counter_ns() - t_wall) / 1e3)
         cpu.append((time.thread_time_ns() - t_cpu) / 1e3)
     return wall, cpu
+
+
+def _native_quiet_ticks(m: Monitor, seconds: float = 0.3) -> list[float] | None:
+    """The native thread's quiet tick spans (us) with the reader at 1 ms for ``seconds`` (check() called
+    throughout, so it never idles); None where the native tick is unavailable."""
+    m.settings = m.settings.with_overrides(interval=0.001)
+    m.start()
+    try:
+        if m._native is None:
+            return None
+        m._native.trace(on=True)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            m.check()
+            time.sleep(0.001)
+        spans = m._native.trace()
+    finally:
+        m.stop()
+        m.settings = m.settings.with_overrides(interval=1.0)
+    return [(b - a) / 1e3 for a, b in spans.tolist()]
 
 
 def _settle(reader) -> None:  # type: ignore[no-untyped-def]

@@ -46,6 +46,21 @@ def test_bad_seconds_rejected_with_name(var, bad):
     assert repr(bad) in str(e.value)
 
 
+@pytest.mark.parametrize("bad", ["", "yes", "1", "true", "native", "of"])
+def test_bad_native_tick_rejected_with_name(bad):
+    with pytest.raises(ValueError, match="TRIPWIRE_NATIVE_TICK") as e:
+        load_settings({"TRIPWIRE_NATIVE_TICK": bad})
+    assert repr(bad) in str(e.value) and "auto, on, off" in str(e.value)
+
+
+def test_native_tick_read_from_environment_and_keyword():
+    assert load_settings({}).native_tick == "auto"
+    assert load_settings({"TRIPWIRE_NATIVE_TICK": " OFF "}).native_tick == "off"
+    assert load_settings({"TRIPWIRE_NATIVE_TICK": "off"}, native_tick="on").native_tick == "on"
+    with pytest.raises(ValueError, match="native_tick"):
+        Monitor(env={}, native_tick=True)
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf", "0", "-1", "abc", "", "1.5", str(1 << 30)])
 def test_bad_capacity_rejected(bad):
     with pytest.raises(ValueError, match="TRIPWIRE_CAPACITY"):

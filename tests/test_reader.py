@@ -291,7 +291,7 @@ def _capture_loop(m: Monitor, n: int, check: bool = True) -> int:
             if check:
                 m.check()
             else:
-                m._active = True  # keep the reader out of its idle state without raising
+                m._act[0] = 1  # keep the reader out of its idle state without raising
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g):
@@ -313,6 +313,7 @@ def test_reader_during_200_global_mode_captures_breaks_none(registry):
     failures = _capture_loop(m, 200)
     assert m._relaxed is not None, "the reader did not relax its capture mode"
     assert failures == 0
+    assert m._native_ticks > 50, "the native tick (which relaxes its own thread's mode) did not run"
     assert m.readers()["cuda:0"].copies > 50 and m.armed is None
 
 

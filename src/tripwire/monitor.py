@@ -15,9 +15,11 @@ per ``report_every`` seconds, carrying the delta since the last line.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ._native import NativeTicker, NativeUnavailable
 from .arena import Arena, normalize_device, unindexed_cuda
 from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
 from .config import Settings, load_settings
@@ -48,6 +51,27 @@ from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 __all__ = ["GuardReporter", "Hit", "Monitor", "RowReporter", "register_reporter"]
 
 log = logging.getLogger("tripwire")
+
+# Monitors whose native tick may be running: stopped at interpreter exit, before torch frees the pinned mirrors it
+# reads (the Python reader is a daemon thread and is simply frozen; a native thread would keep running).
+_live_tickers: weakref.WeakSet[Monitor] = weakref.WeakSet()
+_exit_hook = False
+
+
+def _stop_native_at_exit() -> None:
+    for m in list(_live_tickers):
+        m._stop_evt.set()
+        ticker = m._native
+        if ticker is not None:
+            ticker.stop()
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(_stop_native_at_exit)
+
 
 # A confirmation waits at most this many extra copies for a first-offender pair that has not landed yet.
 _MAX_EXTRA_CONFIRM_COPIES = 3
@@ -162,7 +186,7 @@ class Monitor:
     """Holds the reported state of every row, the armed stop and the reader thread.
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
-    ``heartbeat``), validated exactly like the ``TRIPWIRE_*`` variables it overrides. A fresh Monitor has its own
+    ``heartbeat``, ``native_tick``), validated exactly like the ``TRIPWIRE_*`` variables it overrides. A fresh Monitor has its own
     arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
     """
 
@@ -175,6 +199,7 @@ class Monitor:
         report_every: float | None = None,
         capacity: int | None = None,
         heartbeat: float | None = None,
+        native_tick: str | None = None,
         registry: SiteRegistry | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
@@ -186,14 +211,17 @@ class Monitor:
             report_every=report_every,
             capacity=capacity,
             heartbeat=heartbeat,
+            native_tick=native_tick,
         )
         self.registry = registry if registry is not None else default_registry()
         self.arena = Arena(self.registry, self.settings.capacity)
         self._lock = threading.RLock()
         self._readers: dict[torch.device, DeviceReader] = {}
-        # The armed stop. check() reads only this attribute (and sets _active).
+        # The armed stop. check() reads only this attribute (and sets _act).
         self._tripped: GuardTripped | None = None
-        self._active = True
+        # check() sets this byte (the reader's idle detection). A bytearray, not a bool attribute, so that the native
+        # tick reads and clears it without the GIL (it exchanges it to 0 in C; Python clears it in _poll).
+        self._act = bytearray(b"\x01")
         self._last_active = time.monotonic()
         self._thread: threading.Thread | None = None
         self._stop_evt = threading.Event()
@@ -216,10 +244,44 @@ class Monitor:
         # The capture mode is per THREAD: a reader thread started again after stop() must relax its own.
         self._tls = threading.local()
         self._skip_relax = False  # tests' control only: a reader that keeps the global mode
-        self.ticks = 0
-        self.quiet_ticks = 0  # device reads that landed unchanged and skipped the decode (one per device per tick)
-        self.idle_skips = 0
+        self._ticks = 0
+        self._native_ticks = 0  # of which the native thread ran (folded in when it hands the readers back)
+        self._quiet_ticks = 0
+        self._idle_skips = 0
         self.loop_errors = 0
+        # The native quiet tick (tripwire._native): made at start() unless native_tick is off or it cannot be built
+        # (_native_off then says why, for the log and the tests).
+        self._native: NativeTicker | None = None
+        self._native_off: str | None = "not started" if self.settings.native_tick != "off" else "native_tick=off"
+        self.registry.add_listener(self._on_register)
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def ticks(self) -> int:
+        """Reader ticks so far: Python's and the native tick's."""
+        t = self._native
+        return self._ticks + (t.live()[0] if t is not None and t.attached else 0)
+
+    @property
+    def idle_skips(self) -> int:
+        """Ticks that copied nothing because no check() arrived for idle_tail."""
+        t = self._native
+        return self._idle_skips + (t.live()[1] if t is not None and t.attached else 0)
+
+    @property
+    def quiet_ticks(self) -> int:
+        """Device reads that landed unchanged and were not decoded (one per device per tick)."""
+        t = self._native
+        return self._quiet_ticks + (t.live()[2] if t is not None and t.attached else 0)
+
+    @property
+    def native_tick(self) -> str:
+        """``"engaged"`` while the native thread runs the quiet ticks, ``"ready"`` while Python ticks (a change is
+        being confirmed, a tick hook is installed...), else why it is not used."""
+        t = self._native
+        if t is None or self._native_off is not None:
+            return self._native_off or "not started"
+        return "engaged" if t.attached else "ready"
 
     # ------------------------------------------------------------------ arena
     def prealloc(self, device: torch.device | str | int) -> torch.Tensor:
@@ -234,6 +296,7 @@ class Monitor:
                 )
             t = self.arena.prealloc(dev)
             if dev not in self._readers:
+                self._native_pause()  # the native tick reads a fixed set of readers: re-engage with this one too
                 self._readers[dev] = DeviceReader(dev, t)
             return t
 
@@ -260,7 +323,7 @@ class Monitor:
     def check(self) -> None:
         """Raise the armed :class:`GuardTripped`, if any. Call it at the top of each engine step.
 
-        It reads one attribute and sets one flag (the reader's idle detection); it never touches the GPU. The raise
+        It reads one attribute and sets one byte (the reader's idle detection); it never touches the GPU. The raise
         is late by up to about two reader intervals, and local to this process unless
         :func:`tripwire.distributed.coordinate` is on.
         """
@@ -268,7 +331,7 @@ class Monitor:
         if tripped is not None:
             # Drop the previous raise's traceback: an engine that catches and retries must not grow it forever.
             raise tripped.with_traceback(None)
-        self._active = True
+        self._act[0] = 1  # one byte store (~20 ns); the reader (Python or native) clears it
 
     @property
     def armed(self) -> GuardTripped | None:
@@ -332,6 +395,7 @@ class Monitor:
         if not callable(fn):
             raise TypeError(f"a tick hook must be callable, got {fn!r}")
         self._tick_hooks.append(fn)
+        self._native_pause()  # hooks run on Python ticks: every tick must be Python's while any is installed
 
     def remove_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
         if fn in self._tick_hooks:
@@ -380,22 +444,128 @@ class Monitor:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
+            self._make_native()
             self._stop_evt.clear()
             self._thread = threading.Thread(target=self._run, name="tripwire-reader", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop and join the reader thread (reports already made stay made; use drain for a final read)."""
+        """Stop and join the reader thread and the native tick (reports already made stay made; use drain for a
+        final read)."""
         with self._lock:
             thread = self._thread
             self._stop_evt.set()
+        ticker = self._native
+        if ticker is not None:
+            ticker.kick()  # ends the reader thread's native wait
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
                 log.error("tripwire: the reader thread did not stop within %s s", timeout)
+        self._native_pause()
         with self._lock:
             if self._thread is thread:
                 self._thread = None
+            if ticker is not None and self._native is ticker and (thread is None or not thread.is_alive()):
+                # Freed only once no thread can be waiting in it; a reader thread that did not stop keeps it.
+                self._native = None
+                self._native_off = "stopped"
+                ticker.close()
+
+    # ------------------------------------------------------------------ the native quiet tick
+    def _make_native(self) -> None:
+        """Build (or load) the native tick and start its thread, idle until engaged. Under the lock, in start()."""
+        if self._native is not None or self.settings.native_tick == "off":
+            return
+        try:
+            self._native = NativeTicker(
+                self.settings.interval,
+                self.settings.idle_tail,
+                self._act,
+                min(len(self.registry), self.settings.capacity),
+            )
+        except NativeUnavailable as e:
+            if self.settings.native_tick == "on":
+                raise NativeUnavailable(f"tripwire: native_tick=on (TRIPWIRE_NATIVE_TICK) but {e}") from None
+            if self._native_off != str(e):
+                log.info("tripwire: no native quiet tick (%s); every reader tick runs in Python (~0.2 ms of GIL)", e)
+            self._native_off = str(e)
+            return
+        self._native_off = None
+        _live_tickers.add(self)
+        _register_exit_hook()
+
+    def _on_register(self, n: int) -> None:
+        """A site was registered: the native tick copies its row from its next tick on (no re-engagement)."""
+        ticker = self._native
+        if ticker is not None:
+            ticker.set_rows(min(n, self.settings.capacity))
+
+    def _native_pause(self) -> None:
+        """Take the readers back from the native tick, if it holds them (or handed them back), and fold its
+        statistics in. Every Python access to a reader's copy state goes after this."""
+        ticker = self._native
+        if ticker is None or not ticker.attached:
+            return
+        with self._lock:
+            if not ticker.attached:
+                return
+            ticker.pause()  # waits for a native tick in progress (microseconds; never the GPU)
+            ticks, idle, quiet, error = ticker.detach()
+            self._ticks += ticks
+            self._native_ticks += ticks
+            self._idle_skips += idle
+            self._quiet_ticks += quiet
+            self._last_active = max(self._last_active, ticker.last_active)
+            if error is not None:
+                # The Python tick that follows repeats the read: a persistent failure loses the reader there (and
+                # arms the stop), exactly as without the native tick. Python ticks from now on.
+                self._native_off = f"failed: {error}"
+                log.warning(
+                    "tripwire: the native quiet tick failed (%s); the reader ticks in Python from now on", error
+                )
+
+    def _maybe_engage(self) -> None:
+        """Hand the quiet ticks to the native thread when nothing needs Python every tick: no confirmation pending,
+        no tick hook, every live reader readable natively, the capture mode relaxable. On the reader thread."""
+        ticker = self._native
+        if ticker is None or ticker.attached or self._native_off is not None or self._stop_evt.is_set():
+            return
+        with self._lock:
+            if any(self._pending.values()) or self._tick_hooks:
+                return
+            readers = [r for r in self._readers.values() if r.lost is None]
+            if not readers or not all(r.supports_native for r in readers):
+                return
+            relax = None
+            cuda = [r for r in readers if r.is_cuda]
+            if cuda:
+                if self._relaxed is None:
+                    return  # the fallback pauses during visible captures: only Python ticks do that
+                if not self._skip_relax:
+                    relax = cuda[0]._drv.raw["cuThreadExchangeStreamCaptureMode"]  # type: ignore[union-attr]
+                    if relax is None:
+                        return
+            ticker.engage(
+                readers,
+                [self._quiet_reference(r.name) for r in readers],
+                n_rows=min(len(self.registry), self.settings.capacity),
+                capacity=self.settings.capacity,
+                last_active=self._last_active,
+                relax=relax,
+            )
+
+    def _duty_wait(self) -> float:
+        """How long the reader thread may leave every tick to the native thread: until the next deferred report line
+        is due, and at most a quarter of the heartbeat (the numeric instruments' heartbeats run on Python ticks)."""
+        s = self.settings
+        wait = max(s.interval, s.heartbeat / 4)
+        now = time.monotonic()
+        with self._lock:
+            for st in self._emitted.values():
+                if st.render is not None:
+                    wait = min(wait, st.logged_at + s.report_every - now)
+        return max(wait, 0.0)
 
     @property
     def reader_alive(self) -> bool:
@@ -407,9 +577,28 @@ class Monitor:
         # rise), re-poll after ~1 ms instead of a full interval, so detection costs about one interval, not two.
         fast = min(interval, _CONFIRM_REPOLL_S)
         wait = interval
-        while not self._stop_evt.wait(wait):
+        try:
+            # A restart (stop/start) already knows every device's last rows: hand the quiet ticks to the native thread
+            # at once rather than after a first Python tick (that tick is where most of a Python tick's cost is).
+            self._relax_once()
+            self._maybe_engage()
+        except Exception:
+            log.exception("tripwire: engaging the native tick failed; the reader ticks in Python")
+            self._native_off = "failed to engage"
+        while True:
+            ticker = self._native
+            if ticker is not None and ticker.attached:
+                # The native thread ticks; this thread sleeps with the GIL released until a copy changed, a native
+                # call failed, someone paused it (drain, poll, prealloc), stop(), or a Python duty is due.
+                ticker.wait(self._duty_wait())
+                if self._stop_evt.is_set():
+                    break
+            elif self._stop_evt.wait(wait):
+                break
             try:
+                self._native_pause()
                 self._poll(on_reader_thread=True)
+                self._maybe_engage()
             except Exception as e:  # the loop itself failed: log, arm, keep going
                 self.loop_errors += 1
                 log.exception("tripwire: reader tick failed")
@@ -430,6 +619,7 @@ class Monitor:
         nothing (the mode's contract)."""
         if self.settings.mode == "off":
             return
+        self._native_pause()  # the reader thread re-engages the native tick at its next wake
         self._poll(on_reader_thread=False)
 
     def _relax_once(self) -> None:
@@ -448,14 +638,14 @@ class Monitor:
         if on_reader_thread:
             self._relax_once()  # before this thread's first CUDA call (reads, or a tick hook's abort)
         with self._lock:
-            self.ticks += 1
-            if self._active:
-                self._active = False
+            self._ticks += 1
+            if self._act[0]:
+                self._act[0] = 0
                 self._last_active = now
             pending = any(self._pending.values())
             idle = not pending and now - self._last_active > self.settings.idle_tail
             if idle:
-                self.idle_skips += 1
+                self._idle_skips += 1
             else:
                 self._read_all(now, on_reader_thread=on_reader_thread)
             self._flush_due(now)
@@ -486,7 +676,7 @@ class Monitor:
             if rows is None:
                 continue
             if rows is same_as:
-                self.quiet_ticks += 1
+                self._quiet_ticks += 1
                 continue
             self._process(reader.name, rows, now, final=False)
 
@@ -666,6 +856,7 @@ class Monitor:
         now = time.monotonic()
         snap: dict[tuple[str, str], Hit] = {}
         with self._lock:
+            self._native_pause()
             n = min(len(self.registry), self.settings.capacity)
             for reader in list(self._readers.values()):
                 if reader.lost is not None:
@@ -721,6 +912,7 @@ class Monitor:
             # reported before the counters they describe are zeroed.
             self._final_read()
         with self._lock:
+            self._native_pause()  # the reader thread may have re-engaged it since the final read
             self.arena.zero_()
             for dev, reader in self._readers.items():
                 if reader.is_cuda:

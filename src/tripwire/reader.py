@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +70,21 @@ class _Driver:
         # Per tick, enqueue and so can block: release the GIL (module docstring).
         self.memcpy_dtoh_async = fn(releases_gil, "cuMemcpyDtoHAsync_v2", vp, u64, sz, vp)
         self.event_record = fn(releases_gil, "cuEventRecord", vp, vp)
+        # The same entry points as raw addresses, for the native quiet tick (tripwire._native), which calls them
+        # from its own thread without Python.
+        self.raw: dict[str, int | None] = {
+            name: ctypes.cast(getattr(releases_gil, name), ctypes.c_void_p).value
+            for name in (
+                "cuEventQuery",
+                "cuMemcpyDtoHAsync_v2",
+                "cuEventRecord",
+                "cuCtxPushCurrent_v2",
+                "cuCtxPopCurrent_v2",
+            )
+        }
+        # CUDA >= 10.1; without it the native tick cannot relax its capture mode and is not used (never an error).
+        mode_fn = getattr(releases_gil, "cuThreadExchangeStreamCaptureMode", None)
+        self.raw["cuThreadExchangeStreamCaptureMode"] = ctypes.cast(mode_fn, ctypes.c_void_p).value if mode_fn else None
 
     @classmethod
     def get(cls) -> _Driver | None:
@@ -103,8 +119,11 @@ class DeviceReader:
         self.device = device
         self.name = str(device)
         self.arena = arena
-        self.copies = 0  # copies started (CUDA) or reads made (CPU)
-        self.bytes_copied = 0
+        self._copies = 0  # copies started (CUDA) or reads made (CPU), by Python
+        self._bytes = 0
+        # The native ticker's row for this reader while it is engaged (it owns the copy state then), else None.
+        self.native_dev: Any = None
+        self._host_mirror: np.ndarray | None = None  # where the native tick's memcpy lands for a CPU arena
         self.lost: BaseException | None = None
         self._pending_rows = 0  # rows of the copy in flight; 0 when none
         self.is_cuda = device.type == "cuda"
@@ -138,6 +157,62 @@ class DeviceReader:
     def in_flight(self) -> bool:
         return self._pending_rows > 0
 
+    @property
+    def copies(self) -> int:
+        """Copies started (CUDA) or reads made (CPU), by Python and the native tick (live while it is engaged)."""
+        d = self.native_dev
+        return self._copies + (int(d.copies) if d is not None else 0)
+
+    @property
+    def bytes_copied(self) -> int:
+        d = self.native_dev
+        return self._bytes + (int(d.bytes) if d is not None else 0)
+
+    # ------------------------------------------------------------------ the native quiet tick (tripwire._native)
+    @property
+    def supports_native(self) -> bool:
+        """The native tick can read this arena: a CPU arena (memcpy), or CUDA through the driver (not torch)."""
+        return not self.is_cuda or self._drv is not None
+
+    def native_fields(self) -> tuple[int | None, ...]:
+        """(query, copy, record, push, pop, ctx, stream, event, src, mirror) for tick.c's tw_dev."""
+        if not self.is_cuda:
+            from ._native import host_functions
+
+            if self._host_mirror is None:
+                self._host_mirror = np.zeros(tuple(self.arena.shape), dtype=np.int64)
+            q, c, r = host_functions()
+            return (q, c, r, None, None, None, None, None, self.arena.data_ptr(), self._host_mirror.ctypes.data)
+        drv = self._drv
+        assert drv is not None, "supports_native is False for the torch fallback"
+        raw = drv.raw
+        return (
+            raw["cuEventQuery"],
+            raw["cuMemcpyDtoHAsync_v2"],
+            raw["cuEventRecord"],
+            raw["cuCtxPushCurrent_v2"],
+            raw["cuCtxPopCurrent_v2"],
+            self._ctx.value,
+            self._stream_h.value,
+            self._event_h.value,
+            self._src,
+            self._dst,
+        )
+
+    def take_pending(self) -> int:
+        """Hand the copy in flight (its row count) to the native tick, which owns it until :meth:`give_back`."""
+        rows, self._pending_rows = self._pending_rows, 0
+        return rows
+
+    def give_back(self, pending: int, copies: int, nbytes: int) -> None:
+        """Take the copy state back from the native tick: its copy in flight (a CUDA copy that may have landed and
+        changed: the next :meth:`poll` queries it), and the copies it made. A CPU arena's native copy is dropped:
+        the next poll reads the arena itself, which is at least as new."""
+        if self.is_cuda:
+            self._pending_rows = int(pending)
+        self._copies += int(copies)
+        self._bytes += int(nbytes)
+
     def poll(self, n_rows: int, same_as: np.ndarray | None = None) -> np.ndarray | None:
         """The rows of the copy that landed since the last poll (a private numpy copy), or None if it has not
         landed yet; then start the next copy of the first ``n_rows`` rows. Never blocks on the GPU.
@@ -146,8 +221,8 @@ class DeviceReader:
         object is returned (no copy made), so the caller can tell "nothing changed" by identity. It does not mean
         the caller may skip work it owes per copy (confirmations count copies): that is the caller's decision."""
         if not self.is_cuda:
-            self.copies += 1
-            self.bytes_copied += n_rows * self.arena.shape[1] * 8
+            self._copies += 1
+            self._bytes += n_rows * self.arena.shape[1] * 8
             return _same_or_copy(self.arena[:n_rows].numpy(), same_as)
         rows = None
         if self._pending_rows:
@@ -187,8 +262,8 @@ class DeviceReader:
             finally:
                 drv.ctx_pop(ctypes.byref(ctypes.c_void_p()))
         self._pending_rows = n_rows
-        self.copies += 1
-        self.bytes_copied += n_rows * self.arena.shape[1] * 8
+        self._copies += 1
+        self._bytes += n_rows * self.arena.shape[1] * 8
 
     def discard(self) -> None:
         """Wait for (and forget) a copy in flight. Blocking: only for drain and reset, never the step path."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["GUARD_KINDS", "Site", "SiteRegistry", "default_registry", "register_site", "sites"]
@@ -42,6 +44,15 @@ class SiteRegistry:
         self._by_name: dict[str, Site] = {}
         self._by_id: list[Site] = []
         self._capacity = capacity
+        # Called with the new size after each registration (monitors' native ticks copy the new row from then on).
+        # Weak: a registry outlives the many monitors tests build on it.
+        self._listeners: list[weakref.WeakMethod[Callable[[int], None]]] = []
+
+    def add_listener(self, method: Callable[[int], None]) -> None:
+        """Call the bound ``method(n_sites)`` after every new registration, for as long as its object lives."""
+        with self._lock:
+            self._listeners = [w for w in self._listeners if w() is not None]
+            self._listeners.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
 
     @property
     def capacity(self) -> int:
@@ -80,7 +91,12 @@ class SiteRegistry:
             site = Site(id=row, name=name, description=description, fatal=fatal, kind=kind, registry=self)
             self._by_name[name] = site
             self._by_id.append(site)
-            return site
+            listeners = list(self._listeners)
+        for w in listeners:  # outside the lock: a listener may read the registry
+            fn = w()
+            if fn is not None:
+                fn(len(self._by_id))  # the size now, not this row's: registrations may race
+        return site
 
     def get(self, name: str) -> Site:
         with self._lock:
