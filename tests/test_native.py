@@ -69,6 +69,12 @@ def _wait_for(cond, timeout: float = 2.0) -> bool:
     return cond()
 
 
+def _reported(m: Monitor, device: str, row: int) -> int:
+    """The count the monitor has confirmed (decoded and reported) for ``row``; 0 before its first decode."""
+    rep = m._reported.get(device)
+    return 0 if rep is None else int(rep[row])
+
+
 def _quiet_monitor(registry, **kw) -> Monitor:
     # report_every and heartbeat at an hour: the reader thread has no Python duty for 15 minutes.
     args = dict(registry=registry, capacity=64, interval=0.001, idle_tail=3600, report_every=3600, heartbeat=3600)
@@ -155,7 +161,7 @@ def test_every_rise_reported_exactly_while_engaged(registry, caplog):
             hit(ctr, 10 + k, 1000 + k, n=k)
             total += k
             # Python's decode confirmed it (the native thread handed the changed copy back) ...
-            assert _wait_for(lambda total=total: m._reported["cpu"][ctr_row] == total)
+            assert _wait_for(lambda total=total: _reported(m, "cpu", ctr_row) == total)
             m.check()
             # ... and the quiet ticks went back to the native thread.
             assert _wait_for(lambda: m.native_tick == "engaged"), m.native_tick
@@ -356,7 +362,7 @@ def test_cuda_native_tick_reads_graph_replays_exactly(registry, native_tick):
                 m.check()
                 g.replay()
             expected += 33
-            assert _wait_for(lambda expected=expected: m._reported["cuda:0"][s.id] == expected)
+            assert _wait_for(lambda expected=expected: _reported(m, "cuda:0", s.id) == expected)
             end = time.monotonic() + 0.05
             while time.monotonic() < end:  # quiet ticks, with the engine "alive"
                 m.check()

@@ -61,25 +61,38 @@ def test_tick_never_waits_on_busy_stream(registry, cuda_monitor):
     assert cuda_monitor.readers()["cuda:0"].copies >= 2
 
 
-def test_tick_from_reader_thread_never_waits(registry, cuda_monitor):
+@pytest.mark.parametrize("native_tick", ["auto", "off"])
+def test_tick_from_reader_thread_never_waits(registry, native_tick):
+    """Ticks on the reader's own threads while a kernel parks the compute stream: each returns at once. With the
+    native tick (auto) the quiet ticks are the native thread's (timed from its span ring); with it off, Python's."""
+    m = Monitor(registry=registry, capacity=64, mode="warn", interval=0.001, idle_tail=60, native_tick=native_tick)
+    m.prealloc("cuda")
     s = registry.register("gpu.thread")
-    cuda_monitor.counter(s, "cuda")
+    m.counter(s, "cuda")
     durations: list[float] = []
-    orig = cuda_monitor._read_all
+    orig = m._read_all
 
     def timed(now, **kw):
         a = time.perf_counter()
         orig(now, **kw)
         durations.append(time.perf_counter() - a)
 
-    cuda_monitor._read_all = timed
-    cuda_monitor.start()
-    time.sleep(0.05)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    durations.clear()
-    time.sleep(0.3)
-    busy_still = not torch.cuda.current_stream().query()
-    cuda_monitor.stop()
+    m._read_all = timed
+    m.start()
+    try:
+        time.sleep(0.05)
+        if native_tick == "auto":
+            assert m.native_tick == "engaged", m.native_tick
+            m._native.trace(on=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        durations.clear()
+        t0 = time.monotonic_ns()
+        time.sleep(0.3)
+        busy_still = not torch.cuda.current_stream().query()
+        if native_tick == "auto":
+            durations += [(b - a) / 1e9 for a, b in m._native.trace().tolist() if a >= t0]
+    finally:
+        m.stop()
     torch.cuda.synchronize()
     assert busy_still and len(durations) > 50
     assert max(durations) < 1e-3, max(durations)
