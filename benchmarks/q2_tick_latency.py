@@ -64,6 +64,27 @@ def run(ctx: Ctx) -> dict:
     landed = reader.copies - c0  # a tick starts a new copy only once the previous one has landed
     torch.cuda.synchronize()
 
+    # The native quiet tick (the reader thread's ticks while nothing changes), timed from its span ring, while the
+    # same busy_ms of kernels sit on the compute stream.
+    native: list[float] = []
+    m.settings = m.settings.with_overrides(interval=0.001)
+    m.start()
+    try:
+        if m._native is not None:
+            time.sleep(0.05)  # engaged after its first Python tick
+            m._native.trace(on=True)
+            for _ in range(busy_ms // PARK_MS):
+                torch.cuda._sleep(int(cpm * PARK_MS))
+            t_start = time.monotonic_ns()
+            t_end = time.perf_counter() + busy_ms * 0.8 / 1e3
+            while time.perf_counter() < t_end:
+                m.check()
+                time.sleep(0.001)
+            native = [(b - a) / 1e6 for a, b in m._native.trace().tolist() if a >= t_start]
+    finally:
+        m.stop()
+    torch.cuda.synchronize()
+
     # The synchronous reader, each sample behind one parked kernel.
     sync: list[float] = []
     for _ in range(n_sync):
@@ -75,6 +96,12 @@ def run(ctx: Ctx) -> dict:
 
     res.fig("tick_ms_tripwire", stats(ticks, unit="ms", label="tripwire Monitor.poll() while busy", dist=True))
     res.fig("tick_ms_sync", stats(sync, unit="ms", label=f"arena.tolist() behind a {PARK_MS} ms kernel", dist=True))
+    if native:
+        res.fig("tick_ms_native", stats(native, unit="ms", label="tripwire native quiet tick while busy", dist=True))
+        p99n = res.figures["tick_ms_native"]["p99"]
+        res.target("tripwire native tick p99", "tick_ms_native", "p99 < 1 ms", p99n, p99n < 1.0)
+    else:
+        res.note("no native tick here (it could not be built): only Python ticks were timed")
     res.fig("copies_landed_while_busy", single(landed, unit="copies", label="tripwire copies landed while busy"))
     res.fig("sleep_cycles_per_ms", single(cpm, unit="cycles/ms", label="torch.cuda._sleep calibration"))
     p99 = res.figures["tick_ms_tripwire"]["p99"]
