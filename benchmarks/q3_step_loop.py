@@ -258,10 +258,12 @@ def _hold_gil(m: Monitor) -> None:
 
 
 class _TickTrace:
-    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter). Python ticks by
-    wrapping the monitor's tick (its two clock reads and an append, ~0.3 us, are charged to the reader, so the
-    attribution can only overstate its cost); native quiet ticks from the native thread's own span ring
-    (CLOCK_MONOTONIC, which is perf_counter's clock on Linux: checked)."""
+    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter). A Python tick is the
+    reader thread's whole loop body -- taking the readers back from the native tick, the tick itself, handing them
+    back (``_native_pause`` .. ``_poll`` .. ``_maybe_engage``) -- traced by wrapping those methods (the wrappers'
+    clock reads and appends, ~0.5 us, are charged to the reader, so the attribution can only overstate its cost).
+    Native quiet ticks come from the native thread's own span ring (CLOCK_MONOTONIC, which is perf_counter's clock
+    on Linux: checked)."""
 
     def __init__(self, m: Monitor) -> None:
         self.spans: list[tuple[float, float]] = []
@@ -271,18 +273,38 @@ class _TickTrace:
         impl = time.get_clock_info("perf_counter").implementation
         if "CLOCK_MONOTONIC" not in impl or "RAW" in impl:
             raise RuntimeError(f"perf_counter is {impl}, not CLOCK_MONOTONIC: native tick spans would be misplaced")
-        inner = m._poll
+        self._t0: float | None = None
+        pause, poll, engage = m._native_pause, m._poll, m._maybe_engage
 
-        def traced(*, on_reader_thread: bool) -> None:
-            t0 = time.perf_counter()
+        def on_reader() -> bool:
+            return threading.current_thread().name == "tripwire-reader"
+
+        def begin() -> None:
+            if self._t0 is None and on_reader():
+                self._t0 = time.perf_counter()
+
+        def traced_pause(timeout: float | None = None) -> bool:
+            begin()
+            return pause(timeout)
+
+        def traced_poll(*, on_reader_thread: bool) -> None:
+            begin()
+            poll(on_reader_thread=on_reader_thread)
+
+        def traced_engage() -> None:
+            begin()
             try:
-                inner(on_reader_thread=on_reader_thread)
+                engage()
             finally:
-                if on_reader_thread:
-                    self.spans.append((t0, time.perf_counter()))
+                if on_reader() and self._t0 is not None:
+                    self.spans.append((self._t0, time.perf_counter()))
                     self.kinds.setdefault(self.variant, [0, 0])[0] += 1
+                self._t0 = None
 
-        m._poll = traced  # type: ignore[method-assign]  # the instance attribute shadows the method for _run
+        # Instance attributes shadow the methods for _run (the bench reaches into the monitor to trace it).
+        m._native_pause = traced_pause  # type: ignore[method-assign]
+        m._poll = traced_poll  # type: ignore[method-assign]
+        m._maybe_engage = traced_engage  # type: ignore[method-assign]
 
     def clear(self) -> None:
         self.spans.clear()

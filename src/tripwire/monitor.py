@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -58,12 +59,32 @@ _live_tickers: weakref.WeakSet[Monitor] = weakref.WeakSet()
 _exit_hook = False
 
 
+# At exit, how long to wait for a native tick stuck in a driver call (a hung stream) before leaving it behind.
+_EXIT_JOIN_S = 1.0
+
+
 def _stop_native_at_exit() -> None:
     for m in list(_live_tickers):
         m._stop_evt.set()
         ticker = m._native
-        if ticker is not None:
-            ticker.stop()
+        if ticker is not None and not ticker.stop(_EXIT_JOIN_S):
+            log.error("tripwire: the native tick is stuck in a driver call at exit; leaving it behind")
+
+
+def _forget_native_in_child() -> None:
+    # The child has no native thread (only the forking thread survives fork): drop the parent's tickers without
+    # calling into them (their mutex may have been held at the fork); a start() in the child makes a new one.
+    for m in list(_live_tickers):
+        t = m._native
+        if t is not None:
+            t._forked = True
+            if t.attached:
+                t.detach()  # Python-only: hands the readers' copy state back
+            m._native, m._native_off = None, "not started"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_native_in_child)
 
 
 def _register_exit_hook() -> None:
@@ -252,6 +273,7 @@ class Monitor:
         # The native quiet tick (tripwire._native): made at start() unless native_tick is off or it cannot be built
         # (_native_off then says why, for the log and the tests).
         self._native: NativeTicker | None = None
+        self._rows_lock = threading.Lock()
         self._native_off: str | None = "not started" if self.settings.native_tick != "off" else "native_tick=off"
         self.registry.add_listener(self._on_register)
 
@@ -394,8 +416,9 @@ class Monitor:
         """Call ``fn(monitor)`` on every reader tick, idle ones included (tripwire.distributed polls its store)."""
         if not callable(fn):
             raise TypeError(f"a tick hook must be callable, got {fn!r}")
-        self._tick_hooks.append(fn)
-        self._native_pause()  # hooks run on Python ticks: every tick must be Python's while any is installed
+        with self._lock:  # atomic with _maybe_engage's hook check (made under the lock)
+            self._tick_hooks.append(fn)
+            self._native_pause()  # hooks run on Python ticks: every tick must be Python's while any is installed
 
     def remove_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
         if fn in self._tick_hooks:
@@ -435,7 +458,7 @@ class Monitor:
         with self._lock:
             first = not self._started
             self._started = True
-            self._active = True
+            self._act[0] = 1
             self._last_active = time.monotonic()
         if first:
             self.run_post_capture_hooks()
@@ -462,15 +485,21 @@ class Monitor:
             thread.join(timeout)
             if thread.is_alive():
                 log.error("tripwire: the reader thread did not stop within %s s", timeout)
-        self._native_pause()
+        paused = self._native_pause(timeout)
         with self._lock:
             if self._thread is thread:
                 self._thread = None
             if ticker is not None and self._native is ticker and (thread is None or not thread.is_alive()):
-                # Freed only once no thread can be waiting in it; a reader thread that did not stop keeps it.
                 self._native = None
-                self._native_off = "stopped"
-                ticker.close()
+                if paused:
+                    self._native_off = "stopped"
+                    ticker.close(timeout)  # freed when collected: a concurrent stop() may still hold it
+                else:
+                    # A native tick stuck in a driver call (a hung stream): it keeps the readers it holds and exits
+                    # when the call returns; Python never re-engages it (nor touches those readers' copies safely).
+                    self._native_off = "stuck in a driver call at stop()"
+                    ticker.close(0.0)
+                    log.error("tripwire: the native tick is stuck in a driver call; leaving it behind")
 
     # ------------------------------------------------------------------ the native quiet tick
     def _make_native(self) -> None:
@@ -488,7 +517,12 @@ class Monitor:
             if self.settings.native_tick == "on":
                 raise NativeUnavailable(f"tripwire: native_tick=on (TRIPWIRE_NATIVE_TICK) but {e}") from None
             if self._native_off != str(e):
-                log.info("tripwire: no native quiet tick (%s); every reader tick runs in Python (~0.2 ms of GIL)", e)
+                # A WARNING: on an engine this costs the step loop ~10x more reader time (the GIL, every tick).
+                log.warning(
+                    "tripwire: no native quiet tick (%s); every reader tick runs in Python, holding the engine's GIL "
+                    "~0.2 ms per tick (set TRIPWIRE_NATIVE_TICK=off to choose this and silence the warning)",
+                    e,
+                )
             self._native_off = str(e)
             return
         self._native_off = None
@@ -499,18 +533,22 @@ class Monitor:
         """A site was registered: the native tick copies its row from its next tick on (no re-engagement)."""
         ticker = self._native
         if ticker is not None:
-            ticker.set_rows(min(n, self.settings.capacity))
+            with self._rows_lock:  # size read and stored in order: an older, smaller size never lands last
+                ticker.set_rows(min(len(self.registry), self.settings.capacity))
 
-    def _native_pause(self) -> None:
+    def _native_pause(self, timeout: float | None = None) -> bool:
         """Take the readers back from the native tick, if it holds them (or handed them back), and fold its
-        statistics in. Every Python access to a reader's copy state goes after this."""
+        statistics in. Every Python access to a reader's copy state goes after this. Waits for a native tick in
+        progress (microseconds; never the GPU), at most ``timeout`` seconds if given: False if it is still in a
+        driver call then (the readers stay the native thread's)."""
         ticker = self._native
         if ticker is None or not ticker.attached:
-            return
+            return True
         with self._lock:
             if not ticker.attached:
-                return
-            ticker.pause()  # waits for a native tick in progress (microseconds; never the GPU)
+                return True
+            if not ticker.pause(timeout):
+                return False
             ticks, idle, quiet, error = ticker.detach()
             self._ticks += ticks
             self._native_ticks += ticks
@@ -524,6 +562,7 @@ class Monitor:
                 log.warning(
                     "tripwire: the native quiet tick failed (%s); the reader ticks in Python from now on", error
                 )
+        return True
 
     def _maybe_engage(self) -> None:
         """Hand the quiet ticks to the native thread when nothing needs Python every tick: no confirmation pending,
@@ -546,14 +585,18 @@ class Monitor:
                     relax = cuda[0]._drv.raw["cuThreadExchangeStreamCaptureMode"]  # type: ignore[union-attr]
                     if relax is None:
                         return
-            ticker.engage(
-                readers,
-                [self._quiet_reference(r.name) for r in readers],
-                n_rows=min(len(self.registry), self.settings.capacity),
-                capacity=self.settings.capacity,
-                last_active=self._last_active,
-                relax=relax,
-            )
+            try:
+                ticker.engage(
+                    readers,
+                    [self._quiet_reference(r.name) for r in readers],
+                    n_rows=min(len(self.registry), self.settings.capacity),
+                    capacity=self.settings.capacity,
+                    last_active=self._last_active,
+                    relax=relax,
+                )
+            except Exception as e:  # e.g. more devices than the native tick holds: Python ticks, nothing is lost
+                self._native_off = f"failed to engage: {type(e).__name__}: {e}"
+                log.warning("tripwire: the native quiet tick cannot engage (%s); the reader ticks in Python", e)
 
     def _duty_wait(self) -> float:
         """How long the reader thread may leave every tick to the native thread: until the next deferred report line
@@ -619,8 +662,7 @@ class Monitor:
         nothing (the mode's contract)."""
         if self.settings.mode == "off":
             return
-        self._native_pause()  # the reader thread re-engages the native tick at its next wake
-        self._poll(on_reader_thread=False)
+        self._poll(on_reader_thread=False)  # it takes the readers back from the native tick, under the lock
 
     def _relax_once(self) -> None:
         if getattr(self._tls, "relax_tried", False) or not torch.cuda.is_initialized():
@@ -638,6 +680,8 @@ class Monitor:
         if on_reader_thread:
             self._relax_once()  # before this thread's first CUDA call (reads, or a tick hook's abort)
         with self._lock:
+            # Under the lock: between a pause taken before it and this lock, the reader thread could re-engage.
+            self._native_pause()
             self._ticks += 1
             if self._act[0]:
                 self._act[0] = 0

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -91,6 +92,12 @@ class _Cfg(ctypes.Structure):
     ]
 
 
+def _ns(seconds: float) -> int:
+    """Seconds as int64 nanoseconds for tick.c, clamped: ctypes wraps a larger int silently (1e10 s would become a
+    negative idle tail), and C adds them to CLOCK_MONOTONIC now (2**61 ns is 73 years)."""
+    return max(1, min(round(seconds * 1e9), 1 << 61))
+
+
 class NativeUnavailable(RuntimeError):
     """The native tick cannot be built or loaded here (the message says why)."""
 
@@ -99,61 +106,107 @@ _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | NativeUnavailable | None = None
 
 
+def _private_dir(d: Path) -> bool:
+    """``d`` exists or was made, and is ours and writable by no one else (a shared temp dir could be planted)."""
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = d.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(d, os.W_OK)
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for d in (Path(base) / "tripwire", Path(tempfile.gettempdir()) / f"tripwire-{os.getuid()}"):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    raise NativeUnavailable("no writable cache directory for the native tick library")
+        if _private_dir(d):
+            return d
+    raise NativeUnavailable("no private, writable cache directory for the native tick library")
 
 
-def _compiler() -> str:
+def _compiler() -> list[str]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise NativeUnavailable("no C compiler found ($CC, cc, gcc, clang)")
-    return cc
+    return shlex.split(cc)  # CC may carry arguments ("ccache gcc")
 
 
-def _build() -> ctypes.CDLL:
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + platform.machine().encode()).hexdigest()[:16]
-    so = _cache_dir() / f"tick-{key}.so"
-    if not so.exists():
-        cc = _compiler()
-        # Written under a private name and renamed: a concurrent process (one per rank) never loads half a file.
-        tmp = so.with_name(f"{so.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", str(_SRC), "-o", str(tmp)]
+def _layout() -> list[int]:
+    """The loader's view of tick.c's layout: sizes, and offsets of the fields most likely to move."""
+    return [
+        ctypes.sizeof(_Dev),
+        ctypes.sizeof(_Cfg),
+        _Dev.pending.offset,
+        _Dev.err_call.offset,
+        _Cfg.relax.offset,
+        _Cfg.trace.offset,
+    ]
+
+
+def _compile(so: Path) -> None:
+    cc = _compiler()
+    # Written under a private temporary name and renamed: a concurrent process (one per rank, maybe on another host
+    # sharing the home directory) never loads half a file.
+    fd, tmp_name = tempfile.mkstemp(prefix=so.name + ".", suffix=".tmp", dir=so.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    cmd = [*cc, "-O2", "-shared", "-fPIC", "-pthread", str(_SRC), "-o", str(tmp)]
+    try:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise NativeUnavailable(f"compiling the native tick failed ({' '.join(cmd)}): {e}") from None
         if res.returncode != 0:
-            tmp.unlink(missing_ok=True)
             raise NativeUnavailable(f"compiling the native tick failed ({' '.join(cmd)}): {res.stderr.strip()[-800:]}")
         os.replace(tmp, so)
-    try:
-        lib = ctypes.CDLL(str(so))  # CDLL: every call releases the GIL (tw_wait and tw_pause wait)
-    except OSError as e:
-        raise NativeUnavailable(f"loading {so} failed: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _load(so: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(so))  # CDLL: every call releases the GIL (tw_wait, tw_pause and tw_stop wait)
     lib.tw_new.argtypes, lib.tw_new.restype = [ctypes.POINTER(_Cfg)], _vp
-    for name in ("tw_engage", "tw_kick", "tw_stop", "tw_free"):
+    for name in ("tw_engage", "tw_kick", "tw_free"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [_vp], None
-    lib.tw_pause.argtypes, lib.tw_pause.restype = [_vp], ctypes.c_int
+    for name in ("tw_pause", "tw_stop"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [_vp, _i64], ctypes.c_int
     lib.tw_wait.argtypes, lib.tw_wait.restype = [_vp, _i64], _i64
     lib.tw_cpu_ns.argtypes, lib.tw_cpu_ns.restype = [_vp], _i64
-    lib.tw_sizes.argtypes, lib.tw_sizes.restype = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)], None
-    dev_size, cfg_size = _i64(), _i64()
-    lib.tw_sizes(ctypes.byref(dev_size), ctypes.byref(cfg_size))
-    if (dev_size.value, cfg_size.value) != (ctypes.sizeof(_Dev), ctypes.sizeof(_Cfg)):
-        raise NativeUnavailable(
-            f"{so}: struct sizes {dev_size.value}/{cfg_size.value} differ from the loader's "
-            f"{ctypes.sizeof(_Dev)}/{ctypes.sizeof(_Cfg)}"
-        )
+    lib.tw_layout.argtypes, lib.tw_layout.restype = [ctypes.POINTER(_i64)], None
+    out = (_i64 * 6)()
+    lib.tw_layout(out)
+    if list(out) != _layout():
+        raise NativeUnavailable(f"{so}: struct layout {list(out)} differs from the loader's {_layout()}")
     return lib
+
+
+def _cached_path() -> Path:
+    # The key covers what the file depends on: the source, the loader's layout, the machine and the C library (a
+    # home directory shared by hosts with different glibc versions must not share one file).
+    ident = repr((_layout(), platform.machine(), platform.libc_ver())).encode()
+    key = hashlib.sha256(_SRC.read_bytes() + ident).hexdigest()[:16]
+    return _cache_dir() / f"tick-{key}.so"
+
+
+def _build() -> ctypes.CDLL:
+    so = _cached_path()
+    if not so.exists():
+        _compile(so)
+    try:
+        return _load(so)
+    except (OSError, NativeUnavailable) as first:
+        # A cached file this host cannot use (damaged, or built elsewhere): build it again, once, here. This process
+        # loads the new file under a private name: dlopen would hand back the library already mapped for `so`.
+        fd, private = tempfile.mkstemp(prefix=so.stem + ".", suffix=".so", dir=so.parent)
+        os.close(fd)
+        try:
+            _compile(so)
+            shutil.copyfile(so, private)
+            return _load(Path(private))
+        except OSError as e:
+            raise NativeUnavailable(f"loading {so} failed: {e} (first attempt: {first})") from None
+        finally:
+            os.unlink(private)  # a mapped library stays mapped
 
 
 def library() -> ctypes.CDLL:
@@ -193,8 +246,8 @@ class NativeTicker:
     def __init__(self, interval: float, idle_tail: float, active: bytearray, n_rows: int) -> None:
         self._lib = library()
         self.cfg = _Cfg()
-        self.cfg.interval_ns = max(1, round(interval * 1e9))
-        self.cfg.idle_tail_ns = round(idle_tail * 1e9)
+        self.cfg.interval_ns = _ns(interval)
+        self.cfg.idle_tail_ns = _ns(idle_tail)
         self.cfg.n_rows = n_rows
         # The bytearray check() writes: its buffer cannot move while this ctypes view exports it.
         self._active_view = (ctypes.c_uint8 * 1).from_buffer(active)
@@ -208,6 +261,7 @@ class NativeTicker:
         if not self._handle:
             raise NativeUnavailable("tw_new failed (no memory, or pthread_create failed)")
         self._closed = False
+        self._forked = False  # inherited by a forked child: never call into it there
 
     @property
     def attached(self) -> bool:
@@ -231,44 +285,53 @@ class NativeTicker:
             raise RuntimeError("tripwire: the native ticker is already engaged")
         if len(readers) > _MAX_DEVICES:
             raise NativeUnavailable(f"{len(readers)} devices, more than the native tick's {_MAX_DEVICES}")
-        for i, (reader, ref) in enumerate(zip(readers, refs, strict=True)):
-            d = self.devs[i]
-            (d.query, d.copy, d.record, d.push, d.pop, d.ctx, d.stream, d.event, d.src, d.mirror) = (
-                reader.native_fields()
-            )
-            buf = self._refs.get(id(reader))
-            if buf is None or buf.shape[0] < capacity:
-                buf = self._refs[id(reader)] = np.zeros((capacity, reader.arena.shape[1]), dtype=np.int64)
-            if ref is None:
-                d.has_ref = 0
-            else:
-                # The rows Python processed last; zero past them (rows registered later start at zero).
-                buf[: ref.shape[0]] = ref
-                buf[ref.shape[0] :] = 0
-                d.has_ref = 1
-            d.ref = buf.ctypes.data
-            d.row_bytes = reader.arena.shape[1] * reader.arena.element_size()
-            d.pending = reader.take_pending()
-            d.copies = d.bytes = d.quiet = d.err = d.err_call = 0
-            reader.native_dev = d
-        self._attached = list(readers)
+        try:
+            for i, (reader, ref) in enumerate(zip(readers, refs, strict=True)):
+                self._attach(i, reader, ref, capacity)
+        except BaseException:
+            self.detach()  # the readers set up so far get their copy state back
+            raise
         self.cfg.ndev = len(readers)
         self.cfg.n_rows = n_rows
         self.cfg.last_active_ns = round(last_active * 1e9)
         self.cfg.relax = relax
         self._lib.tw_engage(self._handle)
 
+    def _attach(self, i: int, reader: DeviceReader, ref: np.ndarray | None, capacity: int) -> None:
+        """Set up device row ``i`` for ``reader`` and take its copy in flight (the last step: nothing can fail after
+        the reader's state moved here)."""
+        d = self.devs[i]
+        (d.query, d.copy, d.record, d.push, d.pop, d.ctx, d.stream, d.event, d.src, d.mirror) = reader.native_fields()
+        buf = self._refs.get(id(reader))
+        if buf is None or buf.shape[0] < capacity:
+            buf = self._refs[id(reader)] = np.zeros((capacity, reader.arena.shape[1]), dtype=np.int64)
+        if ref is None:
+            d.has_ref = 0
+        else:
+            # The rows Python processed last; zero past them (rows registered later start at zero).
+            buf[: ref.shape[0]] = ref
+            buf[ref.shape[0] :] = 0
+            d.has_ref = 1
+        d.ref = buf.ctypes.data
+        d.row_bytes = reader.arena.shape[1] * reader.arena.element_size()
+        d.copies = d.bytes = d.quiet = d.err = d.err_call = 0
+        d.pending = reader.take_pending()
+        reader.native_dev = d
+        self._attached.append(reader)
+
     def wait(self, timeout: float) -> int:
         """Block (GIL released) until the engagement ends (CHANGED, ERROR), :meth:`kick`, or ``timeout`` seconds
         (TIMEOUT, still engaged)."""
-        return int(self._lib.tw_wait(self._handle, max(0, round(timeout * 1e9))))
+        return int(self._lib.tw_wait(self._handle, _ns(timeout) if timeout > 0 else 0))
 
     def kick(self) -> None:
         self._lib.tw_kick(self._handle)
 
-    def pause(self) -> None:
-        """End the engagement (waits for a tick in progress: microseconds, never the GPU)."""
-        self._lib.tw_pause(self._handle)
+    def pause(self, timeout: float | None = None) -> bool:
+        """End the engagement and wait until no native tick runs (microseconds, never the GPU: a tick only queries
+        and enqueues). With ``timeout``, give up after that many seconds. True when no tick runs (the readers may
+        be detached), False when one is still in a driver call that blocks (they must not be)."""
+        return self._lib.tw_pause(self._handle, -1 if timeout is None else _ns(timeout)) == 0
 
     def detach(self) -> tuple[int, int, int, str | None]:
         """After the engagement ended: give each reader its in-flight copy and statistics back. Returns (ticks,
@@ -318,17 +381,22 @@ class NativeTicker:
 
     def cpu_s(self) -> float | None:
         """The native thread's CPU time so far (s), or None (benchmarks)."""
-        ns = -1 if self._closed else int(self._lib.tw_cpu_ns(self._handle))
+        ns = -1 if self._closed or not self._handle else int(self._lib.tw_cpu_ns(self._handle))
         return None if ns < 0 else ns / 1e9
 
-    def stop(self) -> None:
-        """Stop and join the native thread (idempotent); the readers' state is left as it is."""
-        if not self._closed:
-            self._lib.tw_stop(self._handle)
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the native thread and join it, waiting at most ``timeout`` seconds; the readers' state is left as
+        it is. False when the thread is still in a driver call past the limit (it is left to finish on its own)."""
+        return self._lib.tw_stop(self._handle, -1 if timeout is None else _ns(timeout)) == 0
 
-    def close(self) -> None:
-        """Stop the thread and free it. Only once no thread can be in :meth:`wait`."""
-        if not self._closed:
-            self._closed = True
-            self._lib.tw_free(self._handle)
-            self._handle = None
+    def close(self, timeout: float | None = None) -> bool:
+        """:meth:`stop`, and mark the ticker closed. The C struct stays valid (kick, pause and wait are then
+        no-ops) until this object is collected: a concurrent stop() may still hold it; :meth:`__del__` frees it
+        (tw_free keeps a thread that never joined)."""
+        self._closed = True
+        return self.stop(timeout)
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle and not getattr(self, "_forked", False):
+            self._lib.tw_free(handle)
