@@ -78,8 +78,10 @@ ATTR_MARGIN_S = 0.0005
 # Steps charged to each tick (see attribute()): the one it lands in and the three after it (~3-4 ms, more than the
 # validation control's 3 ms hold).
 ATTR_STEPS = 4
-# The long steady run at 50 ms (GPU): ~12 s, ~250 ticks, pooled into the judged attribution with the short runs'.
-STEADY_STEPS = 15000
+# The long steady runs (GPU): tripwire at 50 ms, then no reader, ~50 s and ~1000 (virtual) ticks each, pooled into the
+# judged attribution and its null with the short runs' (the per-tick noise needs ~1000 ticks for a 0.1 % resolution
+# on a host whose step time jumps by 5-10 % between phases).
+STEADY_STEPS = 60000
 
 
 class _Decode:
@@ -481,7 +483,23 @@ def _rounds(
     return means, pooled, reads, cpu_share, raw
 
 
-def _attribution(res: Result, raw: dict[str, list[Run]]) -> dict[str, tuple[float, float]]:
+def split_run(run: Run, size: int) -> list[Run]:
+    """A long run cut into consecutive pieces of ``size`` steps (the last absorbs the remainder), each with the
+    ticks that start inside it: units like the short runs, so that the per-run standard error of the pooled
+    attribution stays right when one run is a hundred times longer than the others."""
+    starts, durs, spans = run
+    if len(starts) < 2 * size:
+        return [run]
+    cuts = list(range(0, len(starts) - size + 1, size))
+    out: list[Run] = []
+    for k, lo in enumerate(cuts):
+        hi = cuts[k + 1] if k + 1 < len(cuts) else len(starts)
+        t_lo, t_hi = starts[lo], (starts[hi] if hi < len(starts) else inf)
+        out.append((starts[lo:hi], durs[lo:hi], [sp for sp in spans if t_lo <= sp[0] < t_hi]))
+    return out
+
+
+def _attribution(res: Result, raw: dict[str, list[Run]], unit: int) -> dict[str, tuple[float, float]]:
     """The attributed overheads (pooled %, SE) of ATTRIBUTED and of the no-reader null, recorded as figures."""
     half = ATTR_INTERVAL_S / 2
     spans50 = [b - a for _, _, spans in raw["tripwire_50ms"] for a, b in spans]
@@ -492,7 +510,8 @@ def _attribution(res: Result, raw: dict[str, list[Run]]) -> dict[str, tuple[floa
         used = 0
         arms = ("none_a", "none_b") if v == "null" else (v,)
         for arm in arms:
-            for i, (starts, durs, spans) in enumerate(raw[arm]):
+            pieces = [piece for run in raw[arm] for piece in split_run(run, unit)]
+            for i, (starts, durs, spans) in enumerate(pieces):
                 if v == "null":
                     spans = virtual_spans(starts, durs, width, seed=i + 1000 * arms.index(arm))
                 real, control, n = attribute(starts, durs, spans, half, ATTR_MARGIN_S)
@@ -500,10 +519,10 @@ def _attribution(res: Result, raw: dict[str, list[Run]]) -> dict[str, tuple[floa
                 used += n
         out[v] = attributed_pct(runs)
         label = (
-            "no reader: virtual ticks every 50 ms (the attribution's null)"
+            "no reader: virtual ticks every 50 ms (the attribution's null; the long no-reader run included, in pieces)"
             if v == "null"
             else f"{v}: time of the steps its ticks touched minus the same half an interval either side, over all "
-            f"time ({len(raw[v])} runs{', the long one included' if v == 'tripwire_50ms' else ''})"
+            f"time ({len(runs)} runs{' and pieces of the long one' if v == 'tripwire_50ms' else ''})"
         )
         res.fig(f"attributed_pct_{v}", single(out[v][0], unit="%", label=label))
         res.fig(f"attributed_se_pct_{v}", single(out[v][1], unit="%", label=f"{v}: standard error (per-run spread)"))
@@ -571,6 +590,9 @@ def run(ctx: Ctx) -> dict:
             steady_share = (cpu1 - cpu0) / (wall1 - wall0) * 100
             steady_tick_us = (cpu1 - cpu0) / max(k1 - k0, 1) * 1e6
         steady_s = wall1 - wall0
+        # The null's long run: the same loop with no reader (virtual ticks placed on it in _attribution).
+        _, null_durs, null_starts = _run_variant(dec, work, m, STEADY_STEPS if ctx.cuda else 300)
+        raw["none_a"].append((null_starts, null_durs, []))
     finally:
         gc.unfreeze()
         if original_affinity is not None:
@@ -645,9 +667,9 @@ def run(ctx: Ctx) -> dict:
     res.fig("scheduler_work_us", single(t_work, unit="us", label="scheduler-like Python work per step (min)"))
     res.fig("graph_launches_per_step", single(dec.layers * 5 + 2, unit="launches", label="kernel launches per step"))
     # The long run is a run of tripwire_50ms too: its ticks join the short runs' in the judged attribution (its own
-    # figure, attributed_pct_steady, is also reported alone).
+    # figure, attributed_pct_steady, is also reported alone); the long no-reader run joins the null's (above).
     raw["tripwire_50ms"].append((steady_starts, steady_durs, steady_spans))
-    attr = _attribution(res, raw)
+    attr = _attribution(res, raw, steps)
     res.fig(
         "attributed_pct_steady",
         single(

@@ -388,3 +388,20 @@ def test_q3_attribution_is_unbiased_on_short_drifting_runs() -> None:
     assert used_both < 0.85 * used and truth - cost_both > 0.02  # the control: end ticks dropped, cost understated
     with pytest.raises(ValueError, match="shift"):
         attribute([0.0], [0.001], [], 0.0001, 0.0005)
+
+
+def test_split_run_covers_every_step_and_tick_once():
+    """q3 cuts its long runs into short-run-sized pieces for the attribution's per-run standard error: every step and
+    every tick lands in exactly one piece, in order; a run shorter than two pieces stays whole."""
+    from q3_step_loop import split_run
+
+    starts = [i * 0.001 for i in range(1037)]
+    durs = [0.001] * 1037
+    spans = [(t, t + 1e-4) for t in (0.0, 0.2495, 0.25, 0.6, 1.0365)]
+    pieces = split_run((starts, durs, spans), 250)
+    assert [len(p[0]) for p in pieces] == [250, 250, 250, 287]
+    assert [s for p in pieces for s in p[0]] == starts and [d for p in pieces for d in p[1]] == durs
+    assert [sp for p in pieces for sp in p[2]] == spans
+    assert [len(p[2]) for p in pieces] == [2, 1, 1, 1]
+    short = (starts[:400], durs[:400], spans[:2])
+    assert split_run(short, 250) == [short]
