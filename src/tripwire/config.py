@@ -95,7 +95,7 @@ class Settings:
     stops copying. ``report_every``: the least seconds between two WARNING lines of one site. ``capacity``: rows per
     device arena, fixed for the process. ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
     ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
-    can be built here; else Python ticks them, logged once at INFO), ``on`` (``start()`` raises if it cannot be
+    can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it cannot be
     built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick).
     """
 

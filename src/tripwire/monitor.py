@@ -207,8 +207,9 @@ class Monitor:
     """Holds the reported state of every row, the armed stop and the reader thread.
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
-    ``heartbeat``, ``native_tick``), validated exactly like the ``TRIPWIRE_*`` variables it overrides. A fresh Monitor has its own
-    arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
+    ``heartbeat``, ``native_tick``), validated exactly like the ``TRIPWIRE_*`` variables it overrides. A fresh
+    Monitor has its own arena, reader and reported state, so tests can build one each. ``registry`` defaults to the
+    process-wide one.
     """
 
     def __init__(

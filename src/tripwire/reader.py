@@ -25,6 +25,11 @@ releases the GIL. The torch path is kept as the fallback where ``libcuda.so.1`` 
 A landed copy that is byte-for-byte the rows the monitor processed last (the common case: nothing happened since)
 is not copied again: :meth:`DeviceReader.poll` hands back the monitor's own array, and the monitor skips the whole
 decode, so a quiet tick touches as little code and memory as it can (the reader wakes on a cold core).
+
+Most quiet ticks do not run here at all: the native quiet tick (:mod:`tripwire._native`) runs them on its own thread,
+without the GIL, through the same mirror, stream, event and driver entry points (:meth:`DeviceReader.native_fields`);
+a reader hands it its copy in flight (:meth:`DeviceReader.take_pending`) and takes it back on a change
+(:meth:`DeviceReader.give_back`).
 """
 
 from __future__ import annotations

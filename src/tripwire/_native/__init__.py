@@ -1,8 +1,9 @@
 """The native quiet tick: building ``tick.c`` and driving its thread (see the C file for why it exists).
 
 The library is compiled on first use with the C compiler Triton itself needs on a GPU machine (``$CC``, else
-``cc``/``gcc``/``clang``), into ``$XDG_CACHE_HOME/tripwire`` (else ``~/.cache/tripwire``, else the temp dir), keyed by
-the source's hash; later processes load the cached file. It needs no CUDA headers or libraries and no Python
+``cc``/``gcc``/``clang``), into ``$XDG_CACHE_HOME/tripwire`` (else ``~/.cache/tripwire``, else a private temp dir),
+keyed by the source, the loader's struct layout, the machine and the C library; later processes load the cached
+file, and one that does not load or match the layout is rebuilt once. It needs no CUDA headers or libraries and no Python
 headers: the driver's entry points are handed over as addresses of the ``libcuda.so.1`` the reader already loaded.
 
 Nothing here runs at import: :func:`library` builds or loads on the first ``Monitor.start()`` that wants it.
