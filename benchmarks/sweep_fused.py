@@ -1,0 +1,84 @@
+"""Fused FP8 quantize-and-count: counted vs bare at 2/4/8 warps and 4/8 tokens per program.
+
+Each pair is the same kernel on both sides. The data is healthy bf16, 8 heads x 128, e4m3, at 2048/16384/32768
+tokens. This is a sweep for issue 4's gap, not a question of the suite. Run ``python benchmarks/sweep_fused.py
+[OUT_JSON]`` on a GPU: it prints one line per configuration.
+
+Timings are as in bench_numerics.py: CUDA-graph replays of 20 calls, do_bench medians, alternated over 7 rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from _common import capture
+from tripwire import Monitor, SiteRegistry
+from tripwire.numerics import ClipCounter
+from tripwire.numerics import fused as F
+
+
+def _launcher(tokens: int, nw: int, tpp: int, count: bool) -> Callable[[], None]:
+    """A launch of the fused kernel on fresh data, with ``nw`` warps, ``tpp`` tokens per program, counting and the slot
+    guard compiled in or out together (``count``)."""
+    heads, dim = 8, 128
+    reg = SiteRegistry(capacity=16)
+    c = ClipCounter("sw", "cuda", "e4m3", monitor=Monitor(registry=reg, capacity=16))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    key = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * 40).clamp_(-400, 400).to(torch.bfloat16)
+    value = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * 40).clamp_(-400, 400).to(torch.bfloat16)
+    nb = triton.cdiv(tokens, 16) * 2
+    slots = torch.randperm(nb * 16, device="cuda", generator=g)[:tokens]
+    kc = torch.zeros(nb, 16, heads, dim, dtype=torch.float8_e4m3fn, device="cuda")
+    vc = torch.zeros_like(kc)
+    ks = torch.tensor([1.0], device="cuda")
+    vs = torch.tensor([1.0], device="cuda")
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
+    chunk = min(16 // key.element_size(), block_d, max(1, block_h * block_d // (32 * nw)))
+
+    def launch() -> None:
+        F._fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
+            key, value, kc, vc, slots, ks, vs, c.ctr, c.slot_ctr, kc.numel() // (heads * dim), tokens,
+            key.stride(0), value.stride(0), H=heads, D=dim, BLOCK_H=block_h, BLOCK_D=block_d,
+            K_SCALE_MODE=1, V_SCALE_MODE=1, FP8_MAX=448.0, FP8_TYPE=F._TL_FP8["e4m3"], COUNT=count, GUARD=count,
+            TOKENS_PER_PROGRAM=tpp, VEC=chunk, num_warps=nw,
+        )  # fmt: skip
+
+    return launch
+
+
+def main(out: str) -> None:
+    results: dict[str, list[float]] = {}
+    configs = [(nw, tpp) for nw in (2, 4, 8) for tpp in (4, 8)]
+    for tokens in (2048, 16384, 32768):
+        fns = {(nw, tpp, count): _launcher(tokens, nw, tpp, count) for nw, tpp in configs for count in (False, True)}
+        for f in fns.values():
+            f()  # compile
+        torch.cuda.synchronize()
+        replays = {k: capture(f, warm=1, repeat=20).replay for k, f in fns.items()}
+        samples: dict[tuple[int, int, bool], list[float]] = {k: [] for k in fns}
+        for _ in range(7):
+            for k, replay in replays.items():
+                samples[k].append(float(do_bench(replay, warmup=25, rep=60, return_mode="median")) / 20)
+        t = {k: statistics.median(v) for k, v in samples.items()}
+        best_bare = min(v for k, v in t.items() if not k[2])
+        for nw, tpp in configs:
+            bare, counted = t[(nw, tpp, False)], t[(nw, tpp, True)]
+            print(
+                f"tokens {tokens} nw {nw} tpp {tpp}: bare {bare * 1e3:.2f} us counted {counted * 1e3:.2f} us "
+                f"ratio +{(counted / bare - 1) * 100:.2f} % ; counted vs best bare +{(counted / best_bare - 1) * 100:.2f} %",
+                flush=True,
+            )
+            results[f"{tokens}/{nw}/{tpp}"] = [bare, counted]
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "sweep_fused.json")
