@@ -389,7 +389,7 @@ def test_python_never_touches_a_reader_the_native_thread_owns(registry, ownershi
     _widen_after_pause(m)
     m.start()
     try:
-        assert _wait_for(lambda: m.native_tick == "engaged" and bool(m._latest))
+        assert _engaged_with_reference(m)
         for _ in range(3):
             m.check()
             getattr(m, entry)()
@@ -407,7 +407,7 @@ def test_control_a_pause_outside_the_lock_lets_python_poll_an_engaged_reader(reg
     _widen_after_pause(m)
     m.start()
     try:
-        assert _wait_for(lambda: m.native_tick == "engaged" and bool(m._latest))
+        assert _engaged_with_reference(m)
         widened = m._native_pause
         main = threading.main_thread()
         for _ in range(3):
@@ -433,7 +433,7 @@ def test_tick_hook_added_while_engaged_runs_every_tick(registry):
     m.counter(registry.register("h.x"), "cpu")
     m.start()
     try:
-        assert _wait_for(lambda: m.native_tick == "engaged" and bool(m._latest))
+        assert _engaged_with_reference(m)
         calls: list[float] = []
         m.add_tick_hook(lambda _m: calls.append(time.monotonic()))
         assert _wait_for(lambda: len(calls) >= 20)
@@ -460,7 +460,7 @@ def test_tick_hook_added_while_the_reader_engages_still_runs(registry, monkeypat
     try:
         # Not the first engagement (it has no reference rows, so its first copy hands back at once and hides the
         # race): one made after a change was confirmed.
-        assert _wait_for(lambda: m.native_tick == "engaged" and bool(m._latest))
+        assert _engaged_with_reference(m)
         once[0] = True
         ctr[0] += 1
         assert entered.wait(2)
@@ -504,7 +504,7 @@ def test_a_huge_idle_tail_never_idles_the_native_tick(registry):
     ctr = m.counter(registry.register("i.huge"), "cpu")
     m.start()
     try:
-        assert _wait_for(lambda: m.native_tick == "engaged" and bool(m._latest))
+        assert _engaged_with_reference(m)
         ctr[0] += 1
         assert _wait_for(lambda: bool(m._pending.get("cpu")) or _reported(m, "cpu", 0) == 1, timeout=0.5)
         assert m.idle_skips == 0
@@ -628,27 +628,13 @@ def test_cuda_native_tick_reads_graph_replays_exactly(registry, native_tick):
     """The driver path: graph replays bump a guard row while the native thread runs the quiet ticks; every rise is
     handed to Python and confirmed with its exact count, and the quiet ticks between them run no Python. With
     native_tick=off (the control) every tick is Python's."""
-    import torch
-
-    from gpu_kernels import launch_gather
-    from test_reader import _gather_inputs
+    from test_reader import _captured_gather
 
     m = _quiet_monitor(registry, native_tick=native_tick)
     m.prealloc("cuda")
     s = registry.register("gpu.native")
     ctr = m.counter(s, "cuda")
-    idx, src, out, _ = _gather_inputs(3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch_gather(ctr, idx, src, out)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    m.reset()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch_gather(ctr, idx, src, out)
-    torch.cuda.synchronize()
+    g, *_ = _captured_gather(m, ctr, 3)
     py = _python_ticks(m)
     m.start()
     try:

@@ -36,6 +36,26 @@ def _gather_inputs(n_bad: int, n: int = 1024, size: int = 100):
     return idx, src, out, bad_pos
 
 
+def _captured_gather(m: Monitor, ctr: torch.Tensor, n_bad: int):  # type: ignore[no-untyped-def]
+    """A CUDA graph of one guarded gather with ``n_bad`` bad indices counting into ``ctr``: compiled on a side stream
+    outside the capture, the monitor reset after that warm-up launch. Returns (graph, idx, src, out, bad_pos)."""
+    from gpu_kernels import launch_gather
+
+    idx, src, out, bad_pos = _gather_inputs(n_bad)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch_gather(ctr, idx, src, out)  # warm-up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    m.reset()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch_gather(ctr, idx, src, out)
+    torch.cuda.synchronize()
+    return g, idx, src, out, bad_pos
+
+
 def test_tick_never_waits_on_busy_stream(registry, cuda_monitor):
     s = registry.register("gpu.tick")
     cuda_monitor.counter(s, "cuda")
@@ -130,22 +150,9 @@ def test_hits_before_a_stall_are_reported_during_it(registry, cuda_monitor, capl
 
 
 def test_graph_replay_counts_exactly(registry, cuda_monitor):
-    from gpu_kernels import launch_gather
-
     s = registry.register("gpu.graph")
     ctr = cuda_monitor.counter(s, "cuda")
-    idx, src, out, bad_pos = _gather_inputs(3)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launch_gather(ctr, idx, src, out)  # warm-up (compile) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    cuda_monitor.reset()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch_gather(ctr, idx, src, out)
-    torch.cuda.synchronize()
+    g, idx, src, out, bad_pos = _captured_gather(cuda_monitor, ctr, 3)
     assert int(ctr[0]) == 0  # capture does not execute
     n = 37
     for _ in range(n):

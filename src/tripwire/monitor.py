@@ -279,23 +279,26 @@ class Monitor:
         self.registry.add_listener(self._on_register)
 
     # ------------------------------------------------------------------ statistics
+    def _native_live(self, k: int) -> int:
+        """The native thread's ``live()[k]`` (ticks, idle skips, quiet reads) since it engaged; 0 when not engaged
+        (detach has folded them into Python's counters)."""
+        t = self._native
+        return t.live()[k] if t is not None and t.attached else 0
+
     @property
     def ticks(self) -> int:
         """Reader ticks so far: Python's and the native tick's."""
-        t = self._native
-        return self._ticks + (t.live()[0] if t is not None and t.attached else 0)
+        return self._ticks + self._native_live(0)
 
     @property
     def idle_skips(self) -> int:
         """Ticks that copied nothing because no check() arrived for idle_tail."""
-        t = self._native
-        return self._idle_skips + (t.live()[1] if t is not None and t.attached else 0)
+        return self._idle_skips + self._native_live(1)
 
     @property
     def quiet_ticks(self) -> int:
         """Device reads that landed unchanged and were not decoded (one per device per tick)."""
-        t = self._native
-        return self._quiet_ticks + (t.live()[2] if t is not None and t.attached else 0)
+        return self._quiet_ticks + self._native_live(2)
 
     @property
     def native_tick(self) -> str:
