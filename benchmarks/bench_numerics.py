@@ -1,8 +1,9 @@
 """Numeric instruments on the GPU: what counting costs.
 
 1. Fused FP8 KV-cache write (``tripwire.numerics.fused``): the kernel with clip counting and the slot guard
-   (``COUNT=True, GUARD=True``, what ``quantize_kv_to_fp8_cache`` runs) vs the same kernel with both compiled out
-   (``COUNT=False, GUARD=False``), and vs the guard alone. Target: counted within 5 % of bare. Also vs the torch-ops
+   (``COUNT=True, GUARD=True``, what ``quantize_kv_to_fp8_cache`` runs) vs the same kernel -- same launch shape --
+   with both compiled out (``COUNT=False, GUARD=False``), vs the guard alone, and vs ``count=False`` exactly as
+   shipped ("uncounted": the same shape, slot guard on). Target: counted within 5 % of bare. Also vs the torch-ops
    path (``ClipCounter.count``: several passes over K/V) alone and with a torch quantise-and-scatter, as ratios.
    Two regimes: healthy (no element clips: the hot path, no atomics once the maxima settle) and clipping (every
    token clips: one atomic add per program and tensor, the worst case).
@@ -23,6 +24,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import triton
@@ -74,8 +76,12 @@ def _fused_case(tokens: int, heads: int, dim: int, regime: str, repeats: int, re
     ks = torch.tensor([1.0], device=dev)
     vs = torch.tensor([1.0], device=dev)
 
-    def launch(count: bool, guard: bool) -> Callable[[], None]:
-        return lambda: fused_mod._launch(key, value, kc, vc, slots, ks, vs, c, count=count, guard=guard)
+    tile = triton.next_power_of_2(heads) * triton.next_power_of_2(dim)
+    # What quantize_kv_to_fp8_cache launches, with or without counting (one shape for both).
+    shape = fused_mod._launch_config(tokens, tile, torch.device(dev))
+
+    def launch(count: bool, guard: bool, config: tuple[int, int] | None = shape) -> Callable[[], None]:
+        return lambda: fused_mod._launch(key, value, kc, vc, slots, ks, vs, c, count=count, guard=guard, config=config)
 
     flat_k = kc.view(-1, heads, dim)
     flat_v = vc.view(-1, heads, dim)
@@ -90,6 +96,8 @@ def _fused_case(tokens: int, heads: int, dim: int, regime: str, repeats: int, re
         "counted": launch(True, True),
         "bare": launch(False, False),
         "guard_only": launch(False, True),
+        # quantize_kv_to_fp8_cache(count=False) exactly: the launcher's own shape, slot guard on.
+        "uncounted": launch(False, True, None),
         "torch_count": lambda: c.count(key, value, ks, vs, slots),
         "torch_full": torch_full,
     }
@@ -111,6 +119,9 @@ def _fused_case(tokens: int, heads: int, dim: int, regime: str, repeats: int, re
         "gbps_counted": nbytes / (t["counted"] * 1e-3) / 1e9,
         "gbps_bare": nbytes / (t["bare"] * 1e-3) / 1e9,
         "overhead_pct": overhead,
+        "config": list(shape),
+        # What counting costs a caller who could call count=False (the same shape, slot guard on in both).
+        "overhead_vs_uncounted_pct": 100.0 * (t["counted"] / t["uncounted"] - 1.0),
         "guard_only_overhead_pct": 100.0 * (t["guard_only"] / t["bare"] - 1.0),
         # The counting alone: the counted kernel against the same kernel with its slot guard but no counting.
         "count_only_overhead_pct": 100.0 * (t["counted"] / t["guard_only"] - 1.0),
@@ -208,16 +219,17 @@ def _table(res: dict) -> str:
     lines = [
         f"numerics on {res['device']} (torch {res['torch']}, triton {res['triton']}, quick={res['quick']})",
         "",
-        "fused FP8 KV write          counted   bare  guard  torch_cnt  torch_full  overhead  target  pass  "
-        "torch_cnt/fused  torch_full/fused  GB/s",
+        "fused FP8 KV write          counted   bare  guard  uncounted  torch_cnt  torch_full  overhead  target  pass  "
+        "vs_uncounted  torch_cnt/fused  torch_full/fused  GB/s",
     ]
     for f in res["fused_fp8"]:
         us = f["us"]
         shape = f"{f['tokens']}x{f['heads']}x{f['head_dim']} {f['regime']}"
         mark = "-" if f["pass"] is None else ("PASS" if f["pass"] else "SHORT")
         lines.append(
-            f"{shape:<26} {us['counted']:8.1f} {us['bare']:6.1f} {us['guard_only']:6.1f} {us['torch_count']:10.1f} "
-            f"{us['torch_full']:11.1f} {f['overhead_pct']:8.2f}% {f['target_pct']:6.1f}% {mark:>5} "
+            f"{shape:<26} {us['counted']:8.1f} {us['bare']:6.1f} {us['guard_only']:6.1f} {us['uncounted']:10.1f} "
+            f"{us['torch_count']:10.1f} {us['torch_full']:11.1f} {f['overhead_pct']:8.2f}% {f['target_pct']:6.1f}% "
+            f"{mark:>5} {f['overhead_vs_uncounted_pct']:11.2f}% "
             f"{f['torch_count_over_fused']:16.2f}x {f['torch_full_over_fused']:16.2f}x {f['gbps_counted']:6.0f}"
         )
     n = res["nonfinite"]
@@ -234,13 +246,46 @@ def _table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(res: dict, bench_json: Path) -> None:
+    """Replace the numerics figures, targets and notes of q1 in an earlier ``tripwire bench`` record with this run's
+    (q1_guard_cost.fold_numerics, as a full run would), and say so in q1's notes. The guard figures stay as they
+    were: only the numerics kernels are re-measured. Then ``results_md.py --update`` renders the record."""
+    import time
+
+    import q1_guard_cost as q1mod
+    from _common import Ctx, Result
+
+    data = json.loads(bench_json.read_text())
+    q1 = data["questions"]["q1"]
+    fresh = Result("q1", q1["title"], Ctx(quick=res["quick"], device="cuda", out=bench_json.parent, verbose=False))
+    q1mod.fold_numerics(fresh, res)
+    q1["figures"] = {
+        k: v for k, v in q1["figures"].items() if not k.startswith(q1mod.NUMERICS_FIGURE_PREFIXES)
+    } | fresh.figures
+    q1["targets"] = [
+        t for t in q1["targets"] if not t["name"].startswith(q1mod.NUMERICS_TARGET_PREFIXES)
+    ] + fresh.targets
+    q1["notes"] = [n for n in q1["notes"] if not n.startswith(q1mod.NUMERICS_NOTE_PREFIXES)] + [
+        *fresh.notes,
+        f"bench_numerics --merge: the fused FP8 and non-finite figures re-measured on {time.strftime('%Y-%m-%d')} "
+        f"({res['device']}, torch {res['torch']}, triton {res['triton']}); the guard figures are from the run above",
+    ]
+    bench_json.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="one shape, one round")
+    p.add_argument("--out", type=Path, help="write the result JSON here")
+    p.add_argument("--merge", type=Path, help="fold the result into this tripwire bench JSON's q1 (see merge())")
     args = p.parse_args(argv)
     res = run(args.quick)
     print(_table(res))
     print(json.dumps(res, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    if args.merge:
+        merge(res, args.merge)
     return 0
 
 

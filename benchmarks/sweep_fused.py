@@ -1,4 +1,4 @@
-"""Fused FP8 quantize-and-count: counted vs bare at 2/4/8 warps and 4/8 tokens per program.
+"""Fused FP8 quantize-and-count: counted vs bare over launch shapes (warps x tokens per program).
 
 Each pair is the same kernel on both sides. The data is healthy bf16, 8 heads x 128, e4m3, at 2048/16384/32768
 tokens. This is a sweep for issue 4's gap, not a question of the suite. Run ``python benchmarks/sweep_fused.py
@@ -39,23 +39,12 @@ def _launcher(tokens: int, nw: int, tpp: int, count: bool) -> Callable[[], None]
     vc = torch.zeros_like(kc)
     ks = torch.tensor([1.0], device="cuda")
     vs = torch.tensor([1.0], device="cuda")
-    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
-    chunk = min(16 // key.element_size(), block_d, max(1, block_h * block_d // (32 * nw)))
-
-    def launch() -> None:
-        F._fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
-            key, value, kc, vc, slots, ks, vs, c.ctr, c.slot_ctr, kc.numel() // (heads * dim), tokens,
-            key.stride(0), value.stride(0), H=heads, D=dim, BLOCK_H=block_h, BLOCK_D=block_d,
-            K_SCALE_MODE=1, V_SCALE_MODE=1, FP8_MAX=448.0, FP8_TYPE=F._TL_FP8["e4m3"], COUNT=count, GUARD=count,
-            TOKENS_PER_PROGRAM=tpp, VEC=chunk, num_warps=nw,
-        )  # fmt: skip
-
-    return launch
+    return lambda: F._launch(key, value, kc, vc, slots, ks, vs, c, count=count, guard=count, config=(nw, tpp))
 
 
 def main(out: str) -> None:
     results: dict[str, list[float]] = {}
-    configs = [(nw, tpp) for nw in (2, 4, 8) for tpp in (4, 8)]
+    configs = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (4, 4), (8, 4), (4, 8)]
     for tokens in (2048, 16384, 32768):
         fns = {(nw, tpp, count): _launcher(tokens, nw, tpp, count) for nw, tpp in configs for count in (False, True)}
         for f in fns.values():

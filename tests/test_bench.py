@@ -405,3 +405,57 @@ def test_split_run_covers_every_step_and_tick_once():
     assert [len(p[2]) for p in pieces] == [2, 1, 1, 1]
     short = (starts[:400], durs[:400], spans[:2])
     assert split_run(short, 250) == [short]
+
+
+def test_bench_numerics_merge_replaces_only_the_numerics_of_q1(tmp_path):
+    """bench_numerics.py --merge folds a fresh numerics run into an earlier record's q1: the old fused FP8 and
+    non-finite figures, targets and notes go, the guard figures stay, the new ones arrive through the same fold as a
+    full run (q1_guard_cost.fold_numerics), and a note says what was re-measured when."""
+    import bench_numerics
+
+    fused = {
+        "tokens": 16,
+        "heads": 8,
+        "head_dim": 128,
+        "regime": "healthy",
+        "overhead_pct": 12.5,
+        "overhead_vs_uncounted_pct": 12.0,
+        "config": [4, 1],
+        "us": {"counted": 9.0, "bare": 8.0},
+        "guard_only_overhead_pct": 0.1,
+        "count_only_overhead_pct": 12.4,
+        "gbps_counted": 100.0,
+        "torch_count_over_fused": 10.0,
+        "target_pct": 5.0,
+        "pass": False,
+    }
+    res = {"quick": True, "device": "fake", "torch": "t", "triton": "tr", "repeats": 1, "fused_fp8": [fused]}
+    old = {
+        "questions": {
+            "q1": {
+                "title": "q1",
+                "figures": {"overhead_pct_kv_zero": {"median": 0.1}, "overhead_pct_fp8_16x8x128_healthy": {"m": 7}},
+                "targets": [
+                    {"name": "kv_zero guard cost", "pass": True},
+                    {"name": "fused FP8 counter fp8_16x8x128_healthy", "value": 7.0, "pass": False},
+                ],
+                "notes": ["guards measured", "fused FP8 and non-finite figures from benchmarks/bench_numerics.py"],
+            }
+        }
+    }
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(old))
+    bench_numerics.merge(res, path)
+    q1 = json.loads(path.read_text())["questions"]["q1"]
+    assert q1["figures"]["overhead_pct_kv_zero"] == {"median": 0.1}
+    assert q1["figures"]["overhead_pct_fp8_16x8x128_healthy"]["median"] == 12.5
+    assert "fused_vs_uncounted_pct_fp8_16x8x128_healthy" in q1["figures"]
+    names = [t["name"] for t in q1["targets"]]
+    assert names == [
+        "kv_zero guard cost",
+        "fused FP8 counter fp8_16x8x128_healthy",
+        "fused FP8 counter fp8_16x8x128_healthy, vs count=False",
+    ]
+    assert [t["value"] for t in q1["targets"][1:]] == [12.5, 12.0]
+    assert q1["notes"][0] == "guards measured" and len(q1["notes"]) == 3
+    assert q1["notes"][-1].startswith("bench_numerics --merge: the fused FP8 and non-finite figures re-measured")

@@ -21,7 +21,7 @@ import triton.language as tl
 from tripwire import Monitor, SiteRegistry
 from tripwire.layout import decode
 from tripwire.numerics import FP8_DTYPES, FP8_MAX, ClipCounter, quantize_kv_to_fp8_cache, reference_quantize
-from tripwire.numerics.fused import _launch
+from tripwire.numerics.fused import _launch, _threshold
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FMTS = ["e4m3", "e5m2"]
@@ -300,9 +300,11 @@ def test_launcher_rejects_bad_arguments(monitor, change, err):
 @pytest.mark.parametrize("kind", ["float", "1elem", "per_head"])
 def test_gpu_random_data_bit_exact(dtype, fmt, kind):
     """Compiled: round-to-nearest-even FP8 conversion on random data (ties and subnormals included) matches torch
-    bit for bit; counts and maxima equal the torch path's and the float64 reference."""
-    reg = SiteRegistry(capacity=16)
-    m = Monitor(registry=reg, capacity=16)
+    bit for bit; counts and maxima equal the torch path's and the float64 reference. For every build the launcher can
+    run: its own shape (one token per program on 4 warps at this size), 2 warps (its shape for larger batches), the
+    loop (4 warps x 4 tokens), and the portable code (no inline PTX: float64 thresholds, float32 running max)."""
+    reg = SiteRegistry(capacity=64)
+    m = Monitor(registry=reg, capacity=64)
     heads, dim, tokens = 8, 128, 512
     ks = {"float": 0.37, "1elem": torch.tensor([1.3], device="cuda"), "per_head": None}[kind]
     if kind == "per_head":
@@ -316,18 +318,66 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
     key[:, :, :4] *= 1e-6  # deep into the FP8 subnormals
     slots = torch.randperm(4096, device="cuda", generator=g)[:tokens]
     slots[::7] = -1
-    kc = torch.full((256, 16, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
-    vc = kc.clone()
-    c = ClipCounter("fused", "cuda", fmt, monitor=m)
-    quantize_kv_to_fp8_cache(key, value, kc, vc, slots, ks, vs, c)
-    check_cache(kc, key, ks, fmt, slots)
-    check_cache(vc, value, vs, fmt, slots)
     t = ClipCounter("torch", "cuda", fmt, monitor=m)
     t.count(key, value, ks, vs, slots)
     rk, mk = f64_reference(key, ks, fmt, slots >= 0)
     rv, mv = f64_reference(value, vs, fmt, slots >= 0)
     assert rk > 0 and rv > 0
-    assert c.totals() == t.totals() == {"k": rk, "v": rv, "k_max": mk, "v_max": mv}
+    assert t.totals() == {"k": rk, "v": rv, "k_max": mk, "v_max": mv}
+    builds = {
+        "launcher": {},
+        "lean": {"config": (2, 1)},
+        "bulk": {"config": (4, 4)},
+        "portable": {"inline_ptx": False},
+        "portable-bulk": {"inline_ptx": False, "config": (4, 4)},
+    }
+    for name, kw in builds.items():
+        kc = torch.full((256, 16, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
+        vc = kc.clone()
+        c = ClipCounter(f"fused.{name}", "cuda", fmt, monitor=m)
+        _launch(key, value, kc, vc, slots, ks, vs, c, count=True, guard=True, **kw)
+        check_cache(kc, key, ks, fmt, slots)
+        check_cache(vc, value, vs, fmt, slots)
+        assert c.totals() == t.totals(), name
+
+
+_THR_EDGES = [0.0, 1e-45, 1.1754942e-38, 1.1754944e-38, 1e-30, 0.5, 1.0, 1.3, 3.0e35, 7.59e35, 7.6e35, 5.9e33,
+              5.94e33, 3.4028235e38, float("inf")]  # fmt: skip
+
+
+@triton.jit
+def _threshold_probe(s_ptr, out_ptr, FP8_MAX: tl.constexpr, PTX: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _threshold(tl.load(s_ptr + offs), FP8_MAX, PTX))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_threshold_equals_float64_rounding(kernel_device, fmt):
+    """The kernel's threshold equals a host reference (the exact float64 product rounded DOWN to float32) bit for
+    bit, over random positive float32 scales of every exponent (subnormals included) and the edges: zero, the
+    smallest and largest subnormal and normal, products that overflow float32 (FLT_MAX expected, not inf), inf. On
+    the CPU the portable code (float64, what the interpreter runs); on the GPU also the inline-PTX one (mul.rm.f32),
+    which must equal it. Control: a plain float32 product (round to nearest) differs on many scales, so a wrongly
+    rounded threshold would be caught."""
+    g = torch.Generator().manual_seed(7)
+    n = 1 << (20 if kernel_device == "cuda" else 14)
+    bits = torch.randint(0, 0x7F800000, (n,), generator=g, dtype=torch.int32)
+    s = torch.cat([bits.view(torch.float32), torch.tensor(_THR_EDGES, dtype=torch.float32)])
+    s = torch.cat([s, torch.zeros(-s.numel() % 1024)]).to(kernel_device)
+    out = {}
+    for ptx in (True, False) if kernel_device == "cuda" else (False,):
+        out[ptx] = torch.empty_like(s)
+        _threshold_probe[(s.numel() // 1024,)](s, out[ptx], FP8_MAX=FP8_MAX[fmt], PTX=ptx, BLOCK=1024)
+    # Host reference: the exact float64 product, rounded to nearest float32, one step down where that rounded up.
+    c = s.cpu().double().numpy() * FP8_MAX[fmt]
+    with np.errstate(over="ignore"):
+        t = c.astype(np.float32)
+    want = np.where(t.astype(np.float64) > c, np.nextafter(t, np.float32(-np.inf)), t)
+    for got in out.values():
+        assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32))
+        assert float(got[s == 3.4028235e38][0]) == float(np.finfo(np.float32).max)  # overflow: FLT_MAX, not inf
+    nearest = torch.from_numpy(t).to(kernel_device)  # the control: round to nearest
+    assert int((nearest.view(torch.int32) != out[False].view(torch.int32)).sum()) > n // 8
 
 
 @pytest.mark.gpu
@@ -433,15 +483,18 @@ def test_control_plain_cast_is_not_bit_exact(kernel_device):
 
 def test_several_tokens_per_program_counts_exactly(kernel_device):
     """A program handles several tokens (a partial last program, padding, guarded bad slots): the cache is bit-exact
-    and the counts equal the torch path's on the same valid rows."""
-    from tripwire.numerics.fused import _tokens_per_program
+    and the counts equal the torch path's on the same valid rows. The launcher runs 4 tokens per program on the CPU
+    at this size; on the GPU it runs one, so the loop is forced there (4 warps x 4 tokens)."""
+    from tripwire.numerics.fused import _launch_config
 
     reg = SiteRegistry(capacity=16)
     m = Monitor(registry=reg, capacity=16)
     T, heads, dim, nslots = 103 if kernel_device == "cpu" else 40003, 4, 32, 200
     if kernel_device != "cpu":
         nslots = 2 * T
-    assert _tokens_per_program(T, torch.device(kernel_device)) > 1
+    config = None if kernel_device == "cpu" else (4, 4)
+    if kernel_device == "cpu":
+        assert _launch_config(T, heads * dim, torch.device(kernel_device))[1] > 1
     g = torch.Generator().manual_seed(1)
     k = (torch.randn(T, heads, dim, generator=g) * 300).to(kernel_device)
     v = (torch.randn(T, heads, dim, generator=g) * 300).to(kernel_device)
@@ -452,7 +505,7 @@ def test_several_tokens_per_program_counts_exactly(kernel_device):
     kc = torch.zeros(nslots, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
     vc = kc.clone()
     c = ClipCounter("tpp.fused", kernel_device, "e4m3", monitor=m)
-    quantize_kv_to_fp8_cache(k, v, kc, vc, slots, 0.5, 0.7, c)
+    _launch(k, v, kc, vc, slots, 0.5, 0.7, c, count=True, guard=True, config=config)
     t = ClipCounter("tpp.torch", kernel_device, "e4m3", monitor=m)
     valid = (slots >= 0) & (slots < nslots)
     t.count(k, v, 0.5, 0.7, torch.where(valid, slots, -1))
@@ -489,16 +542,20 @@ types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_c
          "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "clip_ctr_ptr": "*i64", "slot_ctr_ptr": "*i64",
          "num_slots": "i64", "num_tokens": "i32", "key_stride": "i64", "value_stride": "i64"}
 consts = dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128, K_SCALE_MODE=0, V_SCALE_MODE=0, FP8_MAX=57344.0,
-              FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4, VEC=8)
+              FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4, VEC=8,
+              PTX=True, K_PACKED=True, V_PACKED=True)
 try:
     k = ptx(_fp8_kv_cache_kernel, types, consts)
+    portable = ptx(_fp8_kv_cache_kernel, types, dict(consts, PTX=False, K_PACKED=False, V_PACKED=False))
     c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
 except Exception as e:
     print(json.dumps({"error": repr(e)}))
     sys.exit(0)
 count = lambda text, pat: len(re.findall(pat, text))
-print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"div\.(full|approx)")}
-                  for name, t in (("kernel", k), ("control", c))}))
+print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"div\.(full|approx)"),
+                         "mul_rm": count(t, r"mul\.rm\.f32"), "xorsign": count(t, r"max\.xorsign\.abs\.bf16x2"),
+                         "f64": count(t, r"\.f64")}
+                  for name, t in (("kernel", k), ("portable", portable), ("control", c))}))
 """
 
 
@@ -522,6 +579,10 @@ def test_ptx_divides_correctly_rounded(tmp_path):
         pytest.skip(f"cannot compile for sm_90 here (no bundled ptxas?): {r['error']}")
     assert r["kernel"]["rn"] > 0 and r["kernel"]["approx"] == 0, r
     assert r["control"]["approx"] > 0, r
+    # The inline-PTX build: thresholds by mul.rm (no float64), the packed running max; the portable build (what the
+    # interpreter runs) has neither -- so the GPU tests comparing both paths compare two different codes.
+    assert r["kernel"]["mul_rm"] == 2 and r["kernel"]["xorsign"] > 0 and r["kernel"]["f64"] == 0, r
+    assert r["portable"]["mul_rm"] == 0 and r["portable"]["xorsign"] == 0 and r["portable"]["f64"] > 0, r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -577,9 +638,9 @@ def test_corrupted_negative_scale_tensor_counts_only_live_lanes(monitor, kernel_
     # Control: what a recount that also counted masked lanes would report. Masked lanes load 0.0, and 0.0 exceeds
     # a negative ceiling; padded heads load the scale 1.0 (positive ceiling). Tiles are 4 x 16, programs cover
     # whole groups of tokens_per_program tokens.
-    from tripwire.numerics.fused import _tokens_per_program
+    from tripwire.numerics.fused import _launch_config
 
-    tpp = _tokens_per_program(tokens, torch.device(kernel_device))
+    tpp = _launch_config(tokens, 4 * 16, torch.device(kernel_device))[1]
     ceil = (scale.double().cpu().expand(heads) if kind == "1elem" else scale.double().cpu()) * FP8_MAX["e4m3"]
     ceil = torch.cat([ceil, ceil[:1] if kind == "1elem" else torch.tensor([448.0], dtype=torch.float64)])
     unmasked = 0
@@ -634,3 +695,62 @@ def test_running_max_chunk_is_checked(monitor, kernel_device):
     for bad in (0, 3, 32):
         with pytest.raises(ValueError, match="vec must be a power of two"):
             _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, vec=bad)
+
+
+def test_maxima_grow_across_launches_and_after_reset(monitor, kernel_device):
+    """A program records its maxima only where they exceed the stored ones, which it reads at its start (a settled
+    maximum costs no atomic). K and V are each compared with their own slot: the second batch has a smaller K max
+    but a larger V max, so V must rise while K stays; an equal max changes nothing; after ``Monitor.reset()`` the
+    slots are 0 again and a smaller batch is recorded. 70 tokens: several tokens per program on the CPU too, and
+    each maximum sits in one program only (the others must not lower or skip it). The skip cannot change a result
+    (an atomic max it skips could not have raised the slot): what it saves is measured in bench_numerics.py."""
+    tokens, heads, dim = 70, 2, 16
+    c = ClipCounter("maxima.grow", kernel_device, "e4m3", monitor=monitor)
+    kc = torch.zeros(tokens, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
+    vc = kc.clone()
+    slots = torch.arange(tokens, device=kernel_device)
+
+    def launch(k_at: tuple[int, float], v_at: tuple[int, float]) -> dict:
+        key = torch.full((tokens, heads, dim), 0.5, device=kernel_device)
+        value = torch.full((tokens, heads, dim), -0.25, device=kernel_device)
+        key[k_at[0], 1, 3] = k_at[1]
+        value[v_at[0], 0, 9] = v_at[1]
+        quantize_kv_to_fp8_cache(key, value, kc, vc, slots, 1.0, 1.0, c)
+        return c.totals()
+
+    assert launch((5, 100.0), (60, -10.0)) == {"k": 0, "v": 0, "k_max": 100.0, "v_max": 10.0}
+    assert launch((66, 50.0), (2, 60.0)) == {"k": 0, "v": 0, "k_max": 100.0, "v_max": 60.0}
+    assert launch((30, -100.0), (31, 60.0)) == {"k": 0, "v": 0, "k_max": 100.0, "v_max": 60.0}
+    assert launch((9, 500.0), (9, 1.0)) == {"k": 1, "v": 0, "k_max": 500.0, "v_max": 60.0}
+    monitor.reset()
+    assert launch((40, 5.0), (41, 6.0)) == {"k": 0, "v": 0, "k_max": 5.0, "v_max": 6.0}
+
+
+def test_launch_config_rules(monkeypatch):
+    """The launch shape (see fused._launch_config), the same counted or not: one token per program; 2 warps for an
+    8 x 128 tile, 4 below 32 tokens per SM; tiles scale the warps. The SM count comes from a cache (a fake H200
+    here: no GPU needed). The interpreter runs the loop (4 tokens per program) from 64 tokens, for coverage."""
+    from tripwire.numerics import fused
+
+    dev = torch.device("cuda", 7)
+    monkeypatch.setitem(fused._DEVICE_PROPS, dev, (132, (9, 0)))
+    cfg = fused._launch_config
+    assert cfg(2048, 1024, dev) == (4, 1)
+    assert cfg(32 * 132 - 1, 1024, dev) == (4, 1)
+    assert cfg(32 * 132, 1024, dev) == (2, 1)
+    assert cfg(1 << 20, 1024, dev) == (2, 1)
+    assert cfg(1 << 20, 4096, dev) == (8, 1)
+    assert cfg(1 << 20, 64, dev) == (1, 1)
+    assert cfg(10, 8192, dev) == (8, 1)
+    assert cfg(63, 1024, torch.device("cpu")) == (4, 1)
+    assert cfg(64, 1024, torch.device("cpu")) == (4, 4)
+
+
+def test_launch_config_override_is_checked(monitor, kernel_device):
+    c = ClipCounter("cfg.bad", kernel_device, "e4m3", monitor=monitor)
+    x = torch.zeros(2, 1, 16, device=kernel_device)
+    kc = torch.zeros(4, 1, 16, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])
+    slots = torch.arange(2, device=kernel_device)
+    for bad in ((3, 1), (0, 1), (2, 0)):
+        with pytest.raises(ValueError, match="config must be"):
+            _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, config=bad)

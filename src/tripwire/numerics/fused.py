@@ -1,24 +1,27 @@
 """Fused FP8 KV-cache write: quantise K/V into a paged FP8 cache through a slot mapping and count clipping in the
 same pass.
 
-Each program handles a few tokens (``TOKENS_PER_PROGRAM``). For each it loads the token's K and V rows and its slot,
-skips the token when the slot is negative (padding of a captured batch), guards the slot against the cache size (a
-slot past the cache is masked -- nothing is written -- and counted at the fatal site ``numerics.fp8_cache.slot``,
-row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE division), ``clamp(y, -fp8_max,
-fp8_max)``, round-to-nearest-even cast to FP8, store. With ``COUNT`` the same registers give the number of elements
-with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and the max magnitude, recorded in the
-layer's clip row by per-program atomics: two maxima always, the counts only from a program that clipped (the
-``|x|`` tested is the input before scaling; NaN neither clips nor counts as a maximum; skipped and masked tokens
-count nothing).
+Each program handles ``TOKENS_PER_PROGRAM`` tokens (one on the GPU: see ``_launch_config``). For each it loads the
+token's K and V rows and its slot, skips the token when the slot is negative (padding of a captured batch), guards
+the slot against the cache size (a slot past the cache is masked -- nothing is written -- and counted at the fatal
+site ``numerics.fp8_cache.slot``, row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE
+division), ``clamp(y, -fp8_max, fp8_max)``, round-to-nearest-even cast to FP8, store. With ``COUNT`` the same
+registers give the number of elements with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and
+the max magnitude, recorded in the layer's clip row (the ``|x|`` tested is the input before scaling; NaN neither
+clips nor counts as a maximum; skipped and masked tokens count nothing).
 
-Hot-path cost of counting: a running max of ``|x|`` kept per thread (one fmax per element, no cross-thread work per
-token), a two-stage K/V reduction per program (in-warp integer maxima, then one joint cross-warp round trip) and
-two fire-and-forget atomic maxima per program. A program whose maximum exceeds its threshold counts exactly in a
-second read of its tokens (the fault case pays, the healthy case does not). ``benchmarks/bench_numerics.py``
-measures it against the same kernel with ``COUNT=False, GUARD=False``: on an H200 +7.1..8.1 % (the kernel is
-issue-bound: the division, clamp and FP8 rounding are ~30 instructions per element, the running max is one more,
-and the per-program reduction, thresholds and atomics are the rest; by SASS count at 4 tokens per program, 2001
-instructions per program bare against 2158 counted).
+Hot-path cost of counting: a running max of ``|x|`` per thread (on NVIDIA sm_86+ with 16-bit inputs, one packed
+``max.xorsign.abs`` per two elements; otherwise one fmax per element), two thresholds (one ``mul.rm`` each), and ONE
+block reduction per program: a flag, "some element exceeded its threshold or the maximum stored so far" (read at
+the program's start). Healthy programs stop there: no atomics once the maxima have settled. A flagged program (it
+clipped, or saw a new maximum) reduces its maxima, counts exactly in a second read of its tokens if it clipped, and
+records with atomics. Measured on an H200 by ``benchmarks/bench_numerics.py`` (RESULTS.md): against ``count=False``
+(the same launch), see "What is short" there -- the kernel is issue-bound (the division, clamp and FP8 rounding are
+~30 instructions per element) and, with one token per program, the fixed per-program tail is paid per token.
+
+Inline PTX (``PTX``: an NVIDIA GPU, not the interpreter): ``mul.rm.f32`` thresholds and the packed maxima. The
+portable code (float64 thresholds, float32 maxima) is what the interpreter runs and what ``inline_ptx=False``
+forces; the GPU tests check both give the same bits, counts and maxima.
 
 Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
 the GPU (the PTX conversion is ``cvt.rn.satfinite``, torch's is round-to-nearest-even; after the clamp both agree).
@@ -61,13 +64,83 @@ def _load_scale(scale, h, H: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def _threshold(s, FP8_MAX: tl.constexpr):
-    # fp8_max * s is exact in float64 (24 x 3 significant bits); round it DOWN to float32, so that for every
-    # float32 |x|: |x| > T  <=>  |x| > fp8_max * s. Same arithmetic as clip._device_threshold.
-    c = s.to(tl.float64) * FP8_MAX
-    t = c.to(tl.float32)
-    below = (t.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
-    return tl.where(t.to(tl.float64) > c, below, t)
+def _threshold(s, FP8_MAX: tl.constexpr, PTX: tl.constexpr):
+    """The ceiling ``fp8_max * s`` rounded DOWN to float32, ``T``: for every float32 ``|x|``, ``|x| > T`` <=>
+    ``|x| > fp8_max * s`` (same value as clip._device_threshold)."""
+    if PTX:
+        # mul.rm.f32: the exact product rounded toward -inf, in one instruction (the float64 path below is ~7
+        # per threshold). Overflow gives FLT_MAX, as below; no .ftz, so subnormal scales round like float64 does.
+        # The immediates are 448.0 (0x43E00000) and 57344.0 (0x47600000).
+        if FP8_MAX == 448.0:
+            t = tl.inline_asm_elementwise(
+                "mul.rm.f32 $0, $1, 0f43E00000;", "=r,r", [s], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            t = tl.inline_asm_elementwise(
+                "mul.rm.f32 $0, $1, 0f47600000;", "=r,r", [s], dtype=tl.float32, is_pure=True, pack=1
+            )
+    else:
+        # The interpreter (no inline PTX): fp8_max * s is exact in float64 (24 x 3 significant bits); round it to
+        # nearest float32, then one step down where that rounded up.
+        c = s.to(tl.float64) * FP8_MAX
+        t = c.to(tl.float32)
+        below = (t.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        t = tl.where(t.to(tl.float64) > c, below, t)
+    return t
+
+
+@triton.jit
+def _abs_max2(m, x):
+    """Per 16-bit half: ``max(|m|, |x|)``, for bf16/fp16 ``m``, ``x`` of one shape, two elements per instruction.
+
+    ``max.xorsign.abs`` (sm_86+) takes the magnitudes for free but sets the result's sign to the XOR of the inputs'
+    signs; the caller drops the sign at the end (``_max_final``). A NaN operand yields the other one (no ``.NaN``
+    modifier), so NaN never becomes the maximum, as in the float32 path (maxnum)."""
+    if x.dtype == tl.bfloat16:
+        r = tl.inline_asm_elementwise(
+            "max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [m, x], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+    else:
+        r = tl.inline_asm_elementwise(
+            "max.xorsign.abs.f16x2 $0, $1, $2;", "=r,r,r", [m, x], dtype=tl.float16, is_pure=True, pack=2
+        )
+    return r
+
+
+@triton.jit
+def _max_init(x_ptr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, PACKED: tl.constexpr):
+    """The running max of ``|x|`` over a program's tokens: packed, the full tile in the input's 16-bit type (one
+    ``_abs_max2`` per two elements per token); otherwise float32, one value per thread's ``VEC`` chunk."""
+    if PACKED:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], x_ptr.dtype.element_ty)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
+    return acc
+
+
+@triton.jit
+def _max_update(acc, x, ok, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, PACKED: tl.constexpr):
+    """``acc`` updated with token tile ``x`` (as loaded; 0.0 outside the tile) unless the token is left out
+    (``ok`` false: padding or a bad slot)."""
+    if PACKED:
+        if ok:  # one uniform branch per token instead of a select per register
+            acc = _abs_max2(acc, x)
+    else:
+        # In-thread fmax over the thread's VEC contiguous elements (its 16-byte load); NaN is dropped (maxnum).
+        p = tl.max(tl.reshape(tl.abs(x.to(tl.float32)), [BLOCK_H, BLOCK_D // VEC, VEC]), axis=2)
+        acc = tl.maximum(acc, tl.where(ok, p, 0.0))
+    return acc
+
+
+@triton.jit
+def _max_final(acc, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, PACKED: tl.constexpr):
+    """``[BLOCK_H, BLOCK_D // VEC]`` float32 maxima (non-negative, never NaN) from the running max."""
+    if PACKED:
+        # abs drops the sign max.xorsign left; widening a 16-bit float to float32 is exact.
+        res = tl.max(tl.reshape(tl.abs(acc.to(tl.float32)), [BLOCK_H, BLOCK_D // VEC, VEC]), axis=2)
+    else:
+        res = acc
+    return res
 
 
 @triton.jit
@@ -157,11 +230,6 @@ def _count_clipped(
 
 
 @triton.jit
-def _max2(a0, b0, a1, b1):
-    return tl.maximum(a0, a1), tl.maximum(b0, b1)
-
-
-@triton.jit
 def _over(mx, m, thr, MODE: tl.constexpr):
     """Whether some element exceeded its threshold, from the running max ``mx`` and its reduction ``m``."""
     if MODE == 2:
@@ -199,17 +267,26 @@ def _fp8_kv_cache_kernel(
     GUARD: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
     VEC: tl.constexpr,
+    PTX: tl.constexpr,
+    K_PACKED: tl.constexpr,
+    V_PACKED: tl.constexpr,
 ):
-    # Several tokens per program, reduced ONCE at the end: per-token block reductions and counter atomics dominated
-    # this short kernel. The uncounted twin runs the same loop, so the comparison stays fair.
-    # Counting on the hot path is a running max of |x|. "Some element of the program clipped" is exactly "the
-    # program's max |x| exceeds its threshold", so only such a program (rare: the fault case) pays for an exact
-    # count, in a second pass (_count_clipped). Counting every element in the main pass (compare, convert, add, plus
-    # a bit-pattern max) cost +42..58 % on an H200.
+    # TOKENS_PER_PROGRAM tokens (one on the GPU, see _launch_config), reduced ONCE at the end. Counting on the hot
+    # path is a running max of |x|. "Some element of the program clipped" is exactly "the program's max |x| exceeds
+    # its threshold", so only such a program (rare: the fault case) pays for an exact count, in a second pass
+    # (_count_clipped). Counting every element in the main pass (compare, convert, add, plus a bit-pattern max) cost
+    # +42..58 % on an H200.
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     src = h * D + d
     in_tile = (h < H) & (d < D)
+    if COUNT:
+        # The maxima stored so far, read first so that the loop hides the load's latency (reading them in the tail
+        # cost more than the atomics it saved). A program whose maxima do not exceed them has nothing to record: the
+        # slot only grows, so its atomic could not change it. A stale (smaller) value only costs a useless atomic.
+        # Clamped to +inf's bits: the slots hold zero-extended float bits, never above it unless overwritten.
+        seen_k = tl.minimum(tl.load(clip_ctr_ptr + 2), 0x7F800000).to(tl.int32)
+        seen_v = tl.minimum(tl.load(clip_ctr_ptr + 3), 0x7F800000).to(tl.int32)
     ks = _load_scale(k_scale, h, H, K_SCALE_MODE)
     vs = _load_scale(v_scale, h, H, V_SCALE_MODE)
     # e5m2: 2 mantissa bits, min normal 2**-14 (fp32 exponent 113), subnormal step 2**-16;
@@ -218,12 +295,8 @@ def _fp8_kv_cache_kernel(
     MIN_EXP: tl.constexpr = 113 if FP8_MAX == 57344.0 else 121
     SUB_SCALE: tl.constexpr = 65536.0 if FP8_MAX == 57344.0 else 512.0
     if COUNT:
-        # Running maxima kept per thread: [BLOCK_H, BLOCK_D // VEC], VEC = the contiguous elements one thread holds
-        # (its 16-byte load), so the per-token max over VEC is in-thread fmax only. A per-head row reduction per
-        # token (warp shuffles) measured +12 % over the twin on an H200, this +9 %; a full-tile accumulator holds
-        # VEC times more registers for the same instruction count.
-        mx_k = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
-        mx_v = tl.zeros([BLOCK_H, BLOCK_D // VEC], tl.float32)
+        mx_k = _max_init(key_ptr, BLOCK_H, BLOCK_D, VEC, K_PACKED)
+        mx_v = _max_init(value_ptr, BLOCK_H, BLOCK_D, VEC, V_PACKED)
     for i in range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0) * TOKENS_PER_PROGRAM + i
         tok64 = tok.to(tl.int64)
@@ -231,82 +304,81 @@ def _fp8_kv_cache_kernel(
         # (the compiler cannot move a load across a store to a possibly aliasing cache) and the loads need not wait
         # for the slot's load. Padding rows are read (they are inside the batch) and masked below.
         ld = in_tile & ((h * 0 + d * 0 + (tok < num_tokens).to(tl.int32)) != 0)
-        xk = tl.load(key_ptr + tok64 * key_stride + src, mask=ld, other=0.0).to(tl.float32)
-        xv = tl.load(value_ptr + tok64 * value_stride + src, mask=ld, other=0.0).to(tl.float32)
+        xk_in = tl.load(key_ptr + tok64 * key_stride + src, mask=ld, other=0.0)
+        xv_in = tl.load(value_ptr + tok64 * value_stride + src, mask=ld, other=0.0)
         raw, slot, lane, ok = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
         if COUNT:
             # Out-of-tile lanes loaded 0.0; a token that is not written (padding, a bad slot) is left out by `ok`.
-            # NaN is left out (maxnum returns the other operand), as in ClipCounter.count.
-            pk = tl.max(tl.reshape(tl.abs(xk), [BLOCK_H, BLOCK_D // VEC, VEC]), axis=2)
-            pv = tl.max(tl.reshape(tl.abs(xv), [BLOCK_H, BLOCK_D // VEC, VEC]), axis=2)
-            mx_k = tl.maximum(mx_k, tl.where(ok, pk, 0.0))
-            mx_v = tl.maximum(mx_v, tl.where(ok, pv, 0.0))
+            # NaN is left out, as in ClipCounter.count.
+            mx_k = _max_update(mx_k, xk_in, ok, BLOCK_H, BLOCK_D, VEC, K_PACKED)
+            mx_v = _max_update(mx_v, xv_in, ok, BLOCK_H, BLOCK_D, VEC, V_PACKED)
         if GUARD:
             # A token whose slot is past the cache: masked in _token_lane, recorded here (once) with the raw slot.
             record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
         dst = slot * (H * D) + src
-        _quantize_store(xk, k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
-        _quantize_store(xv, v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
+        _quantize_store(xk_in.to(tl.float32), k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
+        _quantize_store(xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
     if COUNT:
-        # The program's tail, two stages. (1) Each quarter of the running maxima is reduced on its own, as int32
-        # bits: the maxima are non-negative and never NaN (maxnum drops it), so their bits order like their values
-        # and the reduction is exact; a single-operand integer max of a warp's lanes is one redux.sync where a
-        # float max is five shuffle+fmax levels (with 4 warps, as the benchmark's shape launches, each quarter is
-        # one warp's; with other warp counts the grouping only changes the cost, never the result). (2) ONE joint reduction of the (K, V) pairs across the quarters (a
-        # tuple reduce shares the shared-memory round trip and its barriers). The clip test reuses the maxima (one
-        # threshold) or compares per head. Measured on an H200 against the one-stage float reduction: +7.1..8.1 %
-        # over the twin instead of +8.1..8.9 %, bit-identical caches and counts.
-        thr_k = _threshold(ks, FP8_MAX)
-        thr_v = _threshold(vs, FP8_MAX)
-        N: tl.constexpr = BLOCK_H * (BLOCK_D // VEC)
-        G: tl.constexpr = 4 if N % 4 == 0 else 1
-        q_k = tl.max(tl.reshape(mx_k.to(tl.int32, bitcast=True), [G, N // G]), axis=1)
-        q_v = tl.max(tl.reshape(mx_v.to(tl.int32, bitcast=True), [G, N // G]), axis=1)
-        b_k, b_v = tl.reduce((q_k, q_v), 0, _max2)
-        m_k = b_k.to(tl.float32, bitcast=True)
-        m_v = b_v.to(tl.float32, bitcast=True)
-        over_k = _over(mx_k, m_k, thr_k, K_SCALE_MODE)
-        over_v = _over(mx_v, m_v, thr_v, V_SCALE_MODE)
-        # The rare path: exact counts, from a second read of this program's tokens.
-        if over_k:
-            n_k = _count_clipped(
-                key_ptr,
-                key_stride,
-                slot_ptr,
-                num_tokens,
-                num_slots,
-                src,
-                in_tile,
-                h,
-                d,
-                thr_k,
-                TOKENS_PER_PROGRAM,
-                GUARD,
-            )
-            tl.atomic_add(clip_ctr_ptr + 0, n_k.to(tl.int64))
-        if over_v:
-            n_v = _count_clipped(
-                value_ptr,
-                value_stride,
-                slot_ptr,
-                num_tokens,
-                num_slots,
-                src,
-                in_tile,
-                h,
-                d,
-                thr_v,
-                TOKENS_PER_PROGRAM,
-                GUARD,
-            )
-            tl.atomic_add(clip_ctr_ptr + 1, n_v.to(tl.int64))
-        # Max magnitude as float32 bits (monotone for non-negative floats, so an integer atomic max is valid).
-        # Unconditional and relaxed: a reduction the program does not wait for (no result is read back). Reading
-        # the stored maxima first to skip settled ones cost more on an H200 (+8.9 % vs +8.1 % over the twin): the
-        # read's latency lands in every program's tail. Relaxed is enough: nothing is ordered against these slots,
-        # and the reader sees them complete once the kernel has finished.
-        tl.atomic_max(clip_ctr_ptr + 2, b_k.to(tl.int64), sem="relaxed")
-        tl.atomic_max(clip_ctr_ptr + 3, b_v.to(tl.int64), sem="relaxed")
+        # The program's tail. The healthy path is ONE block reduction (a flag), then nothing: a program acts only
+        # when some element exceeds its threshold (it clipped) or the stored maximum (a new maximum). Both tests
+        # compare float32 bits as int32: the maxima are non-negative and never NaN, so their bits order like their
+        # values, and a threshold's bits order like it when it is >= 0 (a negative threshold -- a corrupted scale
+        # tensor, which the launcher cannot check without a sync -- compares below every maximum: the program acts,
+        # and the exact float test below decides). On an H200 this tail and the packed running max took the counted
+        # kernel (4 tokens per program) from +7.2..7.8 % over its twin to +3..6.7 %. At one token per program (what
+        # the launcher runs) the skip spares two contended atomics per token: 3 % of the counted kernel at 16k tokens.
+        thr_k = _threshold(ks, FP8_MAX, PTX)
+        thr_v = _threshold(vs, FP8_MAX, PTX)
+        m_k = _max_final(mx_k, BLOCK_H, BLOCK_D, VEC, K_PACKED)
+        m_v = _max_final(mx_v, BLOCK_H, BLOCK_D, VEC, V_PACKED)
+        bits_k = m_k.to(tl.int32, bitcast=True)
+        bits_v = m_v.to(tl.int32, bitcast=True)
+        lim_k = tl.minimum(thr_k.to(tl.int32, bitcast=True), seen_k)
+        lim_v = tl.minimum(thr_v.to(tl.int32, bitcast=True), seen_v)
+        act = tl.max(((bits_k > lim_k) | (bits_v > lim_v)).to(tl.int32), axis=None)
+        if act > 0:
+            # The rare path: the program's maxima, exact counts from a second read of its tokens, the atomics.
+            b_k = tl.max(bits_k, axis=None)
+            b_v = tl.max(bits_v, axis=None)
+            over_k = _over(m_k, b_k.to(tl.float32, bitcast=True), thr_k, K_SCALE_MODE)
+            over_v = _over(m_v, b_v.to(tl.float32, bitcast=True), thr_v, V_SCALE_MODE)
+            if over_k:
+                n_k = _count_clipped(
+                    key_ptr,
+                    key_stride,
+                    slot_ptr,
+                    num_tokens,
+                    num_slots,
+                    src,
+                    in_tile,
+                    h,
+                    d,
+                    thr_k,
+                    TOKENS_PER_PROGRAM,
+                    GUARD,
+                )
+                tl.atomic_add(clip_ctr_ptr + 0, n_k.to(tl.int64))
+            if over_v:
+                n_v = _count_clipped(
+                    value_ptr,
+                    value_stride,
+                    slot_ptr,
+                    num_tokens,
+                    num_slots,
+                    src,
+                    in_tile,
+                    h,
+                    d,
+                    thr_v,
+                    TOKENS_PER_PROGRAM,
+                    GUARD,
+                )
+                tl.atomic_add(clip_ctr_ptr + 1, n_v.to(tl.int64))
+            # Max magnitude as float32 bits (monotone for non-negative floats, so an integer atomic max is valid),
+            # only where it exceeds what the program read. Relaxed: nothing is ordered against these slots, and the
+            # reader sees them complete once the kernel has finished.
+            tl.atomic_max(clip_ctr_ptr + 2, b_k.to(tl.int64), mask=b_k > seen_k, sem="relaxed")
+            tl.atomic_max(clip_ctr_ptr + 3, b_v.to(tl.int64), mask=b_v > seen_v, sem="relaxed")
 
 
 def _scale_arg(scale: float | torch.Tensor, heads: int, device: torch.device, what: str) -> tuple[object, int]:
@@ -386,25 +458,45 @@ def _check_inputs(
     return tokens, heads, head_dim
 
 
-_SM_COUNT: dict[torch.device, int] = {}
-# H200 sweep (bench_numerics.py shapes, 2048..32768 tokens): 4 tokens per program was the fastest counted kernel at
-# every size. More tokens per program spread the per-program reduction thinner (the ratio to the twin drops to
-# +4..6 % at 8-32) but the kernel itself gets 5-20 % slower (fewer, longer programs); an even split over a
-# persistent grid of 8-32 programs per SM was slower still.
-_MAX_TOKENS_PER_PROGRAM = 4
+_DEVICE_PROPS: dict[torch.device, tuple[int, tuple[int, int]]] = {}
+# Launch shape, from H200 sweeps (benchmarks/sweep_fused.py; bf16, 8 heads x 128, 2048..32768 tokens): one token per
+# program was the fastest kernel, counted or not -- 2 warps (512 tile elements per warp), or 4 below about 32 tokens
+# per SM, where more warps per token fill the GPU. Multi-token programs (the loop, e.g. 4 warps x 4 tokens, which pays
+# the counting tail once per 4 tokens) made the counted kernel's ratio to its own twin smaller (+4..7 %) but both
+# kernels slower: counted +1..7 %, uncounted +8..18 % against one token per program. Longer programs (8 tokens, a
+# persistent grid, tokens as one 3-D tile) were slower still. So the counted and uncounted kernels share one shape,
+# and what counting costs is measured against exactly what count=False runs.
+_LEAN_TILE_PER_WARP = 512
+_SMALL_TILE_PER_WARP = 256
+_SMALL_BATCH_TOKENS_PER_SM = 32
 
 
-def _tokens_per_program(tokens: int, device: torch.device) -> int:
-    """Tokens per program: the largest power of two, at most _MAX_TOKENS_PER_PROGRAM, that leaves at least two
-    programs per SM (1 when the batch has fewer than four tokens per SM). A constexpr: at most three compiled
-    variants. The SM count is a cached host property (no sync)."""
+def _device_props(device: torch.device) -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability): cached host properties (no sync)."""
+    props = _DEVICE_PROPS.get(device)
+    if props is None:
+        p = torch.cuda.get_device_properties(device)
+        props = _DEVICE_PROPS[device] = (p.multi_processor_count, (p.major, p.minor))
+    return props
+
+
+def _launch_config(tokens: int, tile: int, device: torch.device) -> tuple[int, int]:
+    """``(num_warps, tokens_per_program)`` for a batch of ``tokens`` tokens whose padded ``heads x head_dim`` tile has
+    ``tile`` elements (see the sweep note above); the same with and without counting. On the CPU (the interpreter)
+    the shape only matters to coverage: small batches run one token per program, larger ones four (the loop)."""
+    small_warps = max(1, min(8, tile // _SMALL_TILE_PER_WARP))
     if device.type != "cuda":
-        return 1 if tokens < 64 else 4
-    sms = _SM_COUNT.get(device)
-    if sms is None:
-        sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    per = max(1, tokens // (2 * sms))
-    return min(_MAX_TOKENS_PER_PROGRAM, 1 << (per.bit_length() - 1))
+        return small_warps, (1 if tokens < 64 else 4)
+    sms, _ = _device_props(device)
+    if tokens < _SMALL_BATCH_TOKENS_PER_SM * sms:
+        return small_warps, 1
+    return max(1, min(8, tile // _LEAN_TILE_PER_WARP)), 1
+
+
+def _inline_ptx(device: torch.device) -> bool:
+    """Whether the kernel may use inline PTX: an NVIDIA GPU, compiled (the interpreter cannot run PTX; ROCm has
+    none)."""
+    return device.type == "cuda" and torch.version.hip is None and not triton.knobs.runtime.interpret
 
 
 def _launch(
@@ -420,16 +512,24 @@ def _launch(
     count: bool,
     guard: bool,
     vec: int | None = None,
+    config: tuple[int, int] | None = None,
+    inline_ptx: bool | None = None,
 ) -> None:
     """The launch behind :func:`quantize_kv_to_fp8_cache`. ``count``/``guard`` compile the counting and the slot
     guard in or out (the benchmark's twins); ``vec`` overrides the running max's in-thread chunk (tests: any power
-    of two up to head_dim's block gives the same counts)."""
+    of two up to head_dim's block gives the same counts); ``config`` overrides ``(num_warps, tokens_per_program)``
+    (the benchmark's same-shape twin); ``inline_ptx=False`` forces the portable code on an NVIDIA GPU (tests: both
+    paths give the same bits and counts)."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
-    num_warps = max(1, min(8, block_h * block_d // 256))
+    if tokens == 0:
+        return
+    num_warps, tpp = config if config is not None else _launch_config(tokens, block_h * block_d, counter.device)
+    if num_warps < 1 or num_warps & (num_warps - 1) or tpp < 1:
+        raise ValueError(f"config must be (power-of-two num_warps, tokens_per_program >= 1), got {config}")
     # The contiguous elements one thread holds along head_dim: a 16-byte load of the wider input, at most what the
     # tile gives each thread. The running max reduces over exactly these, in-thread when the loads vectorise (16-byte
     # aligned rows; otherwise the chunk's max takes warp shuffles: slower, still exact). Any power of two is exact.
@@ -440,9 +540,9 @@ def _launch(
         if vec < 1 or vec > block_d or vec & (vec - 1):
             raise ValueError(f"vec must be a power of two in [1, {block_d}], got {vec}")
         chunk = vec
-    if tokens == 0:
-        return
-    tpp = _tokens_per_program(tokens, counter.device)
+    ptx = _inline_ptx(counter.device) if inline_ptx is None else inline_ptx and _inline_ptx(counter.device)
+    # The packed running max needs max.xorsign.abs (sm_86+) and a 16-bit input.
+    packed_ok = ptx and _device_props(counter.device)[1] >= (8, 6)
     _fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
         key,
         value,
@@ -469,6 +569,9 @@ def _launch(
         GUARD=guard,
         TOKENS_PER_PROGRAM=tpp,
         VEC=chunk,
+        PTX=ptx,
+        K_PACKED=packed_ok and key.element_size() == 2,
+        V_PACKED=packed_ok and value.element_size() == 2,
         num_warps=num_warps,
     )
 
