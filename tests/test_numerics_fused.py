@@ -754,3 +754,20 @@ def test_launch_config_override_is_checked(monitor, kernel_device):
     for bad in ((3, 1), (0, 1), (2, 0)):
         with pytest.raises(ValueError, match="config must be"):
             _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, config=bad)
+
+
+def test_inline_ptx_only_where_it_compiles(monkeypatch):
+    """Inline PTX goes only to a compiled NVIDIA kernel: never to the CPU, never under the interpreter (which
+    cannot run PTX: a CUDA tensor under TRITON_INTERPRET=1 runs there too), never on ROCm. The observation flips
+    with the interpreter flag alone."""
+    from tripwire.numerics import fused
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    assert fused._inline_ptx(cuda) and not fused._inline_ptx(torch.device("cpu"))
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    assert not fused._inline_ptx(cuda)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not fused._inline_ptx(cuda)
