@@ -695,6 +695,8 @@ def test_running_max_chunk_is_checked(monitor, kernel_device):
     for bad in (0, 3, 32):
         with pytest.raises(ValueError, match="vec must be a power of two"):
             _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, vec=bad)
+        with pytest.raises(ValueError, match="vec must be a power of two"):  # an empty batch is checked too
+            _launch(x[:0], x[:0], kc, kc.clone(), slots[:0], 1.0, 1.0, c, count=True, guard=True, vec=bad)
 
 
 def test_maxima_grow_across_launches_and_after_reset(monitor, kernel_device):
@@ -754,6 +756,8 @@ def test_launch_config_override_is_checked(monitor, kernel_device):
     for bad in ((3, 1), (0, 1), (2, 0)):
         with pytest.raises(ValueError, match="config must be"):
             _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, config=bad)
+        with pytest.raises(ValueError, match="config must be"):  # an empty batch is checked too
+            _launch(x[:0], x[:0], kc, kc.clone(), slots[:0], 1.0, 1.0, c, count=True, guard=True, config=bad)
 
 
 def test_inline_ptx_only_where_it_compiles(monkeypatch):

@@ -529,8 +529,6 @@ def _launch(
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
-    if tokens == 0:
-        return
     num_warps, tpp = config if config is not None else _launch_config(tokens, block_h * block_d, counter.device)
     if num_warps < 1 or num_warps & (num_warps - 1) or tpp < 1:
         raise ValueError(f"config must be (power-of-two num_warps, tokens_per_program >= 1), got {config}")
@@ -544,6 +542,8 @@ def _launch(
         if vec < 1 or vec > block_d or vec & (vec - 1):
             raise ValueError(f"vec must be a power of two in [1, {block_d}], got {vec}")
         chunk = vec
+    if tokens == 0:  # after every check: a bad argument is an error even with nothing to write
+        return
     ptx = _inline_ptx(counter.device) if inline_ptx is None else inline_ptx and _inline_ptx(counter.device)
     # The packed running max needs max.xorsign.abs (sm_86+) and a 16-bit input.
     packed_ok = ptx and _device_props(counter.device)[1] >= (8, 6)
