@@ -269,20 +269,16 @@ def fold_numerics(res: Result, out: dict) -> None:
         res.fig(f"fused_us_counted_{key}", single(f["us"]["counted"], unit="us", label=f"fused FP8 {key}, counted"))
         res.fig(f"fused_us_bare_{key}", single(f["us"]["bare"], unit="us", label=f"fused FP8 {key}, bare"))
         res.fig(
-            f"fused_vs_uncounted_pct_{key}",
-            single(
-                f["overhead_vs_uncounted_pct"],
-                unit="%",
-                label=f"fused FP8 {key}: counted / count=False - 1 (warps, tokens per program {f['config']})",
-            ),
-        )
-        res.fig(
             f"fused_guard_only_pct_{key}",
             single(f["guard_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: slot guard alone / bare - 1"),
         )
         res.fig(
             f"fused_count_only_pct_{key}",
-            single(f["count_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: counted / guard alone - 1"),
+            single(
+                f["count_only_overhead_pct"],
+                unit="%",
+                label=f"fused FP8 {key}: counted / guard alone (= count=False) - 1, shape {f['config']}",
+            ),
         )
         res.fig(f"fused_gbs_{key}", single(f["gbps_counted"], unit="GB/s", label=f"fused FP8 {key}, counted"))
         res.fig(
@@ -297,13 +293,13 @@ def fold_numerics(res: Result, out: dict) -> None:
                 f["overhead_pct"],
                 f["pass"],
             )
-            # The same question asked of the shipped calls: counted vs count=False (slot guard on in both).
+            # The same question asked of the shipped calls: counted vs count=False (the guard-alone kernel).
             res.target(
                 f"fused FP8 counter {key}, vs count=False",
-                f"fused_vs_uncounted_pct_{key}",
+                f"fused_count_only_pct_{key}",
                 f"within {f['target_pct']:g} %",
-                f["overhead_vs_uncounted_pct"],
-                f["overhead_vs_uncounted_pct"] <= f["target_pct"],
+                f["count_only_overhead_pct"],
+                f["count_only_overhead_pct"] <= f["target_pct"],
             )
     nf = out.get("nonfinite")
     if nf:
