@@ -381,15 +381,24 @@ def _widen_after_pause(m: Monitor, seconds: float = 0.05) -> None:
     m._native_pause = slow  # type: ignore[method-assign]
 
 
+def _started_widened(registry, site: str) -> Monitor:
+    """A quiet monitor with one CPU counter at ``site``, its pause widened, started, its reader engaged (stopped
+    again, and the test failed, if it does not engage)."""
+    m = _quiet_monitor(registry)
+    m.counter(registry.register(site), "cpu")
+    _widen_after_pause(m)
+    m.start()
+    if not _engaged_with_reference(m):
+        m.stop()
+        raise AssertionError(f"the native tick did not engage: {m.native_tick}")
+    return m
+
+
 # --------------------------------------------------------------------------------------- ownership: poll(), drain()
 @pytest.mark.parametrize("entry", ["poll", "drain", "reset"])
 def test_python_never_touches_a_reader_the_native_thread_owns(registry, ownership, entry):
-    m = _quiet_monitor(registry)
-    m.counter(registry.register("o.x"), "cpu")
-    _widen_after_pause(m)
-    m.start()
+    m = _started_widened(registry, "o.x")
     try:
-        assert _engaged_with_reference(m)
         for _ in range(3):
             m.check()
             getattr(m, entry)()
@@ -402,12 +411,8 @@ def test_python_never_touches_a_reader_the_native_thread_owns(registry, ownershi
 def test_control_a_pause_outside_the_lock_lets_python_poll_an_engaged_reader(registry, ownership):
     """The control: poll() with the pause taken outside the lock (the reviewed code's order, re-created explicitly so
     the control survives the fix) drives a reader the native thread owns."""
-    m = _quiet_monitor(registry)
-    m.counter(registry.register("o.ctl"), "cpu")
-    _widen_after_pause(m)
-    m.start()
+    m = _started_widened(registry, "o.ctl")  # the same setup as the test above: only _poll's order differs
     try:
-        assert _engaged_with_reference(m)
         widened = m._native_pause
         main = threading.main_thread()
         for _ in range(3):
