@@ -21,7 +21,7 @@ import triton.language as tl
 from tripwire import Monitor, SiteRegistry
 from tripwire.layout import decode
 from tripwire.numerics import FP8_DTYPES, FP8_MAX, ClipCounter, quantize_kv_to_fp8_cache, reference_quantize
-from tripwire.numerics.fused import _launch, _threshold
+from tripwire.numerics.fused import _launch, _tail_asm, _thread_tail_ok, _threshold
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FMTS = ["e4m3", "e5m2"]
@@ -302,7 +302,8 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
     """Compiled: round-to-nearest-even FP8 conversion on random data (ties and subnormals included) matches torch
     bit for bit; counts and maxima equal the torch path's and the float64 reference. For every build the launcher can
     run: its own shape (one token per program on 4 warps at this size), 2 warps (its shape for larger batches), the
-    loop (4 warps x 4 tokens), and the portable code (no inline PTX: float64 thresholds, float32 running max)."""
+    loop (4 warps x 4 tokens), the portable code (no inline PTX: float64 thresholds, float32 running max), and the
+    block-level counting tail (what runs where the per-thread tail cannot: before sm_90, mixed dtypes, small tiles)."""
     reg = SiteRegistry(capacity=64)
     m = Monitor(registry=reg, capacity=64)
     heads, dim, tokens = 8, 128, 512
@@ -330,6 +331,8 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
         "bulk": {"config": (4, 4)},
         "portable": {"inline_ptx": False},
         "portable-bulk": {"inline_ptx": False, "config": (4, 4)},
+        "block-tail": {"thread_tail": False},  # what other GPUs and dtypes run
+        "block-tail-lean": {"thread_tail": False, "config": (2, 1)},
     }
     for name, kw in builds.items():
         kc = torch.full((256, 16, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
@@ -339,6 +342,172 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
         check_cache(kc, key, ks, fmt, slots)
         check_cache(vc, value, vs, fmt, slots)
         assert c.totals() == t.totals(), name
+
+
+def _tail_case(heads, dim, dtype, kind, fmt, tokens, seed, spread=0.3, negative=False):
+    """K, V, slots (padding, one slot past the cache) and scales for the thread-tail tests, with NaN and +-Inf
+    planted; ``negative`` makes the scales negative (a corrupted scale tensor: everything live clips)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    fmax = FP8_MAX[fmt]
+    small = fmt == "e5m2" and dtype == torch.float16
+    s = spread * fmax * (0.25 if small else 1.0)
+    key = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * s).to(dtype)
+    value = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * s).to(dtype)
+    key[1, 0, 0] = float("nan")
+    key[2, heads - 1, dim - 1] = float("inf")
+    value[4, 0, dim // 2] = float("-inf")
+    value[6, :, :] = float("nan")  # a live token that is all NaN: no clip, no maximum
+    nslots = 2 * tokens
+    slots = torch.randperm(nslots, device="cuda", generator=g)[:tokens]
+    slots[::5] = -1
+    slots[3] = nslots + 7  # past the cache: masked, counted at the slot site, not in the clip row
+    if kind == "per_head":
+        ks = torch.linspace(0.4, 1.2, heads, device="cuda")
+        vs = torch.linspace(1.1, 0.5, heads, device="cuda")
+    else:
+        ks, vs = torch.tensor([0.8], device="cuda"), torch.tensor([0.6], device="cuda")
+    if negative:
+        ks = -ks
+        vs = vs.clone()
+        vs[0] = -vs[0]
+    if kind == "float":
+        ks, vs = 0.8, 0.6
+    return key, value, slots, nslots, ks, vs
+
+
+def _run_tail_case(m, name, key, value, slots, nslots, ks, vs, fmt, launches=2, **kw):
+    heads, dim = key.shape[1:]
+    kc = torch.full((nslots, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
+    vc = kc.clone()
+    c = ClipCounter(name, "cuda", fmt, monitor=m)
+    bad0 = int(m.read_rows("cuda")[c.slot_site.id][0])  # the slot site is shared by every counter of a registry
+    rows = []
+    for _ in range(launches):
+        _launch(key, value, kc, vc, slots, ks, vs, c, count=True, guard=True, **kw)
+        rows.append(c.totals())
+    return kc, vc, rows, int(m.read_rows("cuda")[c.slot_site.id][0]) - bad0
+
+
+_TAIL_SHAPES = [  # (heads, dim, config): every tile here gives each thread >= 8 elements
+    (8, 128, None),  # the benchmark's shape, the launcher's config (4 warps at this batch)
+    (8, 128, (2, 1)),  # its config for large batches: 16 elements per thread
+    (8, 128, (4, 4)),  # the loop: the tail per token
+    (6, 96, None),  # a padded tile: out-of-tile lanes must count nothing
+    (32, 128, None),  # 8 warps, 16 elements per thread
+    (8, 128, (1, 1)),  # 32 elements per thread: two asm instances per thread
+    (1, 256, None),  # one head, one warp
+    (128, 8, (2, 1)),  # rows of 8: each thread's 16 elements span two heads (per-head limits inside one instance)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", _TAIL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}@{s[2]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["float", "1elem", "per_head"])
+def test_gpu_thread_tail_equals_reference(monitor, shape, dtype, kind):
+    """The per-thread counting tail (sm_90, 16-bit K/V; forced on, so a shape where it cannot run is an error, not a
+    silent fallback): cache bits equal torch's, counts and maxima equal the torch path's and the block-level tail's,
+    over tile shapes (padded, several asm instances per thread, the loop), NaN/Inf planted, padding rows and a slot
+    past the cache (counted once per launch at the slot site), across two launches (counts double, maxima stay)."""
+    heads, dim, config = shape
+    fmt = "e4m3" if (heads + dim + (dtype == torch.float16)) % 2 else "e5m2"
+    key, value, slots, nslots, ks, vs = _tail_case(heads, dim, dtype, kind, fmt, tokens=600, seed=heads + dim)
+    live = (slots >= 0) & (slots < nslots)
+    t = ClipCounter("torch", "cuda", fmt, monitor=monitor)
+    t.count(key, value, ks, vs, torch.where(live, slots, -1))
+    want = t.totals()
+    assert want["k"] > 0 and want["v"] > 0 and want["k_max"] == float("inf") and want["v_max"] == float("inf")
+    twice = {"k": 2 * want["k"], "v": 2 * want["v"], "k_max": want["k_max"], "v_max": want["v_max"]}
+    results = {}
+    for name, kw in (("tail", {"thread_tail": True}), ("block", {"thread_tail": False})):
+        kc, vc, rows, bad = _run_tail_case(monitor, name, key, value, slots, nslots, ks, vs, fmt, config=config, **kw)
+        assert rows == [want, twice], name
+        assert bad == 2, name
+        results[name] = (kc.view(torch.uint8), vc.view(torch.uint8))
+        for cache, x, sc in ((kc, key, ks), (vc, value, vs)):
+            ref = reference_quantize(x, sc, fmt).view(torch.uint8)
+            got = cache.view(torch.uint8)[slots[live]]
+            fin = x[live].isfinite() | x[live].isinf()  # NaN bytes may differ from torch's (module docstring)
+            assert torch.equal(got[fin], ref[live][fin]), name
+    assert torch.equal(results["tail"][0], results["block"][0]) and torch.equal(results["tail"][1], results["block"][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["1elem", "per_head"])
+def test_gpu_thread_tail_negative_scale_and_full_clipping(monitor, kind):
+    """A corrupted (negative) scale tensor makes every live element clip: the tail's negative limit must flag every
+    thread, and the exact count must leave out padded head_dim lanes, padding rows and the slot past the cache.
+    Then the fault case: a tiny scale, every element of every token clips (each warp records)."""
+    heads, dim = 6, 96  # a padded tile
+    key, value, slots, nslots, ks, vs = _tail_case(heads, dim, torch.bfloat16, kind, "e4m3", 300, 3, negative=True)
+    live = (slots >= 0) & (slots < nslots)
+    t = ClipCounter("torch", "cuda", "e4m3", monitor=monitor)
+    t.count(key, value, ks, vs, torch.where(live, slots, -1))
+    want = t.totals()
+    _, _, rows, _ = _run_tail_case(monitor, "neg", key, value, slots, nslots, ks, vs, "e4m3", 1, thread_tail=True)
+    assert rows[0] == want
+    n_live = int(live.sum()) * heads * dim
+    assert want["k"] == n_live - int(key[live].isnan().sum())  # every live, non-NaN K element "clipped"
+    tiny = 1e-6 if kind == "1elem" else torch.full((heads,), 1e-6, device="cuda")
+    key, value, slots, nslots, _, _ = _tail_case(heads, dim, torch.bfloat16, kind, "e4m3", 3000, 4)
+    live = (slots >= 0) & (slots < nslots)
+    t2 = ClipCounter("torch.tiny", "cuda", "e4m3", monitor=monitor)
+    t2.count(key, value, tiny, tiny, torch.where(live, slots, -1))
+    _, _, rows, _ = _run_tail_case(monitor, "tiny", key, value, slots, nslots, tiny, tiny, "e4m3", 1, thread_tail=True)
+    assert rows[0] == t2.totals()
+    assert rows[0]["k"] > 0.99 * int(live.sum()) * heads * dim  # the fault case: nearly every element clips
+
+
+@pytest.mark.gpu
+def test_gpu_thread_tail_control_per_tensor_asm_on_per_head_scales(monitor):
+    """Control: the per-tensor tail (one limit and one threshold for all of a thread's elements) launched with
+    per-head scales miscounts -- so the exactness test above would see a tail that ignored the per-element limits.
+    Rows of 8 elements, so that each thread's 16 elements (2 warps) span two heads (with 128-element rows Triton
+    gives each thread 16 elements of one row, where one limit per instance happens to be right)."""
+    heads, dim = 128, 8
+    key, value, slots, nslots, ks, vs = _tail_case(heads, dim, torch.bfloat16, "per_head", "e4m3", 600, 5)
+    live = (slots >= 0) & (slots < nslots)
+    t = ClipCounter("torch", "cuda", "e4m3", monitor=monitor)
+    t.count(key, value, ks, vs, torch.where(live, slots, -1))
+    pack = 16  # config (2, 1): 1024 tile elements over 64 threads
+    wrong = (*_tail_asm(pack, "bf16", False, False, FP8_MAX["e4m3"]), pack)
+    _, _, rows, _ = _run_tail_case(
+        monitor, "wrong", key, value, slots, nslots, ks, vs, "e4m3", 1, config=(2, 1), tail_override=wrong
+    )
+    assert rows[0]["k"] != t.totals()["k"]
+    right = (*_tail_asm(pack, "bf16", True, True, FP8_MAX["e4m3"]), pack)
+    _, _, rows, _ = _run_tail_case(
+        monitor, "right", key, value, slots, nslots, ks, vs, "e4m3", 1, config=(2, 1), tail_override=right
+    )
+    assert rows[0] == t.totals()
+
+
+def test_thread_tail_rule():
+    """Where the launcher picks the per-thread tail: sm_90+ with inline PTX, one 16-bit dtype, >= 8 elements per
+    thread. Each condition alone turns it off (no GPU needed)."""
+    bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert _thread_tail_ok(True, (9, 0), bf, bf, 16) and _thread_tail_ok(True, (10, 0), f16, f16, 8)
+    assert not _thread_tail_ok(False, (9, 0), bf, bf, 16)  # the interpreter, ROCm, inline_ptx=False
+    assert not _thread_tail_ok(True, (8, 9), bf, bf, 16)  # no packed bf16 compare before sm_90
+    assert not _thread_tail_ok(True, (9, 0), bf, f16, 16)  # mixed dtypes
+    assert not _thread_tail_ok(True, (9, 0), f32, f32, 16)
+    assert not _thread_tail_ok(True, (9, 0), bf, bf, 4)  # a small tile: layouts may replicate elements
+
+
+def test_thread_tail_refused_where_it_cannot_run(monitor, kernel_device):
+    """``thread_tail=True`` is an error (naming why) where the per-thread tail cannot run: on the CPU (no inline
+    PTX), or on the GPU for fp32 inputs, mixed dtypes, or fewer than 8 tile elements per thread -- never a silent
+    fallback to the other tail."""
+    c = ClipCounter("refuse", kernel_device, "e4m3", monitor=monitor)
+    kc = torch.zeros(16, 8, 128, dtype=torch.uint8, device=kernel_device).view(torch.float8_e4m3fn)
+    slots = torch.arange(4, device=kernel_device)
+    bf = torch.ones(4, 8, 128, dtype=torch.bfloat16, device=kernel_device)
+    cases = [(bf.float(), bf.float(), None), (bf, bf.half(), None), (bf, bf, (8, 1))]  # 8 warps: 4 per thread
+    if kernel_device == "cpu":
+        cases = [(bf, bf, None)]
+    for k, v, config in cases:
+        with pytest.raises(ValueError, match="thread_tail=True needs"):
+            _launch(k, v, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, config=config, thread_tail=True)
 
 
 _THR_EDGES = [0.0, 1e-45, 1.1754942e-38, 1.1754944e-38, 1e-30, 0.5, 1.0, 1.3, 3.0e35, 7.59e35, 7.6e35, 5.9e33,
@@ -525,7 +694,7 @@ import json, re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tripwire.numerics.fused import _fp8_kv_cache_kernel
+from tripwire.numerics.fused import _fp8_kv_cache_kernel, _limit_asm, _tail_asm
 
 def ptx(kernel, types, consts):
     names = kernel.arg_names
@@ -543,19 +712,32 @@ types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_c
          "num_slots": "i64", "num_tokens": "i32", "key_stride": "i64", "value_stride": "i64"}
 consts = dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128, K_SCALE_MODE=0, V_SCALE_MODE=0, FP8_MAX=57344.0,
               FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4, VEC=8,
-              PTX=True, K_PACKED=True, V_PACKED=True)
+              PTX=True, K_PACKED=True, V_PACKED=True, THREAD_TAIL=False, TAIL_PACK=1, TAIL_ASM="", TAIL_CON="",
+              LIMIT_ASM="")
 try:
     k = ptx(_fp8_kv_cache_kernel, types, consts)
     portable = ptx(_fp8_kv_cache_kernel, types, dict(consts, PTX=False, K_PACKED=False, V_PACKED=False))
     c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
+    one = dict(consts, TOKENS_PER_PROGRAM=1)
+    builds = {}
+    for half, ty in (("bf16", "*bf16"), ("f16", "*fp16")):  # the per-thread tail, 8 elements per thread (4 warps)
+        for per_head in (False, True):
+            asm, con = _tail_asm(8, half, per_head, per_head, 57344.0)
+            mode = 2 if per_head else 0
+            sc = "*fp32" if per_head else "fp32"
+            builds[f"tail_{half}_{int(per_head)}"] = ptx(
+                _fp8_kv_cache_kernel, dict(types, key_ptr=ty, value_ptr=ty, k_scale=sc, v_scale=sc),
+                dict(one, THREAD_TAIL=True, TAIL_PACK=8, TAIL_ASM=asm, TAIL_CON=con, K_SCALE_MODE=mode,
+                     V_SCALE_MODE=mode, LIMIT_ASM=_limit_asm(half, 57344.0)))
 except Exception as e:
     print(json.dumps({"error": repr(e)}))
     sys.exit(0)
 count = lambda text, pat: len(re.findall(pat, text))
 print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"div\.(full|approx)"),
-                         "mul_rm": count(t, r"mul\.rm\.f32"), "xorsign": count(t, r"max\.xorsign\.abs\.bf16x2"),
-                         "f64": count(t, r"\.f64")}
-                  for name, t in (("kernel", k), ("portable", portable), ("control", c))}))
+                         "mul_rm": count(t, r"mul\.rm\.f32"), "xorsign": count(t, r"max\.xorsign\.abs\.(bf|f)16x2"),
+                         "f64": count(t, r"\.f64"), "setp2": count(t, r"setp\.gt\.(bf|f)16x2"),
+                         "redux": count(t, r"redux\.sync"), "bar_red": count(t, r"bar\.red\.or")}
+                  for name, t in (("kernel", k), ("portable", portable), ("control", c), *builds.items())}))
 """
 
 
@@ -583,6 +765,12 @@ def test_ptx_divides_correctly_rounded(tmp_path):
     # interpreter runs) has neither -- so the GPU tests comparing both paths compare two different codes.
     assert r["kernel"]["mul_rm"] == 2 and r["kernel"]["xorsign"] > 0 and r["kernel"]["f64"] == 0, r
     assert r["portable"]["mul_rm"] == 0 and r["portable"]["xorsign"] == 0 and r["portable"]["f64"] > 0, r
+    # The per-thread tail assembles for sm_90 in each of its forms (bf16/fp16, per-tensor/per-head limits): packed
+    # compares, one barrier-OR of the flags (its hot path), the warp reductions of its rare path.
+    for name in ("tail_bf16_0", "tail_bf16_1", "tail_f16_0", "tail_f16_1"):
+        t = r[name]
+        assert t["setp2"] >= 2 and t["redux"] >= 4 and t["bar_red"] == 1 and t["f64"] == 0, (name, r)
+        assert t["rn"] > 0 and t["approx"] == 0, (name, r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,18 +10,20 @@ registers give the number of elements with ``|x| > fp8_max * scale`` (exact, see
 the max magnitude, recorded in the layer's clip row (the ``|x|`` tested is the input before scaling; NaN neither
 clips nor counts as a maximum; skipped and masked tokens count nothing).
 
-Hot-path cost of counting: a running max of ``|x|`` per thread (on NVIDIA sm_86+ with 16-bit inputs, one packed
-``max.xorsign.abs`` per two elements; otherwise one fmax per element), two thresholds (one ``mul.rm`` each), and ONE
-block reduction per program: a flag, "some element exceeded its threshold or the maximum stored so far" (read at
-the program's start). Healthy programs stop there: no atomics once the maxima have settled. A flagged program (it
-clipped, or saw a new maximum) reduces its maxima, counts exactly in a second read of its tokens if it clipped, and
-records with atomics. Measured on an H200 by ``benchmarks/bench_numerics.py`` (RESULTS.md): against ``count=False``
-(the same launch), see "What is short" there -- the kernel is issue-bound (the division, clamp and FP8 rounding are
-~30 instructions per element) and, with one token per program, the fixed per-program tail is paid per token.
+Hot-path cost of counting, on NVIDIA sm_90+ with bf16/fp16 K and V (what the launcher picks there; see the
+comment above ``_limit_asm``): per thread, a packed tree of maxima (one ``max.xorsign.abs`` per two elements), one
+packed compare per tensor against a 16-bit limit (the largest value not above min(threshold, stored maximum)), and
+ONE barrier that ORs the flags of the CTA (``bar.red.or``), in inline PTX. Only a CTA where some element clipped or
+exceeded the stored maximum counts exactly (in registers, float32) and records, with one set of atomics per CTA.
+Elsewhere (other GPUs, fp32 or mixed inputs, tiles of fewer than 8 elements per thread, the interpreter) the
+block-level tail: a running max of ``|x|`` per thread, two thresholds, one block reduction of a flag, and a second
+read of the program's tokens where it clipped. Measured on an H200 by ``benchmarks/bench_numerics.py`` against
+``count=False`` (the same launch): RESULTS.md, q1 and "What is short".
 
-Inline PTX (``PTX``: an NVIDIA GPU, not the interpreter): ``mul.rm.f32`` thresholds and the packed maxima. The
-portable code (float64 thresholds, float32 maxima) is what the interpreter runs and what ``inline_ptx=False``
-forces; the GPU tests check both give the same bits, counts and maxima.
+Inline PTX (``PTX``: an NVIDIA GPU, not the interpreter): ``mul.rm.f32`` thresholds, the packed maxima, the
+per-thread tail. The portable code (float64 thresholds, float32 maxima, the block-level tail) is what the interpreter
+runs and what ``inline_ptx=False`` forces (``thread_tail=False`` forces the block-level tail alone); the GPU tests
+check that every build gives the same bits, counts and maxima.
 
 Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
 the GPU (the PTX conversion is ``cvt.rn.satfinite``, torch's is round-to-nearest-even; after the clamp both agree).
@@ -33,6 +35,7 @@ CPU tests use those; the GPU tests use random data).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -52,6 +55,191 @@ FP8_CACHE_SLOT_SITE = register_site(SLOT_SITE_NAME, description=SLOT_SITE_DESCRI
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 # Scale modes (a constexpr per tensor): a scalar kernel argument, a 1-element tensor, a [heads] tensor.
 _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------------------- the per-thread tail
+# On NVIDIA sm_90+ with 16-bit K and V the counting tail is inline PTX (THREAD_TAIL; the launcher decides, see
+# _launch). Why: the block-level tail (a block reduction of a flag: shared memory, three barriers, a block-uniform
+# branch) cost +11-13 % over count=False at one token per program on an H200; this one +2-5 % (benchmarks/RESULTS.md).
+#
+# Hot path, per thread and token: a packed tree of max.xorsign.abs over its K registers and its V registers (one
+# instruction per two elements; the abs is free, the sign it leaves is masked off), one packed compare per tensor
+# against a 16-bit limit L, then ONE barrier that ORs the threads' flags (bar.red.or: the CTA learns whether any
+# thread flagged, with no shared-memory round trip) and a CTA-uniform branch. L is the largest 16-bit value not above
+# min(threshold, stored max), so "some |x| > L" is exactly "some element clipped or exceeded the stored maximum":
+# bf16 keeps float32's exponent, so truncating the float32 bits (prmt) rounds a non-negative limit down; fp16 rounds
+# it down with cvt.rm. A negative limit (a corrupted scale tensor) stays negative and flags every element: the exact
+# test below decides. Per-head scales give a limit per element: the tree then takes max(|x| - L) (sub.rn is exact in
+# sign: differences of 16-bit floats are multiples of the smallest subnormal, so a positive one never rounds to 0).
+#
+# Rare path (some thread of the CTA flagged): thread 0 zeroes four shared words, a barrier; each flagged thread
+# counts exactly in float32 against the same float32 threshold as every other path (mul.rm: fp8_max * scale rounded
+# down) and takes its max magnitude (NaN left out); per warp (activemask + redux.sync) one lane adds them into the
+# shared words; a barrier; thread 0 issues the global atomics: the counts where non-zero, the maxima where they exceed
+# the stored ones. One set of atomics per CTA, as the block tail had: per-warp global atomics were measured at +110 to
+# +490 % when every token clips (contention on one address), this +21-35 %. Lanes outside the tile carry scale = inf
+# (threshold inf: never counted; they hold 0.0, never a maximum).
+#
+# Rules the launcher keeps: every thread runs the asm the same number of times (it holds barriers: one program-uniform
+# `if ok` around it, ``pack`` = min(16, elements per thread) so that every thread has the same number of instances),
+# and every element is held by exactly one thread (a replicated element would be counted twice): the tail runs only
+# when the tile gives each thread at least one full 16-byte chunk, which Triton's blocked layouts never replicate.
+_FP8_MAX_IMM = {448.0: "0f43E00000", 57344.0: "0f47600000"}  # 448.0 and 57344.0 as PTX float immediates
+
+
+def _limit_asm(half: str, fp8_max: float) -> str:
+    """PTX for ``$0`` = the packed limit ``L|L`` from ``$1`` = the float32 scale and ``$2`` = the stored maximum's
+    low word (float32 bits). ``min.s32`` on float bits: both are non-negative floats (their bits order like their
+    values), except a negative threshold, which stays below (negative) and flags everything."""
+    imm = _FP8_MAX_IMM[fp8_max]
+    if half == "bf16":
+        return f"{{ .reg .b32 t; mul.rm.f32 t, $1, {imm}; min.s32 t, t, $2; prmt.b32 $0, t, t, 0x3232; }}"
+    return (
+        f"{{ .reg .b32 t; .reg .b16 h; mul.rm.f32 t, $1, {imm}; min.s32 t, t, $2; cvt.rm.f16.f32 h, t; "
+        "mov.b32 $0, {h, h}; }"
+    )
+
+
+@functools.cache
+def _tail_asm(pack: int, half: str, k_per_head: bool, v_per_head: bool, fp8_max: float) -> tuple[str, str]:
+    """(PTX, constraints) of the per-thread tail for ``pack`` elements of K and of V (see the comment above).
+
+    Operands, in order: ``pack`` dummy int32 outputs (the asm is kept for its side effects); K and V (``pack // 2``
+    packed registers each); the limits of K and V (``pack`` each; one value per element, all equal unless per
+    head); the scales of K and V (``pack`` each; inf outside the tile); the clip row's address (``pack``, 64-bit);
+    the stored maxima's low words of K and V (``pack`` each). Its labels and its shared words live inside its own
+    braces, so several instances per thread assemble."""
+    r = pack // 2
+    o_xk, o_xv = pack, pack + r
+    o_lk = pack + 2 * r
+    o_lv, o_sk, o_sv, o_row = o_lk + pack, o_lk + 2 * pack, o_lk + 3 * pack, o_lk + 4 * pack
+    o_ek, o_ev = o_row + pack, o_row + 2 * pack
+    cons = ",".join(["=r"] * pack + ["r"] * (2 * r + 4 * pack) + ["l"] * pack + ["r"] * (2 * pack))
+    nan = "0x7F80" if half == "bf16" else "0x7C00"  # magnitudes above these 16-bit patterns are NaN
+    imm = _FP8_MAX_IMM[fp8_max]
+    a = [
+        "{",
+        ".shared .align 16 .b32 tw_sum[4];",  # K count, V count, K max, V max of the CTA
+        ".reg .pred %p<5>, %q, %lead, %any, %first;",
+        f".reg .b32 %m<{pack}>, %e<{pack}>, %d<{pack}>;",
+        ".reg .b32 %a, %b, %c, %t, %n, %mx, %mask, %lane, %low, %s<4>;",
+        ".reg .f32 %f;",
+        ".reg .b16 %h0, %h1;",
+        ".reg .b64 %w;",
+    ]
+
+    def tree(regs: list[str], name: str, op: str) -> str:
+        n = 0
+        while len(regs) > 1:
+            nxt = []
+            for i in range(0, len(regs), 2):
+                a.append(f"{op} %{name}{n}, {regs[i]}, {regs[i + 1]};")
+                nxt.append(f"%{name}{n}")
+                n += 1
+            regs = nxt
+        return regs[0]
+
+    def absmax(xo: int) -> str:  # the packed max magnitudes (two lanes; signs garbage) of one tensor's registers
+        return tree([f"${xo + i}" for i in range(r)], "m", f"max.xorsign.abs.{half}x2")
+
+    def flag(xo: int, lo: int, per_head: bool, p1: str, p2: str) -> None:
+        if not per_head:
+            a.append(f"and.b32 %a, {absmax(xo)}, 0x7FFF7FFF;")
+            a.append(f"setp.gt.{half}x2 {p1}|{p2}, %a, ${lo};")
+            return
+        for i in range(r):
+            a.append(f"and.b32 %e{i}, ${xo + i}, 0x7FFF7FFF;")
+            a.append(f"prmt.b32 %c, ${lo + 2 * i}, ${lo + 2 * i + 1}, 0x7610;")  # element 2i's L, element 2i+1's L
+            a.append(f"sub.rn.{half}x2 %e{i}, %e{i}, %c;")
+        top = tree([f"%e{i}" for i in range(r)], "d", f"max.{half}x2")
+        a.append("mov.b32 %c, 0;")
+        a.append(f"setp.gt.{half}x2 {p1}|{p2}, {top}, %c;")
+
+    def rare(xo: int, so: int, off_n: int, off_m: int, per_head: bool) -> None:
+        a.append("mov.u32 %n, 0;")
+        if not per_head:
+            a.append(f"mul.rm.f32 %t, ${so}, {imm};")
+        for i in range(r):
+            for j in range(2):
+                if per_head:
+                    a.append(f"mul.rm.f32 %t, ${so + 2 * i + j}, {imm};")
+                if half == "bf16":
+                    a.append(f"shl.b32 %b, ${xo + i}, 16;" if j == 0 else f"and.b32 %b, ${xo + i}, 0xFFFF0000;")
+                    a.append("mov.b32 %f, %b;")
+                else:
+                    a.append(f"mov.b32 {{%h0, %h1}}, ${xo + i};")
+                    a.append(f"cvt.f32.f16 %f, %h{j};")
+                a.append("abs.f32 %f, %f;")
+                a.append("setp.gt.f32 %q, %f, %t;")  # NaN: false
+                a.append("selp.u32 %b, 1, 0, %q;")
+                a.append("add.u32 %n, %n, %b;")
+        # The thread's max magnitude, NaN left out (a lane is NaN only when all its elements are), as float32 bits.
+        top = absmax(xo)
+        a.append(f"and.b32 %a, {top}, 0x7FFF;")
+        a.append(f"setp.gt.u32 %q, %a, {nan};")
+        a.append("selp.u32 %a, 0, %a, %q;")
+        a.append(f"shr.u32 %b, {top}, 16;")
+        a.append("and.b32 %b, %b, 0x7FFF;")
+        a.append(f"setp.gt.u32 %q, %b, {nan};")
+        a.append("selp.u32 %b, 0, %b, %q;")
+        a.append("max.u32 %mx, %a, %b;")
+        if half == "bf16":
+            a.append("shl.b32 %mx, %mx, 16;")
+        else:
+            a.append("cvt.u16.u32 %h0, %mx;")
+            a.append("cvt.f32.f16 %f, %h0;")
+            a.append("mov.b32 %mx, %f;")
+        # Per warp, the lowest flagged lane adds for the flagged lanes (the active ones here).
+        a.append("redux.sync.add.u32 %n, %n, %mask;")
+        a.append("redux.sync.max.u32 %mx, %mx, %mask;")
+        a.append(f"@%lead red.shared.add.u32 [tw_sum + {off_n}], %n;")
+        a.append(f"@%lead red.shared.max.u32 [tw_sum + {off_m}], %mx;")
+
+    flag(o_xk, o_lk, k_per_head, "%p1", "%p2")
+    flag(o_xv, o_lv, v_per_head, "%p3", "%p4")
+    a += [
+        "or.pred %p0, %p1, %p2;",
+        "or.pred %p0, %p0, %p3;",
+        "or.pred %p0, %p0, %p4;",
+        "bar.red.or.pred %any, 0, %p0;",  # the hot path ends here when no thread of the CTA flagged
+        "@!%any bra.uni TW_DONE;",
+        "mov.u32 %a, %tid.x;",
+        "setp.eq.u32 %first, %a, 0;",
+        "@%first st.shared.v4.u32 [tw_sum], {0, 0, 0, 0};",
+        "bar.sync 0;",
+        "@!%p0 bra TW_JOIN;",
+        "activemask.b32 %mask;",
+        "mov.u32 %lane, %laneid;",
+        "neg.s32 %low, %mask;",
+        "and.b32 %low, %low, %mask;",
+        "bfind.u32 %low, %low;",
+        "setp.eq.u32 %lead, %lane, %low;",
+    ]
+    rare(o_xk, o_sk, 0, 8, k_per_head)
+    rare(o_xv, o_sv, 4, 12, v_per_head)
+    a += [
+        "TW_JOIN:",
+        "bar.sync 0;",
+        "@!%first bra TW_DONE;",
+        "ld.shared.v4.u32 {%s0, %s1, %s2, %s3}, [tw_sum];",
+        # Relaxed: nothing is ordered against the row; the reader sees it complete once the kernel has finished.
+        "setp.ne.u32 %q, %s0, 0;",
+        "cvt.u64.u32 %w, %s0;",
+        f"@%q red.relaxed.gpu.global.add.u64 [${o_row}], %w;",
+        "setp.ne.u32 %q, %s1, 0;",
+        "cvt.u64.u32 %w, %s1;",
+        f"@%q red.relaxed.gpu.global.add.u64 [${o_row} + 8], %w;",
+        f"setp.gt.u32 %q, %s2, ${o_ek};",
+        "cvt.u64.u32 %w, %s2;",
+        f"@%q red.relaxed.gpu.global.max.u64 [${o_row} + 16], %w;",
+        f"setp.gt.u32 %q, %s3, ${o_ev};",
+        "cvt.u64.u32 %w, %s3;",
+        f"@%q red.relaxed.gpu.global.max.u64 [${o_row} + 24], %w;",
+        "TW_DONE:",
+    ]
+    a += [f"mov.u32 ${i}, 0;" for i in range(pack)]
+    a.append("}")
+    return "\n".join(a), cons
 
 
 @triton.jit
@@ -272,6 +460,11 @@ def _fp8_kv_cache_kernel(
     PTX: tl.constexpr,
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
+    THREAD_TAIL: tl.constexpr,
+    TAIL_PACK: tl.constexpr,
+    TAIL_ASM: tl.constexpr,
+    TAIL_CON: tl.constexpr,
+    LIMIT_ASM: tl.constexpr,
 ):
     # TOKENS_PER_PROGRAM tokens (one on the GPU, see _launch_config), reduced ONCE at the end. Counting on the hot
     # path is a running max of |x|. "Some element of the program clipped" is exactly "the program's max |x| exceeds
@@ -287,8 +480,15 @@ def _fp8_kv_cache_kernel(
         # cost more than the atomics it saved). A program whose maxima do not exceed them has nothing to record: the
         # slot only grows, so its atomic could not change it. A stale (smaller) value only costs a useless atomic.
         # Clamped to +inf's bits: the slots hold zero-extended float bits, never above it unless overwritten.
-        seen_k = tl.minimum(tl.load(clip_ctr_ptr + 2), 0x7F800000).to(tl.int32)
-        seen_v = tl.minimum(tl.load(clip_ctr_ptr + 3), 0x7F800000).to(tl.int32)
+        if THREAD_TAIL:
+            # The low words (the float bits; little-endian). Unclamped: a corrupted slot only costs useless atomics
+            # or skips ones that could not have raised a value above the float range anyway.
+            seen_lo = clip_ctr_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            seen_k = tl.load(seen_lo + 4)
+            seen_v = tl.load(seen_lo + 6)
+        else:
+            seen_k = tl.minimum(tl.load(clip_ctr_ptr + 2), 0x7F800000).to(tl.int32)
+            seen_v = tl.minimum(tl.load(clip_ctr_ptr + 3), 0x7F800000).to(tl.int32)
     ks = _load_scale(k_scale, h, H, K_SCALE_MODE)
     vs = _load_scale(v_scale, h, H, V_SCALE_MODE)
     # e5m2: 2 mantissa bits, min normal 2**-14 (fp32 exponent 113), subnormal step 2**-16;
@@ -299,6 +499,16 @@ def _fp8_kv_cache_kernel(
     if COUNT:
         mx_k = _max_init(key_ptr, BLOCK_H, BLOCK_D, VEC, K_PACKED)
         mx_v = _max_init(value_ptr, BLOCK_H, BLOCK_D, VEC, V_PACKED)
+        if THREAD_TAIL:
+            # Once per program, off the critical path (the loads are in flight): the packed 16-bit limits.
+            lim_k = tl.inline_asm_elementwise(LIMIT_ASM, "=r,r,r", [ks, seen_k], dtype=tl.int32, is_pure=True, pack=1)
+            lim_v = tl.inline_asm_elementwise(LIMIT_ASM, "=r,r,r", [vs, seen_v], dtype=tl.int32, is_pure=True, pack=1)
+            row = clip_ctr_ptr.to(tl.int64)  # an address operand for the asm (pointers are not asm operands)
+            tail_ks = ks
+            tail_vs = vs
+            if (H != BLOCK_H) or (D != BLOCK_D):  # lanes outside the tile: threshold inf, never counted
+                tail_ks = tl.where(in_tile, ks, float("inf"))
+                tail_vs = tl.where(in_tile, vs, float("inf"))
     for i in range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0) * TOKENS_PER_PROGRAM + i
         tok64 = tok.to(tl.int64)
@@ -309,18 +519,31 @@ def _fp8_kv_cache_kernel(
         xk_in = tl.load(key_ptr + tok64 * key_stride + src, mask=ld, other=0.0)
         xv_in = tl.load(value_ptr + tok64 * value_stride + src, mask=ld, other=0.0)
         raw, slot, lane, ok = _token_lane(slot_ptr, tok, num_tokens, num_slots, in_tile, h, d, GUARD)
-        if COUNT:
+        if COUNT and not THREAD_TAIL:
             # Out-of-tile lanes loaded 0.0; a token that is not written (padding, a bad slot) is left out by `ok`.
             # NaN is left out, as in ClipCounter.count.
             mx_k = _max_update(mx_k, xk_in, ok, BLOCK_H, BLOCK_D, VEC, K_PACKED)
             mx_v = _max_update(mx_v, xv_in, ok, BLOCK_H, BLOCK_D, VEC, V_PACKED)
+        if COUNT and THREAD_TAIL:
+            # Before the quantisation, right after the loads: the warps of the CTA reach its barrier together there
+            # (measured on an H200: cheaper than at the end of the program, where they arrive apart). A token left out
+            # (padding, a bad slot) skips it: one program-uniform branch, so every thread meets the same barriers.
+            if ok:
+                tl.inline_asm_elementwise(
+                    TAIL_ASM,
+                    TAIL_CON,
+                    [xk_in, xv_in, lim_k, lim_v, tail_ks, tail_vs, row, seen_k, seen_v],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=TAIL_PACK,
+                )
         if GUARD:
             # A token whose slot is past the cache: masked in _token_lane, recorded here (once) with the raw slot.
             record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
         dst = slot * (H * D) + src
         _quantize_store(xk_in.to(tl.float32), k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
         _quantize_store(xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
-    if COUNT:
+    if COUNT and not THREAD_TAIL:
         # The program's tail. The healthy path is ONE block reduction (a flag), then nothing: a program acts only
         # when some element exceeds its threshold (it clipped) or the stored maximum (a new maximum). Both tests
         # compare float32 bits as int32: the maxima are non-negative and never NaN, so their bits order like their
@@ -495,6 +718,16 @@ def _launch_config(tokens: int, tile: int, device: torch.device) -> tuple[int, i
     return max(1, min(8, tile // _LEAN_TILE_PER_WARP)), 1
 
 
+def _thread_tail_ok(
+    ptx: bool, capability: tuple[int, int], key_dtype: torch.dtype, value_dtype: torch.dtype, per_thread: int
+) -> bool:
+    """Whether the per-thread counting tail (see ``_tail_asm``) can run: inline PTX on sm_90+ (packed bf16 compares
+    and subtractions), one 16-bit dtype for K and V, and at least one 16-byte chunk (8 elements) of the tile per
+    thread, so that no element is held by two threads (it would be counted twice)."""
+    sixteen_bit = key_dtype in (torch.bfloat16, torch.float16)
+    return ptx and capability >= (9, 0) and key_dtype == value_dtype and sixteen_bit and per_thread >= 8
+
+
 def _inline_ptx(device: torch.device) -> bool:
     """Whether the kernel may use inline PTX: an NVIDIA GPU, compiled (the interpreter cannot run PTX; ROCm has
     none)."""
@@ -518,12 +751,16 @@ def _launch(
     vec: int | None = None,
     config: tuple[int, int] | None = None,
     inline_ptx: bool | None = None,
+    thread_tail: bool | None = None,
+    tail_override: tuple[str, str, int] | None = None,
 ) -> None:
     """The launch behind :func:`quantize_kv_to_fp8_cache`. ``count``/``guard`` compile the counting and the slot
     guard in or out (the benchmark's twins); ``vec`` overrides the running max's in-thread chunk (tests: any power
     of two up to head_dim's block gives the same counts); ``config`` overrides ``(num_warps, tokens_per_program)``
     (the benchmark's same-shape twin); ``inline_ptx=False`` forces the portable code on an NVIDIA GPU (tests: both
-    paths give the same bits and counts)."""
+    paths give the same bits and counts); ``thread_tail`` forces the per-thread counting tail on (an error where it
+    cannot run) or off (the block-level tail, what other GPUs and shapes run); ``tail_override`` = ``(asm,
+    constraints, pack)`` replaces the generated tail (tests' controls only)."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
@@ -545,8 +782,29 @@ def _launch(
     if tokens == 0:  # after every check: a bad argument is an error even with nothing to write
         return
     ptx = _inline_ptx(counter.device) if inline_ptx is None else inline_ptx and _inline_ptx(counter.device)
+    cc = _device_props(counter.device)[1] if ptx else (0, 0)
     # The packed running max needs max.xorsign.abs (sm_86+) and a 16-bit input.
-    packed_ok = ptx and _device_props(counter.device)[1] >= (8, 6)
+    packed_ok = ptx and cc >= (8, 6)
+    # The per-thread tail (see _tail_asm): packed bf16 compares and subtractions need sm_90; one 16-bit type for K
+    # and V; and at least one 16-byte chunk per thread, so that no element is held by two threads.
+    per_thread = block_h * block_d // (32 * num_warps)
+    tail_ok = _thread_tail_ok(ptx, cc, key.dtype, value.dtype, per_thread)
+    if thread_tail and not tail_ok:
+        raise ValueError(
+            "thread_tail=True needs inline PTX on sm_90+, bf16 or fp16 K and V of one dtype and at least 8 tile "
+            f"elements per thread; got ptx={ptx}, capability={cc}, {key.dtype}/{value.dtype}, {per_thread} per thread"
+        )
+    use_tail = count and (tail_ok if thread_tail is None else thread_tail)
+    fp8_max = FP8_MAX[counter.fmt]
+    if use_tail:
+        half = "bf16" if key.dtype == torch.bfloat16 else "f16"
+        tail_pack = min(16, per_thread)
+        tail_asm, tail_con = _tail_asm(tail_pack, half, k_mode == _SCALE_PER_HEAD, v_mode == _SCALE_PER_HEAD, fp8_max)
+        limit_asm = _limit_asm(half, fp8_max)
+        if tail_override is not None:
+            tail_asm, tail_con, tail_pack = tail_override
+    else:
+        tail_pack, tail_asm, tail_con, limit_asm = 1, "", "", ""
     _fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
         key,
         value,
@@ -567,7 +825,7 @@ def _launch(
         BLOCK_D=block_d,
         K_SCALE_MODE=k_mode,
         V_SCALE_MODE=v_mode,
-        FP8_MAX=FP8_MAX[counter.fmt],
+        FP8_MAX=fp8_max,
         FP8_TYPE=_TL_FP8[counter.fmt],
         COUNT=count,
         GUARD=guard,
@@ -576,6 +834,11 @@ def _launch(
         PTX=ptx,
         K_PACKED=packed_ok and key.element_size() == 2,
         V_PACKED=packed_ok and value.element_size() == 2,
+        THREAD_TAIL=use_tail,
+        TAIL_PACK=tail_pack,
+        TAIL_ASM=tail_asm,
+        TAIL_CON=tail_con,
+        LIMIT_ASM=limit_asm,
         num_warps=num_warps,
     )
 
