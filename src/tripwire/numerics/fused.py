@@ -60,7 +60,7 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # ----------------------------------------------------------------------------------------- the per-thread tail
 # On NVIDIA sm_90+ with 16-bit K and V the counting tail is inline PTX (THREAD_TAIL; the launcher decides, see
 # _launch). Why: the block-level tail (a block reduction of a flag: shared memory, three barriers, a block-uniform
-# branch) cost +11-13 % over count=False at one token per program on an H200; this one +2-5 % (benchmarks/RESULTS.md).
+# branch) cost +11-13 % over count=False at one token per program on an H200; this one +4.8-7 % (RESULTS.md, q1).
 #
 # Hot path, per thread and token: a packed tree of max.xorsign.abs over its K registers and its V registers (one
 # instruction per two elements; the abs is free, the sign it leaves is masked off), one packed compare per tensor
@@ -77,7 +77,7 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # down) and takes its max magnitude (NaN left out); per warp (activemask + redux.sync) one lane adds them into the
 # shared words; a barrier; thread 0 issues the global atomics: the counts where non-zero, the maxima where they exceed
 # the stored ones. One set of atomics per CTA, as the block tail had: per-warp global atomics were measured at +110 to
-# +490 % when every token clips (contention on one address), this +21-35 %. Lanes outside the tile carry scale = inf
+# +490 % when every token clips (contention on one address), this +27-57 %. Lanes outside the tile carry scale = inf
 # (threshold inf: never counted; they hold 0.0, never a maximum).
 #
 # Rules the launcher keeps: every thread runs the asm the same number of times (it holds barriers: one program-uniform
@@ -479,7 +479,6 @@ def _fp8_kv_cache_kernel(
         # The maxima stored so far, read first so that the loop hides the load's latency (reading them in the tail
         # cost more than the atomics it saved). A program whose maxima do not exceed them has nothing to record: the
         # slot only grows, so its atomic could not change it. A stale (smaller) value only costs a useless atomic.
-        # Clamped to +inf's bits: the slots hold zero-extended float bits, never above it unless overwritten.
         if THREAD_TAIL:
             # The low words (the float bits; little-endian). Unclamped: a corrupted slot only costs useless atomics
             # or skips ones that could not have raised a value above the float range anyway.
@@ -487,6 +486,7 @@ def _fp8_kv_cache_kernel(
             seen_k = tl.load(seen_lo + 4)
             seen_v = tl.load(seen_lo + 6)
         else:
+            # Clamped to +inf's bits: the slots hold zero-extended float bits, never above it unless overwritten.
             seen_k = tl.minimum(tl.load(clip_ctr_ptr + 2), 0x7F800000).to(tl.int32)
             seen_v = tl.minimum(tl.load(clip_ctr_ptr + 3), 0x7F800000).to(tl.int32)
     ks = _load_scale(k_scale, h, H, K_SCALE_MODE)
@@ -496,19 +496,19 @@ def _fp8_kv_cache_kernel(
     MANT: tl.constexpr = 2 if FP8_MAX == 57344.0 else 3
     MIN_EXP: tl.constexpr = 113 if FP8_MAX == 57344.0 else 121
     SUB_SCALE: tl.constexpr = 65536.0 if FP8_MAX == 57344.0 else 512.0
-    if COUNT:
+    if COUNT and not THREAD_TAIL:
         mx_k = _max_init(key_ptr, BLOCK_H, BLOCK_D, VEC, K_PACKED)
         mx_v = _max_init(value_ptr, BLOCK_H, BLOCK_D, VEC, V_PACKED)
-        if THREAD_TAIL:
-            # Once per program, off the critical path (the loads are in flight): the packed 16-bit limits.
-            lim_k = tl.inline_asm_elementwise(LIMIT_ASM, "=r,r,r", [ks, seen_k], dtype=tl.int32, is_pure=True, pack=1)
-            lim_v = tl.inline_asm_elementwise(LIMIT_ASM, "=r,r,r", [vs, seen_v], dtype=tl.int32, is_pure=True, pack=1)
-            row = clip_ctr_ptr.to(tl.int64)  # an address operand for the asm (pointers are not asm operands)
-            tail_ks = ks
-            tail_vs = vs
-            if (H != BLOCK_H) or (D != BLOCK_D):  # lanes outside the tile: threshold inf, never counted
-                tail_ks = tl.where(in_tile, ks, float("inf"))
-                tail_vs = tl.where(in_tile, vs, float("inf"))
+    if COUNT and THREAD_TAIL:
+        # Once per program, off the critical path (the loads are in flight): the packed 16-bit limits.
+        lim_k = tl.inline_asm_elementwise(LIMIT_ASM, "=r,r,r", [ks, seen_k], dtype=tl.int32, is_pure=True, pack=1)
+        lim_v = tl.inline_asm_elementwise(LIMIT_ASM, "=r,r,r", [vs, seen_v], dtype=tl.int32, is_pure=True, pack=1)
+        row = clip_ctr_ptr.to(tl.int64)  # an address operand for the asm (pointers are not asm operands)
+        tail_ks = ks
+        tail_vs = vs
+        if (H != BLOCK_H) or (D != BLOCK_D):  # lanes outside the tile: threshold inf, never counted
+            tail_ks = tl.where(in_tile, ks, float("inf"))
+            tail_vs = tl.where(in_tile, vs, float("inf"))
     for i in range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0) * TOKENS_PER_PROGRAM + i
         tok64 = tok.to(tl.int64)
@@ -785,8 +785,6 @@ def _launch(
     cc = _device_props(counter.device)[1] if ptx else (0, 0)
     # The packed running max needs max.xorsign.abs (sm_86+) and a 16-bit input.
     packed_ok = ptx and cc >= (8, 6)
-    # The per-thread tail (see _tail_asm): packed bf16 compares and subtractions need sm_90; one 16-bit type for K
-    # and V; and at least one 16-byte chunk per thread, so that no element is held by two threads.
     per_thread = block_h * block_d // (32 * num_warps)
     tail_ok = _thread_tail_ok(ptx, cc, key.dtype, value.dtype, per_thread)
     if thread_tail and not tail_ok:
