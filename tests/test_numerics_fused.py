@@ -303,7 +303,9 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
     bit for bit; counts and maxima equal the torch path's and the float64 reference. For every build the launcher can
     run: its own shape (one token per program on 4 warps at this size), 2 warps (its shape for larger batches), the
     loop (4 warps x 4 tokens), the portable code (no inline PTX: float64 thresholds, float32 running max), and the
-    block-level counting tail (what runs where the per-thread tail cannot: before sm_90, mixed dtypes, small tiles)."""
+    block-level counting tail (what runs where the per-thread tail cannot: before sm_90, mixed dtypes, small tiles),
+    and the clamp with the float32 grid rounding before the cast (what GPUs before sm_89 run; the launcher's builds
+    on the H200 convert with the hardware's cvt.rn.satfinite alone)."""
     reg = SiteRegistry(capacity=64)
     m = Monitor(registry=reg, capacity=64)
     heads, dim, tokens = 8, 128, 512
@@ -333,6 +335,8 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
         "portable-bulk": {"inline_ptx": False, "config": (4, 4)},
         "block-tail": {"thread_tail": False},  # what other GPUs and dtypes run
         "block-tail-lean": {"thread_tail": False, "config": (2, 1)},
+        "grid-rounding": {"rne_cast": False},  # the clamp and float32 grid rounding before the cast (pre-sm_89)
+        "grid-rounding-lean": {"rne_cast": False, "config": (2, 1)},
     }
     for name, kw in builds.items():
         kc = torch.full((256, 16, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
@@ -342,6 +346,42 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
         check_cache(kc, key, ks, fmt, slots)
         check_cache(vc, value, vs, fmt, slots)
         assert c.totals() == t.totals(), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gpu_cast_edges_both_conversions(fmt):
+    """The edges of the float32 -> FP8 conversion, with the hardware's saturating cast alone (the launcher on sm_89+)
+    and with the clamp and grid rounding before it: +-0, values that underflow to +-0, the smallest subnormal and
+    half of it (a tie to 0), every boundary between binades, the FP8 max, values just above it, the midpoint past it,
+    the float32 max and +-Inf (saturate to +-max, as torch's clamp does). Both builds equal torch's bits; NaN stays a
+    NaN in both (its bit pattern is not compared: see the module docstring)."""
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16)
+    fmax = FP8_MAX[fmt]
+    tiny = 2.0**-16 if fmt == "e5m2" else 2.0**-9  # the smallest subnormal
+    vals = [0.0, -0.0, 1e-30, -1e-30, tiny, -tiny, tiny / 2, -tiny / 2, tiny * 1.5, tiny * 0.75, fmax, -fmax,
+            fmax * 1.0001, fmax * 1.0625, -fmax * 1.0625, fmax * 2, 3.4028235e38, -3.4028235e38,
+            float("inf"), float("-inf")]  # fmt: skip
+    vals += [2.0**e * f for e in range(-16, 16) for f in (1.0, 1.0 + 2**-4, 1.0 + 2**-3 + 2**-5, 1.9999)]
+    x = torch.tensor(vals, dtype=torch.float32)
+    heads, dim = 2, 64
+    n = heads * dim
+    x = torch.cat([x, -x, torch.randn(n * 8) * fmax * 0.5])
+    x = torch.cat([x, torch.zeros((-x.numel()) % n)]).reshape(-1, heads, dim).cuda()
+    x[0, 0, 0] = float("nan")
+    tokens = x.shape[0]
+    slots = torch.arange(tokens, device="cuda")
+    for scale in (1.0, 0.37, torch.tensor([1.7, 0.01], device="cuda")):
+        for rne in (True, False):
+            kc = torch.full((tokens, heads, dim), SENTINEL, dtype=torch.uint8, device="cuda").view(FP8_DTYPES[fmt])
+            c = ClipCounter(f"edges.{rne}", "cuda", fmt, monitor=m)
+            _launch(x, x, kc, kc.clone(), slots, scale, scale, c, count=True, guard=True, rne_cast=rne)
+            nan = torch.isnan(x)
+            ref = reference_quantize(x, scale, fmt)
+            got = kc.view(torch.uint8)
+            assert torch.equal(got[~nan], ref.view(torch.uint8)[~nan]), (scale, rne)
+            assert bool(torch.isnan(kc.float()[nan]).all())
 
 
 def _tail_case(heads, dim, dtype, kind, fmt, tokens, seed, spread=0.3, negative=False):
@@ -508,6 +548,18 @@ def test_thread_tail_refused_where_it_cannot_run(monitor, kernel_device):
     for k, v, config in cases:
         with pytest.raises(ValueError, match="thread_tail=True needs"):
             _launch(k, v, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, config=config, thread_tail=True)
+
+
+def test_rne_cast_refused_where_it_cannot_run(monitor, kernel_device):
+    """``rne_cast=True`` (the hardware's direct float32 -> FP8 conversion, sm_89+) is an error naming why where it
+    cannot run -- the interpreter, or the portable build on a GPU -- never a silent switch to the grid rounding."""
+    c = ClipCounter("refuse.rne", kernel_device, "e4m3", monitor=monitor)
+    kc = torch.zeros(16, 8, 128, dtype=torch.uint8, device=kernel_device).view(torch.float8_e4m3fn)
+    slots = torch.arange(4, device=kernel_device)
+    x = torch.ones(4, 8, 128, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(ValueError, match="rne_cast=True needs inline PTX on sm_89"):
+        _launch(x, x, kc, kc.clone(), slots, 1.0, 1.0, c, count=True, guard=True, inline_ptx=False, rne_cast=True)
+    assert bool((kc.view(torch.uint8) == 0).all())  # nothing launched
 
 
 _THR_EDGES = [0.0, 1e-45, 1.1754942e-38, 1.1754944e-38, 1e-30, 0.5, 1.0, 1.3, 3.0e35, 7.59e35, 7.6e35, 5.9e33,
@@ -713,10 +765,14 @@ types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_c
 consts = dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128, K_SCALE_MODE=0, V_SCALE_MODE=0, FP8_MAX=57344.0,
               FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4, VEC=8,
               PTX=True, K_PACKED=True, V_PACKED=True, THREAD_TAIL=False, TAIL_PACK=1, TAIL_ASM="", TAIL_CON="",
-              LIMIT_ASM="")
+              LIMIT_ASM="", RNE_CAST=True)
 try:
     k = ptx(_fp8_kv_cache_kernel, types, consts)
-    portable = ptx(_fp8_kv_cache_kernel, types, dict(consts, PTX=False, K_PACKED=False, V_PACKED=False))
+    portable = ptx(_fp8_kv_cache_kernel, types, dict(consts, PTX=False, K_PACKED=False, V_PACKED=False,
+                                                     RNE_CAST=False))
+    grid = ptx(_fp8_kv_cache_kernel, types, dict(consts, RNE_CAST=False))  # sm_90 with the float32 grid rounding
+    e4m3 = ptx(_fp8_kv_cache_kernel, dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
+               dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv))
     c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
     one = dict(consts, TOKENS_PER_PROGRAM=1)
     builds = {}
@@ -736,8 +792,13 @@ count = lambda text, pat: len(re.findall(pat, text))
 print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"div\.(full|approx)"),
                          "mul_rm": count(t, r"mul\.rm\.f32"), "xorsign": count(t, r"max\.xorsign\.abs\.(bf|f)16x2"),
                          "f64": count(t, r"\.f64"), "setp2": count(t, r"setp\.gt\.(bf|f)16x2"),
-                         "redux": count(t, r"redux\.sync"), "bar_red": count(t, r"bar\.red\.or")}
-                  for name, t in (("kernel", k), ("portable", portable), ("control", c), *builds.items())}))
+                         "redux": count(t, r"redux\.sync"), "bar_red": count(t, r"bar\.red\.or"),
+                         "cvt_e5m2": count(t, r"cvt\.rn\.satfinite\.e5m2x2\.f32"),
+                         "cvt_e4m3": count(t, r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
+                         "via_f16": count(t, r"cvt\.[a-z.]*f16(x2)?\.f32|\.e[45]m[23]x2\.f16x2"),
+                         "clamp": count(t, r"(max|min)\.NaN\.f32")}
+                  for name, t in (("kernel", k), ("portable", portable), ("control", c), ("grid", grid),
+                                  ("e4m3", e4m3), *builds.items())}))
 """
 
 
@@ -771,6 +832,14 @@ def test_ptx_divides_correctly_rounded(tmp_path):
         t = r[name]
         assert t["setp2"] >= 2 and t["redux"] >= 4 and t["bar_red"] == 1 and t["f64"] == 0, (name, r)
         assert t["rn"] > 0 and t["approx"] == 0, (name, r)
+    # RNE_CAST (sm_89+): the store's conversion is the hardware's round-to-nearest-even from float32 (one
+    # cvt.rn.satfinite per two elements, no float16 step that would round twice) and no clamp before it: the kernel's
+    # bits then rest on that lowering. Control: the grid-rounding build of the same kernel keeps the clamp, so the
+    # pattern can see it.
+    for name, fmt in (("kernel", "e5m2"), ("e4m3", "e4m3")):
+        t = r[name]
+        assert t[f"cvt_{fmt}"] == 8 and t["via_f16"] == 0 and t["clamp"] == 0, (name, r)  # 2 x 8 elements per thread
+    assert r["grid"]["clamp"] > 0 and r["grid"]["cvt_e5m2"] == r["kernel"]["cvt_e5m2"], r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,8 @@ Each program handles ``TOKENS_PER_PROGRAM`` tokens (one on the GPU: see ``_launc
 token's K and V rows and its slot, skips the token when the slot is negative (padding of a captured batch), guards
 the slot against the cache size (a slot past the cache is masked -- nothing is written -- and counted at the fatal
 site ``numerics.fp8_cache.slot``, row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE
-division), ``clamp(y, -fp8_max, fp8_max)``, round-to-nearest-even cast to FP8, store. With ``COUNT`` the same
+division), ``clamp(y, -fp8_max, fp8_max)``, round-to-nearest-even cast to FP8, store (on sm_89+ the clamp and the
+cast are the hardware's one saturating conversion: ``_quantize_store``). With ``COUNT`` the same
 registers give the number of elements with ``|x| > fp8_max * scale`` (exact, see :mod:`tripwire.numerics.clip`) and
 the max magnitude, recorded in the layer's clip row (the ``|x|`` tested is the input before scaling; NaN neither
 clips nor counts as a maximum; skipped and masked tokens count nothing).
@@ -25,12 +26,12 @@ per-thread tail. The portable code (float64 thresholds, float32 maxima, the bloc
 runs and what ``inline_ptx=False`` forces (``thread_tail=False`` forces the block-level tail alone); the GPU tests
 check that every build gives the same bits, counts and maxima.
 
-Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs on
-the GPU (the PTX conversion is ``cvt.rn.satfinite``, torch's is round-to-nearest-even; after the clamp both agree).
-NaN inputs are stored as an FP8 NaN whose bit pattern may differ from torch's (count them with
-:func:`tripwire.numerics.count_nonfinite`). Under ``TRITON_INTERPRET=1`` the interpreter's own float-to-FP8
-conversion truncates instead of rounding, so on the CPU only values that are exact in FP8 after scaling match (the
-CPU tests use those; the GPU tests use random data).
+Bit-exactness: the cache equals :func:`tripwire.numerics.clip.reference_quantize` bit for bit for finite inputs and
++-Inf. On sm_89+ the conversion is the hardware's ``cvt.rn.satfinite`` straight from float32 (round to nearest even,
+saturating: torch's clamp-then-round). Elsewhere the kernel clamps and rounds to the FP8 grid in float32 first
+(``_round_to_fp8_grid``), so that any cast gives torch's bits -- the Triton interpreter's own float-to-FP8
+conversion truncates (the CPU control test shows it). NaN inputs are stored as an FP8 NaN whose bit pattern may
+differ from torch's (count them with :func:`tripwire.numerics.count_nonfinite`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # ----------------------------------------------------------------------------------------- the per-thread tail
 # On NVIDIA sm_90+ with 16-bit K and V the counting tail is inline PTX (THREAD_TAIL; the launcher decides, see
 # _launch). Why: the block-level tail (a block reduction of a flag: shared memory, three barriers, a block-uniform
-# branch) cost +11-13 % over count=False at one token per program on an H200; this one +4.8-7 % (RESULTS.md, q1).
+# branch) cost +11-13 % over count=False at one token per program on an H200; this one +4.8-7 % with the float32
+# grid rounding before the cast, and +0.7-2.9 % since the cast is the hardware's alone (RESULTS.md, q1).
 #
 # Hot path, per thread and token: a packed tree of max.xorsign.abs over its K registers and its V registers (one
 # instruction per two elements; the abs is free, the sign it leaves is masked off), one packed compare per tensor
@@ -77,7 +79,8 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # down) and takes its max magnitude (NaN left out); per warp (activemask + redux.sync) one lane adds them into the
 # shared words; a barrier; thread 0 issues the global atomics: the counts where non-zero, the maxima where they exceed
 # the stored ones. One set of atomics per CTA, as the block tail had: per-warp global atomics were measured at +110 to
-# +490 % when every token clips (contention on one address), this +27-57 %. Lanes outside the tile carry scale = inf
+# +490 % when every token clips (contention on one address), this +27-57 % (+53-103 % against the faster count=False
+# of the hardware cast: the same atomics, a shorter kernel). Lanes outside the tile carry scale = inf
 # (threshold inf: never counted; they hold 0.0, never a maximum).
 #
 # Rules the launcher keeps: every thread runs the asm the same number of times (it holds barriers: one program-uniform
@@ -339,7 +342,8 @@ def _round_to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, SUB_SCALE: 
 
     Why not just ``.to(fp8)``: the cast's rounding is not the same on every backend (the Triton interpreter
     truncates; see the control test). After this rounding the value is exactly representable in FP8, so whatever
-    the cast's rounding mode, the bits equal torch's round-to-nearest-even.
+    the cast's rounding mode, the bits equal torch's round-to-nearest-even. Used where the cast is not known to be
+    the hardware's direct one (``RNE_CAST`` off: the interpreter, NVIDIA GPUs before sm_89, other backends).
     Normal range: round the fp32 bit pattern to ``MANT`` mantissa bits (add half-1 plus the kept lsb, mask).
     Subnormal range (below 2**(MIN_EXP-127)): the grid is uniform, 1/SUB_SCALE, so round |y|*SUB_SCALE to an
     integer with the 2**23 magic number (two correctly rounded float32 adds: RNE, exact). NaN passes through.
@@ -369,6 +373,7 @@ def _quantize_store(
     MANT: tl.constexpr,
     MIN_EXP: tl.constexpr,
     SUB_SCALE: tl.constexpr,
+    RNE_CAST: tl.constexpr,
 ):
     # Correctly rounded division (div.rn.f32), as torch's CUDA `x / s` with a tensor divisor computes it. Neither
     # `/` nor `tl.fdiv(..., ieee_rounding=True)` gives that on Triton 3.6: its fdiv ignores ieee_rounding and
@@ -376,10 +381,17 @@ def _quantize_store(
     # which moved 0.75 % of e5m2 bytes one step). tl.math.div_rn does not broadcast, hence the explicit one
     # (adding 0.0 to a positive scale is exact).
     y = tl.math.div_rn(x, s + tl.zeros_like(x))
-    # Saturate before the cast, propagating NaN like torch.clamp (the default drops it).
-    y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    y = _round_to_fp8_grid(y, MANT, MIN_EXP, SUB_SCALE)
+    if not RNE_CAST:
+        # Saturate before the cast, propagating NaN like torch.clamp (the default drops it), then round to the FP8
+        # grid in float32 so that whatever the cast does, the bits are torch's.
+        y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = _round_to_fp8_grid(y, MANT, MIN_EXP, SUB_SCALE)
+    # With RNE_CAST (sm_89+) the cast alone is torch's clamp-then-round: Triton lowers float32 -> FP8 there to the
+    # hardware's cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (one instruction per two elements; the sm_90 PTX probe in the
+    # tests checks that lowering), which rounds to nearest even straight from float32, saturates finite values and
+    # +-Inf to +-fp8_max like the clamp, and keeps NaN a NaN. The clamp and the grid rounding were 28 % of the
+    # kernel's time on an H200 (16384 tokens: 37.2 -> 26.9 us, with or without counting).
     tl.store(dst_ptrs, y.to(FP8_TYPE), mask=lane)
 
 
@@ -465,6 +477,7 @@ def _fp8_kv_cache_kernel(
     TAIL_ASM: tl.constexpr,
     TAIL_CON: tl.constexpr,
     LIMIT_ASM: tl.constexpr,
+    RNE_CAST: tl.constexpr,
 ):
     # TOKENS_PER_PROGRAM tokens (one on the GPU, see _launch_config), reduced ONCE at the end. Counting on the hot
     # path is a running max of |x|. "Some element of the program clipped" is exactly "the program's max |x| exceeds
@@ -541,8 +554,12 @@ def _fp8_kv_cache_kernel(
             # A token whose slot is past the cache: masked in _token_lane, recorded here (once) with the raw slot.
             record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
         dst = slot * (H * D) + src
-        _quantize_store(xk_in.to(tl.float32), k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
-        _quantize_store(xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE)
+        _quantize_store(
+            xk_in.to(tl.float32), k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, RNE_CAST
+        )
+        _quantize_store(
+            xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, RNE_CAST
+        )
     if COUNT and not THREAD_TAIL:
         # The program's tail. The healthy path is ONE block reduction (a flag), then nothing: a program acts only
         # when some element exceeds its threshold (it clipped) or the stored maximum (a new maximum). Both tests
@@ -690,7 +707,9 @@ _DEVICE_PROPS: dict[torch.device, tuple[int, tuple[int, int]]] = {}
 # the counting tail once per 4 tokens) made the counted kernel's ratio to its own twin smaller (+4..7 %) but both
 # kernels slower: counted +1..7 %, uncounted +8..18 % against one token per program. Longer programs (8 tokens, a
 # persistent grid, tokens as one 3-D tile) were slower still. So the counted and uncounted kernels share one shape,
-# and what counting costs is measured against exactly what count=False runs.
+# and what counting costs is measured against exactly what count=False runs. Re-checked with the hardware cast
+# (RNE_CAST), count=False: 4 warps beat 2 at 2048 and 4096 tokens (4.73 vs 5.16 us, 7.30 vs 7.52), 2 beat 4 at 16384
+# (26.9 vs 27.2).
 _LEAN_TILE_PER_WARP = 512
 _SMALL_TILE_PER_WARP = 256
 _SMALL_BATCH_TOKENS_PER_SM = 32
@@ -753,6 +772,7 @@ def _launch(
     inline_ptx: bool | None = None,
     thread_tail: bool | None = None,
     tail_override: tuple[str, str, int] | None = None,
+    rne_cast: bool | None = None,
 ) -> None:
     """The launch behind :func:`quantize_kv_to_fp8_cache`. ``count``/``guard`` compile the counting and the slot
     guard in or out (the benchmark's twins); ``vec`` overrides the running max's in-thread chunk (tests: any power
@@ -760,7 +780,9 @@ def _launch(
     (the benchmark's same-shape twin); ``inline_ptx=False`` forces the portable code on an NVIDIA GPU (tests: both
     paths give the same bits and counts); ``thread_tail`` forces the per-thread counting tail on (an error where it
     cannot run) or off (the block-level tail, what other GPUs and shapes run); ``tail_override`` = ``(asm,
-    constraints, pack)`` replaces the generated tail (tests' controls only)."""
+    constraints, pack)`` replaces the generated tail (tests' controls only); ``rne_cast=False`` forces the clamp and
+    the float32 grid rounding before the cast on sm_89+ (what older GPUs and the interpreter run; ``True`` raises
+    where the cast is not the hardware's direct round-to-nearest-even)."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
@@ -793,6 +815,13 @@ def _launch(
             f"elements per thread; got ptx={ptx}, capability={cc}, {key.dtype}/{value.dtype}, {per_thread} per thread"
         )
     use_tail = count and (tail_ok if thread_tail is None else thread_tail)
+    # float32 -> FP8 in one hardware instruction that rounds like torch (cvt.rn.satfinite, sm_89+; _quantize_store).
+    rne_ok = ptx and cc >= (8, 9)
+    if rne_cast and not rne_ok:
+        raise ValueError(
+            f"rne_cast=True needs inline PTX on sm_89+ (the direct float32 -> FP8 conversion); got ptx={ptx}, "
+            f"capability={cc}"
+        )
     fp8_max = FP8_MAX[counter.fmt]
     if use_tail:
         half = "bf16" if key.dtype == torch.bfloat16 else "f16"
@@ -837,6 +866,7 @@ def _launch(
         TAIL_ASM=tail_asm,
         TAIL_CON=tail_con,
         LIMIT_ASM=limit_asm,
+        RNE_CAST=rne_ok if rne_cast is None else rne_cast,
         num_warps=num_warps,
     )
 
