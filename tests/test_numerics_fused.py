@@ -360,8 +360,9 @@ def test_gpu_cast_edges_both_conversions(fmt):
     m = Monitor(registry=reg, capacity=16)
     fmax = FP8_MAX[fmt]
     tiny = 2.0**-16 if fmt == "e5m2" else 2.0**-9  # the smallest subnormal
+    past = 61440.0 if fmt == "e5m2" else 464.0  # halfway from the max to the next step the format does not have
     vals = [0.0, -0.0, 1e-30, -1e-30, tiny, -tiny, tiny / 2, -tiny / 2, tiny * 1.5, tiny * 0.75, fmax, -fmax,
-            fmax * 1.0001, fmax * 1.0625, -fmax * 1.0625, fmax * 2, 3.4028235e38, -3.4028235e38,
+            fmax * 1.0001, past, -past, fmax * 2, 3.4028235e38, -3.4028235e38,
             float("inf"), float("-inf")]  # fmt: skip
     vals += [2.0**e * f for e in range(-16, 16) for f in (1.0, 1.0 + 2**-4, 1.0 + 2**-3 + 2**-5, 1.9999)]
     x = torch.tensor(vals, dtype=torch.float32)
@@ -748,16 +749,21 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tripwire.numerics.fused import _fp8_kv_cache_kernel, _limit_asm, _tail_asm
 
-def ptx(kernel, types, consts):
+def ptx(kernel, types, consts, cc=90):
     names = kernel.arg_names
     sig = {n: types.get(n, "constexpr") for n in names}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32)).asm["ptx"]
 
 @triton.jit
 def approx_div(x_ptr, out_ptr, s, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, tl.load(x_ptr + offs) / s)
+
+@triton.jit
+def f16_step(x_ptr, out_ptr, BLOCK: tl.constexpr):  # float32 -> float16 -> FP8: rounds twice
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs).to(tl.float16).to(tl.float8e5))
 
 types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_cache_ptr": "*fp8e5",
          "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "clip_ctr_ptr": "*i64", "slot_ctr_ptr": "*i64",
@@ -773,7 +779,12 @@ try:
     grid = ptx(_fp8_kv_cache_kernel, types, dict(consts, RNE_CAST=False))  # sm_90 with the float32 grid rounding
     e4m3 = ptx(_fp8_kv_cache_kernel, dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
                dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv))
+    # sm_89 (Ada), the oldest architecture the launcher gives RNE_CAST: the same lowering, both formats
+    e4m3_89 = ptx(_fp8_kv_cache_kernel, dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
+                  dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv), cc=89)
+    e5m2_89 = ptx(_fp8_kv_cache_kernel, types, consts, cc=89)
     c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
+    two_step = ptx(f16_step, {"x_ptr": "*fp32", "out_ptr": "*fp8e5"}, {"BLOCK": 128})
     one = dict(consts, TOKENS_PER_PROGRAM=1)
     builds = {}
     for half, ty in (("bf16", "*bf16"), ("f16", "*fp16")):  # the per-thread tail, 8 elements per thread (4 warps)
@@ -798,7 +809,8 @@ print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"d
                          "via_f16": count(t, r"cvt\.[a-z.]*f16(x2)?\.f32|\.e[45]m[23]x2\.f16x2"),
                          "clamp": count(t, r"(max|min)\.NaN\.f32")}
                   for name, t in (("kernel", k), ("portable", portable), ("control", c), ("grid", grid),
-                                  ("e4m3", e4m3), *builds.items())}))
+                                  ("e4m3", e4m3), ("e4m3_89", e4m3_89), ("e5m2_89", e5m2_89), ("two_step", two_step),
+                                  *builds.items())}))
 """
 
 
@@ -832,14 +844,14 @@ def test_ptx_divides_correctly_rounded(tmp_path):
         t = r[name]
         assert t["setp2"] >= 2 and t["redux"] >= 4 and t["bar_red"] == 1 and t["f64"] == 0, (name, r)
         assert t["rn"] > 0 and t["approx"] == 0, (name, r)
-    # RNE_CAST (sm_89+): the store's conversion is the hardware's round-to-nearest-even from float32 (one
-    # cvt.rn.satfinite per two elements, no float16 step that would round twice) and no clamp before it: the kernel's
-    # bits then rest on that lowering. Control: the grid-rounding build of the same kernel keeps the clamp, so the
-    # pattern can see it.
-    for name, fmt in (("kernel", "e5m2"), ("e4m3", "e4m3")):
+    # RNE_CAST (sm_89+, both formats): the store's conversion is the hardware's round-to-nearest-even from float32
+    # (one cvt.rn.satfinite per two elements, written as inline PTX) with no float16 step, which would round twice
+    # (Triton 3.6's own `.to(fp8)` on sm_89 takes one), and no clamp before it. Controls: an explicit float16 step
+    # and the grid-rounding build (which keeps the clamp) show that the patterns see what they look for.
+    for name, fmt in (("kernel", "e5m2"), ("e4m3", "e4m3"), ("e5m2_89", "e5m2"), ("e4m3_89", "e4m3")):
         t = r[name]
         assert t[f"cvt_{fmt}"] == 8 and t["via_f16"] == 0 and t["clamp"] == 0, (name, r)  # 2 x 8 elements per thread
-    assert r["grid"]["clamp"] > 0 and r["grid"]["cvt_e5m2"] == r["kernel"]["cvt_e5m2"], r
+    assert r["two_step"]["via_f16"] > 0 and r["grid"]["clamp"] > 0, r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -381,18 +381,42 @@ def _quantize_store(
     # which moved 0.75 % of e5m2 bytes one step). tl.math.div_rn does not broadcast, hence the explicit one
     # (adding 0.0 to a positive scale is exact).
     y = tl.math.div_rn(x, s + tl.zeros_like(x))
-    if not RNE_CAST:
+    if RNE_CAST:
+        # sm_89+: the hardware's cvt.rn.satfinite.{e4m3,e5m2}x2.f32 alone is torch's clamp-then-round: it rounds to
+        # nearest even straight from float32, saturates finite values and +-Inf to +-fp8_max like the clamp, and
+        # keeps NaN a NaN. Written out, not left to `.to(fp8)`: Triton's lowering of that cast varies (3.6 on sm_89
+        # goes through float16 with round-toward-zero, which rounds twice; the PTX probe in the tests shows it). The
+        # clamp and the grid rounding below were 28 % of the kernel's time on an H200 (16384 tokens: 37.2 -> 26.9
+        # us, with or without counting). Four elements per instance: two cvt, one 32-bit result (the bytes in
+        # element order: cvt puts its first source in the upper byte).
+        if FP8_MAX == 57344.0:
+            q = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
+                "mov.b32 $0, {lo, hi}; }",
+                "=r,r,r,r,r",
+                [y],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            q = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+                "mov.b32 $0, {lo, hi}; }",
+                "=r,r,r,r,r",
+                [y],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
+            )
+        tl.store(dst_ptrs, q.to(FP8_TYPE, bitcast=True), mask=lane)
+    else:
         # Saturate before the cast, propagating NaN like torch.clamp (the default drops it), then round to the FP8
         # grid in float32 so that whatever the cast does, the bits are torch's.
         y = tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         y = tl.minimum(y, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         y = _round_to_fp8_grid(y, MANT, MIN_EXP, SUB_SCALE)
-    # With RNE_CAST (sm_89+) the cast alone is torch's clamp-then-round: Triton lowers float32 -> FP8 there to the
-    # hardware's cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (one instruction per two elements; the sm_90 PTX probe in the
-    # tests checks that lowering), which rounds to nearest even straight from float32, saturates finite values and
-    # +-Inf to +-fp8_max like the clamp, and keeps NaN a NaN. The clamp and the grid rounding were 28 % of the
-    # kernel's time on an H200 (16384 tokens: 37.2 -> 26.9 us, with or without counting).
-    tl.store(dst_ptrs, y.to(FP8_TYPE), mask=lane)
+        tl.store(dst_ptrs, y.to(FP8_TYPE), mask=lane)
 
 
 @triton.jit
@@ -815,12 +839,13 @@ def _launch(
             f"elements per thread; got ptx={ptx}, capability={cc}, {key.dtype}/{value.dtype}, {per_thread} per thread"
         )
     use_tail = count and (tail_ok if thread_tail is None else thread_tail)
-    # float32 -> FP8 in one hardware instruction that rounds like torch (cvt.rn.satfinite, sm_89+; _quantize_store).
-    rne_ok = ptx and cc >= (8, 9)
+    # float32 -> FP8 in one hardware instruction that rounds like torch (cvt.rn.satfinite, sm_89+; _quantize_store),
+    # four elements per asm instance: every thread must hold a multiple of four.
+    rne_ok = ptx and cc >= (8, 9) and per_thread >= 4
     if rne_cast and not rne_ok:
         raise ValueError(
-            f"rne_cast=True needs inline PTX on sm_89+ (the direct float32 -> FP8 conversion); got ptx={ptx}, "
-            f"capability={cc}"
+            "rne_cast=True needs inline PTX on sm_89+ (the direct float32 -> FP8 conversion) and at least 4 tile "
+            f"elements per thread; got ptx={ptx}, capability={cc}, {per_thread} per thread"
         )
     fp8_max = FP8_MAX[counter.fmt]
     if use_tail:
