@@ -79,7 +79,7 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # down) and takes its max magnitude (NaN left out); per warp (activemask + redux.sync) one lane adds them into the
 # shared words; a barrier; thread 0 issues the global atomics: the counts where non-zero, the maxima where they exceed
 # the stored ones. One set of atomics per CTA, as the block tail had: per-warp global atomics were measured at +110 to
-# +490 % when every token clips (contention on one address), this +27-57 % (+53-103 % against the faster count=False
+# +490 % when every token clips (contention on one address), this +27-57 % (+53-97 % against the faster count=False
 # of the hardware cast: the same atomics, a shorter kernel). Lanes outside the tile carry scale = inf
 # (threshold inf: never counted; they hold 0.0, never a maximum).
 #
