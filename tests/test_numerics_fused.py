@@ -747,7 +747,7 @@ import json, re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tripwire.numerics.fused import _fp8_kv_cache_kernel, _limit_asm, _tail_asm
+from tripwire.numerics.fused import _cvt_asm, _fp8_kv_cache_kernel, _limit_asm, _tail_asm
 
 def ptx(kernel, types, consts, cc=90):
     names = kernel.arg_names
@@ -771,17 +771,17 @@ types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e5", "v_c
 consts = dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128, K_SCALE_MODE=0, V_SCALE_MODE=0, FP8_MAX=57344.0,
               FP8_TYPE=tl.float8e5, COUNT=True, GUARD=True, TOKENS_PER_PROGRAM=4, VEC=8,
               PTX=True, K_PACKED=True, V_PACKED=True, THREAD_TAIL=False, TAIL_PACK=1, TAIL_ASM="", TAIL_CON="",
-              LIMIT_ASM="", RNE_CAST=True)
+              LIMIT_ASM="", CVT_ASM=_cvt_asm("e5m2"))
 try:
     k = ptx(_fp8_kv_cache_kernel, types, consts)
     portable = ptx(_fp8_kv_cache_kernel, types, dict(consts, PTX=False, K_PACKED=False, V_PACKED=False,
-                                                     RNE_CAST=False))
-    grid = ptx(_fp8_kv_cache_kernel, types, dict(consts, RNE_CAST=False))  # sm_90 with the float32 grid rounding
+                                                     CVT_ASM=""))
+    grid = ptx(_fp8_kv_cache_kernel, types, dict(consts, CVT_ASM=""))  # sm_90 with the float32 grid rounding
     e4m3 = ptx(_fp8_kv_cache_kernel, dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
-               dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv))
-    # sm_89 (Ada), the oldest architecture the launcher gives RNE_CAST: the same lowering, both formats
+               dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv, CVT_ASM=_cvt_asm("e4m3")))
+    # sm_89 (Ada), the oldest architecture the launcher gives the inline conversion: both formats
     e4m3_89 = ptx(_fp8_kv_cache_kernel, dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
-                  dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv), cc=89)
+                  dict(consts, FP8_MAX=448.0, FP8_TYPE=tl.float8e4nv, CVT_ASM=_cvt_asm("e4m3")), cc=89)
     e5m2_89 = ptx(_fp8_kv_cache_kernel, types, consts, cc=89)
     c = ptx(approx_div, {"x_ptr": "*fp32", "out_ptr": "*fp32", "s": "fp32"}, {"BLOCK": 128})
     two_step = ptx(f16_step, {"x_ptr": "*fp32", "out_ptr": "*fp8e5"}, {"BLOCK": 128})
@@ -844,7 +844,7 @@ def test_ptx_divides_correctly_rounded(tmp_path):
         t = r[name]
         assert t["setp2"] >= 2 and t["redux"] >= 4 and t["bar_red"] == 1 and t["f64"] == 0, (name, r)
         assert t["rn"] > 0 and t["approx"] == 0, (name, r)
-    # RNE_CAST (sm_89+, both formats): the store's conversion is the hardware's round-to-nearest-even from float32
+    # CVT_ASM (sm_89+, both formats): the store's conversion is the hardware's round-to-nearest-even from float32
     # (one cvt.rn.satfinite per two elements, written as inline PTX) with no float16 step, which would round twice
     # (Triton 3.6's own `.to(fp8)` on sm_89 takes one), and no clamp before it. Controls: an explicit float16 step
     # and the grid-rounding build (which keeps the clamp) show that the patterns see what they look for.

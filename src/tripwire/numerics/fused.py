@@ -343,7 +343,7 @@ def _round_to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, SUB_SCALE: 
     Why not just ``.to(fp8)``: the cast's rounding is not the same on every backend (the Triton interpreter
     truncates; see the control test). After this rounding the value is exactly representable in FP8, so whatever
     the cast's rounding mode, the bits equal torch's round-to-nearest-even. Used where the cast is not known to be
-    the hardware's direct one (``RNE_CAST`` off: the interpreter, NVIDIA GPUs before sm_89, other backends).
+    the hardware's direct one (no ``CVT_ASM``: the interpreter, NVIDIA GPUs before sm_89, other backends).
     Normal range: round the fp32 bit pattern to ``MANT`` mantissa bits (add half-1 plus the kept lsb, mask).
     Subnormal range (below 2**(MIN_EXP-127)): the grid is uniform, 1/SUB_SCALE, so round |y|*SUB_SCALE to an
     integer with the 2**23 magic number (two correctly rounded float32 adds: RNE, exact). NaN passes through.
@@ -362,6 +362,18 @@ def _round_to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, SUB_SCALE: 
     return (r | sign).to(tl.float32, bitcast=True)
 
 
+@functools.cache
+def _cvt_asm(fmt: str) -> str:
+    """PTX for four float32 elements ``$1..$4`` -> four FP8 bytes in ``$0`` (element order, ``$1`` lowest), by the
+    hardware's ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` (sm_89+). That instruction alone is torch's
+    ``clamp(y, -fp8_max, fp8_max).to(fp8)``: it rounds to nearest even straight from float32, saturates finite values
+    and +-Inf to +-fp8_max like the clamp, and keeps NaN a NaN. Written out, not left to ``.to(fp8)``: Triton's
+    lowering of that cast varies (3.6 on sm_89 goes through float16 with round-toward-zero, which rounds twice; the
+    PTX probe in the tests shows it). ``cvt`` puts its first source in the upper byte of its pair."""
+    cvt = f"cvt.rn.satfinite.{fmt}x2.f32"
+    return f"{{ .reg .b16 lo, hi; {cvt} lo, $2, $1; {cvt} hi, $4, $3; mov.b32 $0, {{lo, hi}}; }}"
+
+
 @triton.jit
 def _quantize_store(
     x,
@@ -373,7 +385,7 @@ def _quantize_store(
     MANT: tl.constexpr,
     MIN_EXP: tl.constexpr,
     SUB_SCALE: tl.constexpr,
-    RNE_CAST: tl.constexpr,
+    CVT_ASM: tl.constexpr,
 ):
     # Correctly rounded division (div.rn.f32), as torch's CUDA `x / s` with a tensor divisor computes it. Neither
     # `/` nor `tl.fdiv(..., ieee_rounding=True)` gives that on Triton 3.6: its fdiv ignores ieee_rounding and
@@ -381,34 +393,11 @@ def _quantize_store(
     # which moved 0.75 % of e5m2 bytes one step). tl.math.div_rn does not broadcast, hence the explicit one
     # (adding 0.0 to a positive scale is exact).
     y = tl.math.div_rn(x, s + tl.zeros_like(x))
-    if RNE_CAST:
-        # sm_89+: the hardware's cvt.rn.satfinite.{e4m3,e5m2}x2.f32 alone is torch's clamp-then-round: it rounds to
-        # nearest even straight from float32, saturates finite values and +-Inf to +-fp8_max like the clamp, and
-        # keeps NaN a NaN. Written out, not left to `.to(fp8)`: Triton's lowering of that cast varies (3.6 on sm_89
-        # goes through float16 with round-toward-zero, which rounds twice; the PTX probe in the tests shows it). The
-        # clamp and the grid rounding below were 28 % of the kernel's time on an H200 (16384 tokens: 37.2 -> 26.9
-        # us, with or without counting). Four elements per instance: two cvt, one 32-bit result (the bytes in
-        # element order: cvt puts its first source in the upper byte).
-        if FP8_MAX == 57344.0:
-            q = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
-                "mov.b32 $0, {lo, hi}; }",
-                "=r,r,r,r,r",
-                [y],
-                dtype=tl.int8,
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            q = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-                "mov.b32 $0, {lo, hi}; }",
-                "=r,r,r,r,r",
-                [y],
-                dtype=tl.int8,
-                is_pure=True,
-                pack=4,
-            )
+    if CVT_ASM != "":
+        # sm_89+: the hardware's cvt.rn.satfinite alone is torch's clamp-then-round (see _cvt_asm). The clamp and the
+        # grid rounding below were 28 % of the kernel's time on an H200 (16384 tokens: 37.2 -> 26.9 us, with or
+        # without counting).
+        q = tl.inline_asm_elementwise(CVT_ASM, "=r,r,r,r,r", [y], dtype=tl.int8, is_pure=True, pack=4)
         tl.store(dst_ptrs, q.to(FP8_TYPE, bitcast=True), mask=lane)
     else:
         # Saturate before the cast, propagating NaN like torch.clamp (the default drops it), then round to the FP8
@@ -501,7 +490,7 @@ def _fp8_kv_cache_kernel(
     TAIL_ASM: tl.constexpr,
     TAIL_CON: tl.constexpr,
     LIMIT_ASM: tl.constexpr,
-    RNE_CAST: tl.constexpr,
+    CVT_ASM: tl.constexpr,
 ):
     # TOKENS_PER_PROGRAM tokens (one on the GPU, see _launch_config), reduced ONCE at the end. Counting on the hot
     # path is a running max of |x|. "Some element of the program clipped" is exactly "the program's max |x| exceeds
@@ -579,10 +568,10 @@ def _fp8_kv_cache_kernel(
             record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
         dst = slot * (H * D) + src
         _quantize_store(
-            xk_in.to(tl.float32), k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, RNE_CAST
+            xk_in.to(tl.float32), k_cache_ptr + dst, lane, ks, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, CVT_ASM
         )
         _quantize_store(
-            xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, RNE_CAST
+            xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, CVT_ASM
         )
     if COUNT and not THREAD_TAIL:
         # The program's tail. The healthy path is ONE block reduction (a flag), then nothing: a program acts only
@@ -732,7 +721,7 @@ _DEVICE_PROPS: dict[torch.device, tuple[int, tuple[int, int]]] = {}
 # kernels slower: counted +1..7 %, uncounted +8..18 % against one token per program. Longer programs (8 tokens, a
 # persistent grid, tokens as one 3-D tile) were slower still. So the counted and uncounted kernels share one shape,
 # and what counting costs is measured against exactly what count=False runs. Re-checked with the hardware cast
-# (RNE_CAST), count=False: 4 warps beat 2 at 2048 and 4096 tokens (4.73 vs 5.16 us, 7.30 vs 7.52), 2 beat 4 at 16384
+# (CVT_ASM), count=False: 4 warps beat 2 at 2048 and 4096 tokens (4.73 vs 5.16 us, 7.30 vs 7.52), 2 beat 4 at 16384
 # (26.9 vs 27.2).
 _LEAN_TILE_PER_WARP = 512
 _SMALL_TILE_PER_WARP = 256
@@ -847,6 +836,7 @@ def _launch(
             "rne_cast=True needs inline PTX on sm_89+ (the direct float32 -> FP8 conversion) and at least 4 tile "
             f"elements per thread; got ptx={ptx}, capability={cc}, {per_thread} per thread"
         )
+    use_cvt = rne_ok if rne_cast is None else rne_cast
     fp8_max = FP8_MAX[counter.fmt]
     if use_tail:
         half = "bf16" if key.dtype == torch.bfloat16 else "f16"
@@ -891,7 +881,7 @@ def _launch(
         TAIL_ASM=tail_asm,
         TAIL_CON=tail_con,
         LIMIT_ASM=limit_asm,
-        RNE_CAST=rne_ok if rne_cast is None else rne_cast,
+        CVT_ASM=_cvt_asm(counter.fmt) if use_cvt else "",
         num_warps=num_warps,
     )
 
