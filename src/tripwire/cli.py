@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                 device = a.split("=", 1)[1]
         if _want_interpreter(device):
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        if any(a == "--engine" or a.startswith("--engine=") for a in extra):
+            from .demo_transformers import main as engine_demo_main
+
+            return engine_demo_main(extra)
         from .demo import main as demo_main
 
         return demo_main(extra)

@@ -1,0 +1,141 @@
+"""The metadata validator on the GPU: what one call costs, graph-replayed, at decode batch 256.
+
+The call validates, in one launch, a slot mapping ``[256]`` (int64, padding -1), a block table ``[256, 128]`` (int32)
+with per-row lengths, and a CSR layout over 32768 page ids (int32 indices, an indptr of 257 entries): the metadata of
+one decode step of a large batch. Clean metadata (the hot path: no atomics).
+
+Figures (``triton.testing.do_bench`` medians of CUDA graphs that replay the call ``PER_GRAPH`` times back to back,
+measured alternately over ``--repeats`` rounds):
+
+* ``validator``: per call, a graph of validator calls only;
+* ``empty``: per call, a graph of an empty Triton kernel with one pointer argument (the floor of any launch in a
+  graph);
+* ``validator_beside_empty``: per call, a graph alternating [empty, validator], minus the empty-only graph: what the
+  validator adds next to other kernels of a step;
+* ``eager_host_us``: the host time of an eager call (Python checks and the launch), per call over 2000 calls.
+
+``python benchmarks/bench_validate.py [--repeats N] [--json PATH]`` prints a table and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from _common import capture, env_info, write_json
+from tripwire import Monitor, SiteRegistry
+from tripwire.validate import Validator
+
+PER_GRAPH = 20
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+def _metadata(device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lengths = torch.randint(1, 129, (256,), generator=g, dtype=torch.int32)
+    table = torch.randint(0, 4096, (256, 128), generator=g, dtype=torch.int32)
+    indptr = torch.arange(0, 32769, 128, dtype=torch.int32)
+    return {
+        "slot_mapping": torch.randint(0, 65536, (256,), generator=g).to(device),
+        "block_table": table.to(device),
+        "blocks_per_req": lengths.to(device),
+        "kv_indices": torch.randint(0, 4096, (32768,), generator=g, dtype=torch.int32).to(device),
+        "kv_indptr": indptr.to(device),
+    }
+
+
+def run(repeats: int = 7, rep_ms: int = 200) -> dict:
+    dev = "cuda"
+    mon = Monitor(registry=SiteRegistry(capacity=64), capacity=64)
+    v = Validator("bench", dev, policy="mask", monitor=mon)
+    v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
+    v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
+    v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
+    md = _metadata(dev)
+    x = torch.zeros(1, device=dev)
+
+    def call() -> None:
+        v(**md)
+
+    def empty() -> None:
+        _empty[(1,)](x)
+
+    def both() -> None:
+        _empty[(1,)](x)
+        v(**md)
+
+    graphs = {
+        "validator": capture(call, warm=3, repeat=PER_GRAPH).replay,
+        "empty": capture(empty, warm=3, repeat=PER_GRAPH).replay,
+        "both": capture(both, warm=3, repeat=PER_GRAPH).replay,
+    }
+    samples: dict[str, list[float]] = {k: [] for k in graphs}
+    for _ in range(repeats):
+        for k, fn in graphs.items():
+            samples[k].append(float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3 / PER_GRAPH)
+    med = {k: statistics.median(s) for k, s in samples.items()}
+    # Eager host cost: Python checks + the Triton launch (the GPU runs far ahead; one sync at the end).
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    assert mon.snapshot() == {}, "clean metadata must count nothing"
+    return {
+        "env": env_info(),
+        "shapes": {k: list(t.shape) for k, t in md.items()},
+        "per_graph": PER_GRAPH,
+        "repeats": repeats,
+        "validator_us": {
+            "median": med["validator"],
+            "min": min(samples["validator"]),
+            "max": max(samples["validator"]),
+        },
+        "empty_us": {"median": med["empty"], "min": min(samples["empty"]), "max": max(samples["empty"])},
+        "validator_beside_empty_us": med["both"] - med["empty"],
+        "eager_host_us": host_us,
+        "samples_us": samples,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_validate: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    r = run(a.repeats)
+    print(
+        f"validator, graph-replayed:        {r['validator_us']['median']:7.2f} us per call "
+        f"(min {r['validator_us']['min']:.2f}, max {r['validator_us']['max']:.2f})"
+    )
+    print(f"empty Triton kernel, same graphs: {r['empty_us']['median']:7.2f} us per call")
+    print(f"validator beside an empty kernel: {r['validator_beside_empty_us']:7.2f} us per call")
+    print(f"eager host cost of a call:        {r['eager_host_us']:7.2f} us")
+    if a.json:
+        write_json(a.json, r)
+    else:
+        print(json.dumps({k: v for k, v in r.items() if k != "samples_us"}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""The metadata validator's kernel: every rule of one :class:`tripwire.validate.Validator` call in ONE launch.
+
+A rule is a tuple slot of the kernel: its tensors and sizes are the ``i``-th elements of tuple arguments, its kind,
+flags, bounds and counter rows the ``i``-th elements of constexpr tuples, and ``tl.static_range`` unrolls one branch
+per rule. The grid is the rules' programs laid end to end: rule ``i`` owns ``cdiv(N[i], BLOCK)`` programs for its
+entries plus, when it owns its auxiliary tensor (a lengths or an indptr), one more program that checks that tensor. Every entry is read by exactly one program, so a bad entry counts exactly once per call.
+
+Kinds:
+* ``INDEX``: a 1-D or 2-D tensor (flattened row-major, ``W`` columns; 1-D has ``W == 1``). An entry is bad when it is
+  not the padding value and not in ``[LO, HI)``. With lengths, only the first ``lengths[row]`` entries of a row are
+  checked (clamped into ``[0, W]``: the owner program counts a length outside it).
+* ``CSR``: 1-D indices with an indptr. Only the used entries are checked: ``[0, E)`` where ``E`` is the largest
+  in-range indptr value (``0 <= indptr[k] <= len(indices)``, ``k >= 1``), which is the end of the last row once the
+  indptr is repaired. The owner program checks the indptr itself (see :func:`_indptr_check`).
+
+Races inside the launch are harmless by construction: the programs that read an auxiliary tensor derive the same
+effective value from its original and its repaired entries (lengths are clamped on read; ``E`` is the same before and
+after the indptr repair), so it does not matter which of the two they see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton import record_hits
+
+__all__ = ["BLOCK", "CSR", "INDEX", "Rules", "launch"]
+
+INDEX, CSR = 1, 2
+# Entries per program. The validator reads a few kilobytes per call; a large block keeps the grid (and the launch's
+# fixed cost) small.
+BLOCK = 1024
+# Auxiliary entries per loop iteration of an owner program (it loops over the whole lengths/indptr).
+ABLOCK = 1024
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _index_block(
+    ctr_ptr,
+    t_ptr,
+    a_ptr,
+    blk,
+    n,
+    w,
+    lo,
+    hi,
+    pad,
+    safe,
+    HAS_PAD: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
+    row = offs // w
+    if HAS_LEN:
+        # Clamped on read: a length past the width checks the whole row, a negative one checks nothing.
+        ln = tl.load(a_ptr + row, mask=m, other=0).to(tl.int64)
+        m = m & ((offs - row * w) < ln)
+    bad = m & ((v < lo) | (v >= hi))
+    if HAS_PAD:
+        bad = bad & (v != pad)
+    record_hits(ctr_ptr, bad, row, v)
+    if MASK:
+        tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit
+def _csr_used_end(a_ptr, an, ni, ABLOCK: tl.constexpr):
+    """``E``: the largest in-range indptr entry past the first (0 when there is none)."""
+    e = tl.zeros([ABLOCK], tl.int64)
+    for s in range(0, an, ABLOCK):
+        k = s + tl.arange(0, ABLOCK).to(tl.int64)
+        v = tl.load(a_ptr + k, mask=k < an, other=0).to(tl.int64)
+        ok = (k >= 1) & (k < an) & (v >= 0) & (v <= ni)
+        e = tl.maximum(e, tl.where(ok, v, 0))
+    return tl.max(e, axis=0)
+
+
+@triton.jit
+def _csr_block(
+    ctr_ptr,
+    t_ptr,
+    a_ptr,
+    blk,
+    n,
+    an,
+    lo,
+    hi,
+    pad,
+    safe,
+    HAS_PAD: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ABLOCK: tl.constexpr,
+):
+    used = _csr_used_end(a_ptr, an, n, ABLOCK)
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < used
+    v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
+    bad = m & ((v < lo) | (v >= hi))
+    if HAS_PAD:
+        bad = bad & (v != pad)
+    record_hits(ctr_ptr, bad, offs, v)
+    if MASK:
+        tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit
+def _lengths_check(ctr_ptr, a_ptr, an, w, MASK: tl.constexpr, ABLOCK: tl.constexpr):
+    """A per-row count outside ``[0, W]`` is bad (row = the table row); mask clamps it into the range."""
+    for s in range(0, an, ABLOCK):
+        k = s + tl.arange(0, ABLOCK).to(tl.int64)
+        valid = k < an
+        ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        bad = valid & ((ln < 0) | (ln > w))
+        record_hits(ctr_ptr, bad, k, ln)
+        if MASK:
+            tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit
+def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constexpr):
+    """Entry ``k`` of the indptr is bad when ``k == 0`` and it is not 0, or ``k >= 1`` and it is outside
+    ``[0, len(indices)]`` or below the last good entry before it. Mask replaces a bad entry by the last good entry
+    before it (0 for ``k == 0``): the row that ends there becomes empty and every row stays in range.
+
+    The last good entry before ``k`` equals the exclusive prefix max of the in-range entries (a bad in-range entry is
+    below an earlier good one, so it never raises the max), which is a parallel scan: chunks of ``ABLOCK`` carry the
+    max of the chunks before them."""
+    carry = tl.zeros([], tl.int64)  # entry 0 counts as 0, whatever it holds (it is repaired to 0)
+    for s in range(0, an, ABLOCK):
+        k = s + tl.arange(0, ABLOCK).to(tl.int64)
+        valid = k < an
+        v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        in_range = (v >= 0) & (v <= ni)
+        # The entry before each lane, from this chunk only (the chunks before are in `carry`).
+        kp = k - 1
+        prev_here = valid & (kp >= s) & (kp >= 1)
+        vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
+        wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
+        last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
+        bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+        record_hits(ctr_ptr, bad, k, v)
+        if MASK:
+            tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
+        carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
+
+
+@triton.jit(do_not_specialize=["N", "W", "AN"], do_not_specialize_on_alignment=["T", "A"])
+def _validate(
+    ctr_ptr,
+    T,
+    A,
+    N,
+    W,
+    AN,
+    KIND: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    OWN_AUX: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    PAD: tl.constexpr,
+    SAFE: tl.constexpr,
+    C: tl.constexpr,
+    AC: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ABLOCK: tl.constexpr,
+):
+    # A rule's bounds, values and counter rows are constexprs (fixed when its validator's rules are); only the
+    # tensors and their sizes are runtime arguments, which keeps the host-side launch cheap.
+    pid = tl.program_id(0)
+    beg = 0
+    for i in tl.static_range(len(KIND)):
+        nb = tl.cdiv(N[i], BLOCK)
+        local = pid - beg
+        if (local >= 0) & (local < nb):
+            if KIND[i] == 1:
+                _index_block(
+                    ctr_ptr + C[i],
+                    T[i],
+                    A[i],
+                    local,
+                    N[i],
+                    W[i],
+                    LO[i],
+                    HI[i],
+                    PAD[i],
+                    SAFE[i],
+                    HAS_PAD[i],
+                    HAS_LEN[i],
+                    MASK,
+                    BLOCK,
+                )
+            else:
+                _csr_block(
+                    ctr_ptr + C[i],
+                    T[i],
+                    A[i],
+                    local,
+                    N[i],
+                    AN[i],
+                    LO[i],
+                    HI[i],
+                    PAD[i],
+                    SAFE[i],
+                    HAS_PAD[i],
+                    MASK,
+                    BLOCK,
+                    ABLOCK,
+                )
+        if OWN_AUX[i]:
+            if local == nb:
+                if KIND[i] == 1:
+                    _lengths_check(ctr_ptr + AC[i], A[i], AN[i], W[i], MASK, ABLOCK)
+                else:
+                    _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK)
+        beg += nb + OWN_AUX[i]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """A validator's rules as the kernel sees them, fixed once they are declared: per rule its kind (``INDEX`` or
+    ``CSR``), flags, bounds, mask value and the arena rows of its sites, plus which call tensors it reads (``tensor``
+    and ``aux`` index the call's tensor list; ``aux`` is ``tensor`` when the rule has no lengths/indptr)."""
+
+    kind: tuple[int, ...]
+    has_pad: tuple[bool, ...]
+    has_len: tuple[bool, ...]
+    own_aux: tuple[bool, ...]
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    pad: tuple[int, ...]
+    safe: tuple[int, ...]
+    row: tuple[int, ...]
+    aux_row: tuple[int, ...]
+    tensor: tuple[int, ...]
+    aux: tuple[int, ...]
+
+
+def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *, mask: bool) -> None:
+    """Launch the kernel over ``rules`` with the call's ``tensors``. ``arena`` is the device's counter arena
+    (``int64 [capacity, 8]``).
+
+    Preconditions (the Validator checks them, with errors that name the tensor, before calling this): every tensor
+    is a contiguous int32/int64 tensor on the arena's device, 1-D or 2-D as its rule needs; a lengths tensor has one
+    entry per row of its table; the rows are inside the arena. Host arithmetic only: no sync, no allocation, so the
+    launch is captured into a CUDA graph like any kernel.
+    """
+    if not rules.kind:
+        return
+    main = tuple(tensors[i] for i in rules.tensor)
+    aux = tuple(tensors[i] for i in rules.aux)
+    n = tuple(t.numel() for t in main)
+    total = sum(triton.cdiv(x, BLOCK) for x in n) + sum(rules.own_aux)
+    if total == 0:
+        return
+    slots = arena.shape[1]
+    _validate[(total,)](
+        arena,
+        main,
+        aux,
+        n,
+        tuple(t.shape[1] if t.dim() == 2 else 1 for t in main),
+        tuple(t.numel() for t in aux),
+        KIND=rules.kind,
+        HAS_PAD=rules.has_pad,
+        HAS_LEN=rules.has_len,
+        OWN_AUX=rules.own_aux,
+        LO=rules.lo,
+        HI=rules.hi,
+        PAD=rules.pad,
+        SAFE=rules.safe,
+        C=tuple(r * slots for r in rules.row),
+        AC=tuple(r * slots for r in rules.aux_row),
+        MASK=mask,
+        BLOCK=BLOCK,
+        ABLOCK=ABLOCK,
+    )

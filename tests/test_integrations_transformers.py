@@ -1,0 +1,356 @@
+"""tripwire.integrations.transformers against the real engine: transformers' continuous batching on a small
+random-initialised Llama (CPU here, the H200 with and without CUDA graphs).
+
+Faults are written into the engine's own prepared metadata at a chosen step (tripwire.demo_transformers.
+FaultInjector), the way a host-side bug would put them there. The controls run the same faults without the
+integration and show the engine dying.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tripwire  # noqa: E402
+from tripwire import GuardTripped, Monitor  # noqa: E402
+from tripwire.demo_transformers import (  # noqa: E402
+    PROMPTS,
+    FaultInjector,
+    Injection,
+    PersistentEngine,
+    cb_config,
+    tiny_llama,
+)
+from tripwire.integrations import transformers as tw  # noqa: E402
+from tripwire.validate import Validator  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+TOKENS = 16
+logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # the engine logs every failed request
+
+
+def _configs():
+    if HAS_CUDA:
+        return [pytest.param(False, id="eager"), pytest.param(True, id="cuda_graphs")]
+    return [pytest.param(False, id="cpu")]
+
+
+@pytest.fixture(scope="class", params=_configs())
+def engine(request):
+    """(model, reference outputs, persistent engine with tripwire installed, its monitor, handle), per config."""
+    graphs = request.param
+    device = "cuda" if HAS_CUDA else "cpu"
+    model = tiny_llama(device)
+    ref_engine = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    ref = ref_engine.run(PROMPTS, tag="ref")
+    ref_engine.close()
+    mon = Monitor(interval=0.005, report_every=0.5)
+    handle = tw.install(model, monitor=mon)
+    eng = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    yield model, ref, eng, mon, handle, graphs
+    eng.close()
+    handle.uninstall()
+    mon.stop()
+
+
+def _healthy(device: torch.device) -> bool:
+    x = torch.arange(16, device=device).float() @ torch.ones(16, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return float(x) == 120.0
+
+
+def _count(mon: Monitor, site: str) -> int:
+    return sum(h.count for (_, s), h in mon.snapshot().items() if s == site)
+
+
+def _cache(eng):
+    """The engine's cache (a clean run first when the last run ended its manager)."""
+    if eng.manager is None or eng.manager.batch_processor is None:
+        eng.run(PROMPTS, tag="warm")
+    return eng.manager.batch_processor.cache
+
+
+def _assert_stopped(eng, mon, out, tag):
+    """A write fault armed the stop, and the engine failed requests only through it. The stop is late by up to about
+    two reader intervals (its contract), so a fast engine may finish the batch first: then the next batch is the one
+    refused (the stop is sticky until reset)."""
+    armed = mon.armed
+    assert isinstance(armed, GuardTripped) and armed.site == tw.SITE_WRITE_INDEX and armed.fatal
+    errors = [o.error for o in out if o is None or o.error is not None]
+    assert all(e is not None and tw.SITE_WRITE_INDEX in e for e in errors), errors[:2]
+    if not errors:
+        refused = eng.run(PROMPTS[:2], tag=f"{tag}-refused")
+        assert all(o.error is not None and tw.SITE_WRITE_INDEX in o.error for o in refused)
+    return armed
+
+
+def _serve(eng, mon, injections, tag):
+    mon.reset()
+    inj = FaultInjector(injections)
+    with inj.active():
+        out = eng.run(PROMPTS, tag=tag)
+    mon.drain()
+    return out, inj
+
+
+class TestServing:
+    """The engine fixture is per class: its installed handle is gone before the install/uninstall tests."""
+
+    # ---------------------------------------------------------------------------------------------- clean runs
+    def test_clean_run_is_identical(self, engine):
+        _model, ref, eng, mon, _, _graphs = engine
+        out, _ = _serve(eng, mon, [], "clean")
+        assert [o.error for o in out] == [None] * len(PROMPTS)
+        assert [o.generated_tokens for o in out] == [r.generated_tokens for r in ref]
+        assert mon.snapshot() == {}
+
+    # ---------------------------------------------------------------------------------------------- faults
+    @pytest.mark.parametrize("value_kind", ["end", "far", "negative"])
+    def test_read_fault_is_masked_counted_once_and_contained(self, engine, value_kind):
+        model, ref, eng, mon, _, _graphs = engine
+        tag = f"read-{value_kind}"
+        victim = 5
+        out, inj = _serve(eng, mon, [Injection("read", 3, f"{tag}-{victim}", value_kind, offset=1)], tag)
+        assert len(inj.injected) == 1, f"nothing injected: {inj.pending}"
+        assert _count(mon, tw.SITE_READ_INDEX) == 1  # once per step, not once per layer (the model has 2)
+        hit = mon.snapshot()[(str(model.device), tw.SITE_READ_INDEX)]
+        assert (hit.first_row, hit.first_value) == (inj.injected[0].position, inj.injected[0].value)
+        assert [o.error for o in out] == [None] * len(PROMPTS), "a masked read must not fail any request"
+        for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+            if i != victim:
+                assert o.generated_tokens == r.generated_tokens, f"request {i} changed"
+        assert _healthy(model.device)
+
+    @pytest.mark.parametrize("value_kind", ["end", "far", "negative"])
+    def test_write_fault_stops_the_engine_cleanly(self, engine, value_kind):
+        model, ref, eng, mon, _, _graphs = engine
+        tag = f"write-{value_kind}"
+        out, inj = _serve(eng, mon, [Injection("write", 2, f"{tag}-2", value_kind)], tag)
+        assert len(inj.injected) == 1
+        assert _count(mon, tw.SITE_WRITE_INDEX) == 1
+        # The engine's own failure path failed the batch with tripwire's error; nothing crashed.
+        armed = _assert_stopped(eng, mon, out, tag)
+        assert armed.first_value == inj.injected[0].value
+        assert _healthy(model.device)
+        # The stop is sticky until reset; after it, the same engine serves identical tokens again.
+        mon.reset()
+        again = eng.run(PROMPTS, tag=f"{tag}-after")
+        assert [o.generated_tokens for o in again] == [r.generated_tokens for r in ref]
+
+    def test_counted_once_per_step_not_per_layer(self, engine):
+        """Control: validating the step's read index again in every decoder layer (what a validator inside each layer's
+        attention call sees, before any masking) counts the one bad entry once per layer; the integration, validating
+        once before the first layer, counts it once."""
+        model, _ref, eng, mon, _, graphs = engine
+        if graphs:
+            pytest.skip("layer hooks do not run on graph replays; the eager configs run this control")
+        layers = model.model.layers
+        hi = tw._cache_groups(_cache(eng))[0].rows
+        probe = Validator("per_layer", model.device, policy="flag", monitor=mon)
+        probe.index("read", hi=hi)
+        seen: list[torch.Tensor] = []
+
+        def before_tripwire(mod, args, kwargs):  # runs before the integration's hook: the unmasked index
+            seen[:] = [kwargs["read_index"][0].clone()] if kwargs.get("read_index") else []
+
+        def in_layer(mod, args, kwargs):
+            if seen and seen[0].numel():
+                probe(read=seen[0])
+
+        hooks = [model.register_forward_pre_hook(before_tripwire, with_kwargs=True, prepend=True)]
+        hooks += [layer.register_forward_pre_hook(in_layer, with_kwargs=True) for layer in layers]
+        try:
+            out, inj = _serve(eng, mon, [Injection("read", 3, "layers-1", "far")], "layers")
+        finally:
+            for h in hooks:
+                h.remove()
+        assert len(inj.injected) == 1 and len(layers) == 2
+        assert _count(mon, tw.SITE_READ_INDEX) == 1
+        assert _count(mon, "per_layer.read") == len(layers)
+        assert [o.error for o in out] == [None] * len(PROMPTS)
+
+    def test_fuzz(self, engine):
+        """Random fault kind, step, request, value and entry: every injected entry is counted exactly once at its site,
+        reads never fail a request nor change another one, writes stop the engine cleanly, the device stays healthy."""
+        model, ref, eng, mon, _, _graphs = engine
+        rng = random.Random(1234)
+        runs = 24
+        for run in range(runs):
+            kind = rng.choice(["read", "write"])
+            step = rng.randrange(2, TOKENS - 2)
+            victim = rng.randrange(len(PROMPTS))
+            tag = f"fuzz{run}"
+            inj = Injection(kind, step, f"{tag}-{victim}", rng.choice(["end", "far", "negative"]), rng.randrange(64))
+            out, fi = _serve(eng, mon, [inj], tag)
+            assert len(fi.injected) == 1, (run, inj)
+            site = tw.SITE_READ_INDEX if kind == "read" else tw.SITE_WRITE_INDEX
+            assert _count(mon, site) == 1, (run, inj, mon.snapshot())
+            assert _healthy(model.device), (run, inj)
+            if kind == "read":
+                assert all(o.error is None for o in out), (run, inj)
+                assert all(
+                    o.generated_tokens == r.generated_tokens
+                    for i, (o, r) in enumerate(zip(out, ref, strict=True))
+                    if i != victim
+                ), (run, inj)
+            else:
+                _assert_stopped(eng, mon, out, tag)
+        mon.reset()
+
+    # ---------------------------------------------------------------------------------------------- the block table
+    def test_block_table_rules_on_the_real_cache(self, engine):
+        """The decode fast path (a block table read by flash-attn's flash_attn_with_kvcache) needs flash-attn, which is
+        not installable on these machines; the block-table rules are checked here on the engine's real cache, through the
+        same pre-hook the engine calls, with a block table shaped like the engine's ([groups, batch, max blocks], -1
+        padding)."""
+        model, _ref, eng, mon, handle, _graphs = engine
+        cache = _cache(eng)
+        groups = tw._cache_groups(cache)
+        pages = groups[0].pages
+        assert pages is not None and groups[0].page_safe is not None and 0 <= groups[0].page_safe < pages
+        table = torch.full((1, 4, 6), -1, dtype=torch.int32, device=model.device)
+        table[0, :, :2] = torch.arange(8, dtype=torch.int32, device=model.device).reshape(4, 2) % pages
+        table[0, 2, 1] = pages  # just past the end
+        table[0, 3, 0] = -7  # negative, not the padding
+        mon.reset()
+        handle._pre_forward(model, (), {"cache": cache, "write_index": [], "read_index": [], "block_table": table})
+        assert _count(mon, tw.SITE_BLOCK_TABLE) == 2
+        assert int(table[0, 2, 1]) == groups[0].page_safe and int(table[0, 3, 0]) == groups[0].page_safe
+        assert int((table == -1).sum()) == 4 * 4  # the padding columns are untouched
+        mon.reset()
+
+
+# ---------------------------------------------------------------------------------------------- controls
+_CONTROL = textwrap.dedent(
+    """
+    import logging, sys, torch
+    from tripwire.demo_transformers import PROMPTS, FaultInjector, Injection, PersistentEngine, cb_config, tiny_llama
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    device, graphs, kind = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    model = tiny_llama(device)
+    eng = PersistentEngine(model, 16, cb_config(cuda_graphs=graphs))
+    inj = FaultInjector([Injection(kind, 3, "c-1", "far")])
+    with inj.active():
+        out = eng.run(PROMPTS, tag="c", timeout=60)
+    failed = sum(1 for o in out if o is None or o.error is not None)
+    print("INJECTED", len(inj.injected), "FAILED", failed, "OF", len(out))
+    try:
+        x = torch.ones(4, device=device) * 2
+        if device == "cuda":
+            torch.cuda.synchronize()
+        print("LATER_CUDA_CALL", "ok" if float(x.sum()) == 8.0 else "wrong")
+    except Exception as e:
+        print("LATER_CUDA_CALL", "failed", type(e).__name__)
+    sys.exit(0)
+    """
+)
+
+
+def _control(kind: str, graphs: bool) -> str:
+    device = "cuda" if HAS_CUDA else "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONTROL, device, "1" if graphs else "0", kind],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_control_without_tripwire_the_engine_dies(kind):
+    """The same one-entry fault, no integration: every request fails (on a GPU the context is poisoned too)."""
+    out = _control(kind, graphs=False)
+    assert "INJECTED 1" in out, out[-3000:]
+    assert f"FAILED {len(PROMPTS)} OF {len(PROMPTS)}" in out, out[-3000:]
+    if HAS_CUDA:
+        assert "LATER_CUDA_CALL failed" in out, out[-3000:]
+
+
+@pytest.mark.gpu
+def test_control_without_tripwire_cuda_graphs_dies():
+    out = _control("read", graphs=True)
+    assert "INJECTED 1" in out and f"FAILED {len(PROMPTS)} OF {len(PROMPTS)}" in out, out[-3000:]
+    assert "LATER_CUDA_CALL failed" in out, out[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- install / uninstall
+def test_install_uninstall_restores_exactly(monkeypatch):
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager,
+        ContinuousBatchProcessor,
+    )
+
+    step = ContinuousBatchProcessor.__dict__["_generation_step"]
+    loop = ContinuousBatchingManager.__dict__["_run_generation_loop"]
+    model = tiny_llama("cpu")
+    other = tiny_llama("cpu", seed=1)
+    mon = Monitor()
+    h1 = tw.install(model, monitor=mon)
+    h2 = tw.install(other, monitor=mon)
+    assert ContinuousBatchProcessor.__dict__["_generation_step"] is not step
+    assert len(model._forward_pre_hooks) == 1
+    with pytest.raises(RuntimeError, match="already installed"):
+        tw.install(model, monitor=mon)
+    h1.uninstall()
+    assert len(model._forward_pre_hooks) == 0
+    assert ContinuousBatchProcessor.__dict__["_generation_step"] is not step  # `other` is still installed
+    h2.uninstall()
+    h2.uninstall()  # idempotent
+    assert ContinuousBatchProcessor.__dict__["_generation_step"] is step
+    assert ContinuousBatchingManager.__dict__["_run_generation_loop"] is loop
+    assert not h1.installed and not h2.installed
+
+
+def test_install_refuses_bad_input(monkeypatch):
+    model = tiny_llama("cpu")
+    with pytest.raises(TypeError, match="can run continuous batching"):
+        tw.install(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="LlamaModel"):
+        tw.install(model.model)  # the bare decoder has no generate_batch
+    with pytest.raises(ValueError, match="policy='drop'"):
+        tw.install(model, policy="drop")
+    for bad in ("5.16.1", "5.25.0", "4.57.0", "6.0.0"):
+        monkeypatch.setattr(tw, "_installed_version", lambda bad=bad: bad)
+        with pytest.raises(RuntimeError, match=f"transformers {bad}"):
+            tw.install(model)
+    for good in ("5.17.0", "5.24.0", "5.24.1.dev0"):
+        monkeypatch.setattr(tw, "_installed_version", lambda good=good: good)
+        tw.install(model, monitor=Monitor()).uninstall()
+
+
+def test_an_ordinary_forward_is_not_touched():
+    model = tiny_llama("cpu")
+    mon = Monitor()
+    h = tw.install(model, monitor=mon)
+    try:
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            a = model(ids).logits
+        h.uninstall()
+        with torch.no_grad():
+            b = model(ids).logits
+        assert torch.equal(a, b)
+        assert mon.snapshot() == {}
+    finally:
+        h.uninstall()
+
+
+def test_default_monitor_path():
+    """install() without a monitor uses the default one (prealloc at install, sites in the default registry)."""
+    model = tiny_llama("cpu")
+    h = tw.install(model)
+    try:
+        assert h.monitor is tripwire.default_monitor()
+        assert tripwire.default_monitor().arena.get(torch.device("cpu")) is not None
+    finally:
+        h.uninstall()
