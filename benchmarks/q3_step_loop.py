@@ -162,6 +162,7 @@ class _Readers:
         self.m = m
         self.dev = dev
         self.split = split
+        self._heavy = False
         self.arena = m.arena.get(
             torch.device(dev) if dev == "cpu" else torch.device("cuda", torch.cuda.current_device())
         )
@@ -202,6 +203,7 @@ class _Readers:
             self.m.settings = self.m.settings.with_overrides(interval=iv)
             if heavy:
                 self.m.add_tick_hook(_hold_gil)
+                self._heavy = True
             self.m.start()
         elif variant == "sync_50ms":
             self._spawn(self._sync_loop)
@@ -211,8 +213,9 @@ class _Readers:
 
     def stop(self) -> None:
         self.m.stop()
-        if _hold_gil in self.m._tick_hooks:
+        if self._heavy:
             self.m.remove_tick_hook(_hold_gil)
+            self._heavy = False
         self.stop_evt.set()
         for t in self.threads:
             t.join()
@@ -260,71 +263,37 @@ def _hold_gil(m: Monitor) -> None:
 
 
 class _TickTrace:
-    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter). A Python tick is the
-    reader thread's whole loop body -- taking the readers back from the native tick, the tick itself, handing them
-    back (``_native_pause`` .. ``_poll`` .. ``_maybe_engage``) -- traced by wrapping those methods (the wrappers'
-    clock reads and appends, ~0.5 us, are charged to the reader, so the attribution can only overstate its cost).
-    Native quiet ticks come from the native thread's own span ring (CLOCK_MONOTONIC, which is perf_counter's clock
-    on Linux: checked)."""
+    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter), from the monitor's
+    own trace (:meth:`tripwire.Monitor.trace`): a Python tick is the reader thread's whole loop body -- taking the
+    readers back from the native tick, the tick itself, handing them back; native quiet ticks come from the native
+    thread's span ring (CLOCK_MONOTONIC, which is perf_counter's clock on Linux: checked)."""
 
     def __init__(self, m: Monitor) -> None:
         self.spans: list[tuple[float, float]] = []
         self.since = -inf
         self.variant = ""
-        self.kinds: dict[str, list[int]] = {}  # variant -> [Python ticks, native ticks] traced
+        self.kinds: dict[str, list[int]] = {}  # variant -> [Python ticks, native ticks] run
         impl = time.get_clock_info("perf_counter").implementation
         if "CLOCK_MONOTONIC" not in impl or "RAW" in impl:
             raise RuntimeError(f"perf_counter is {impl}, not CLOCK_MONOTONIC: native tick spans would be misplaced")
-        self._t0: float | None = None
-        pause, poll, engage = m._native_pause, m._poll, m._maybe_engage
-
-        def on_reader() -> bool:
-            return threading.current_thread().name == "tripwire-reader"
-
-        def begin() -> None:
-            if self._t0 is None and on_reader():
-                self._t0 = time.perf_counter()
-
-        def traced_pause(timeout: float | None = None) -> bool:
-            begin()
-            return pause(timeout)
-
-        def traced_poll(*, on_reader_thread: bool) -> None:
-            begin()
-            poll(on_reader_thread=on_reader_thread)
-
-        def traced_engage() -> None:
-            begin()
-            try:
-                engage()
-            finally:
-                if on_reader() and self._t0 is not None:
-                    self.spans.append((self._t0, time.perf_counter()))
-                    self.kinds.setdefault(self.variant, [0, 0])[0] += 1
-                self._t0 = None
-
-        # Instance attributes shadow the methods for _run (the bench reaches into the monitor to trace it).
-        m._native_pause = traced_pause  # type: ignore[method-assign]
-        m._poll = traced_poll  # type: ignore[method-assign]
-        m._maybe_engage = traced_engage  # type: ignore[method-assign]
+        self._h0: dict = {}
 
     def clear(self) -> None:
         self.spans.clear()
         self.since = time.perf_counter()
 
-    @staticmethod
-    def arm(m: Monitor) -> None:
-        """Switch on the native thread's span ring (right after start(): each start makes a new native thread)."""
-        if m._native is not None:
-            m._native.trace(on=True)
+    def arm(self, m: Monitor) -> None:
+        """Start recording (right after start(): each start makes a new native thread)."""
+        m.trace(on=True)
+        self._h0 = m.health()
 
     def add_native(self, m: Monitor) -> None:
-        """Add the native ticks since :meth:`clear` (call before stop(), which frees the native thread)."""
-        if m._native is not None:
-            native = [(a / 1e9, b / 1e9) for a, b in m._native.trace().tolist() if a / 1e9 >= self.since]
-            self.kinds.setdefault(self.variant, [0, 0])[1] += len(native)
-            self.spans.extend(native)
-            self.spans.sort()
+        """Take the ticks since :meth:`clear` (call before stop(), which frees the native thread)."""
+        self.spans = [sp for sp in m.trace() if sp[0] >= self.since]
+        h = m.health()
+        k = self.kinds.setdefault(self.variant, [0, 0])
+        k[0] += h["python_ticks"] - self._h0.get("python_ticks", 0)
+        k[1] += h["native_ticks"] - self._h0.get("native_ticks", 0)
 
 
 def _run_variant(
@@ -433,7 +402,7 @@ def _reader_cpu_s(m: Monitor) -> float | None:
     t = m._thread  # the bench reads the library's private thread handle: the only way to its CPU clock
     if t is None or t.ident is None or not t.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
         return None
-    native = m._native.cpu_s() if m._native is not None else 0.0
+    native = m.native.cpu_s()
     return time.clock_gettime(time.pthread_getcpuclockid(t.ident)) + (native or 0.0)
 
 

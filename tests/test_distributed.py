@@ -186,7 +186,7 @@ def test_warn_mode_non_fatal_hits_stay_local(registry, store, ranks):
     for _ in range(20):
         m1.poll()
         m0.poll()
-    assert m1._reported["cpu"][soft.id] == 1  # seen and reported by rank 1 ...
+    assert m1.confirmer.reported("cpu", soft.id) == 1  # seen and reported by rank 1 ...
     assert m1.armed is None and m0.armed is None and c1.published is None  # ... and nobody stops
     assert not store.check(["tripwire/stop"])
 

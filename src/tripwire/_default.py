@@ -16,11 +16,13 @@ from .monitor import Hit, Monitor
 from .sites import Site
 
 __all__ = [
+    "built",
     "check",
     "configure",
     "counter",
     "default_monitor",
     "drain",
+    "health",
     "poll",
     "prealloc",
     "register_post_capture_hook",
@@ -96,6 +98,16 @@ def stop() -> None:
     m = _monitor
     if m is not None:
         m.stop()
+
+
+def health() -> dict[str, Any]:
+    """The default monitor's :meth:`Monitor.health` (built on first use, like every function here)."""
+    return default_monitor().health()
+
+
+def built() -> bool:
+    """Whether the default monitor exists yet (importing tripwire must not build it)."""
+    return _monitor is not None
 
 
 def poll() -> None:
