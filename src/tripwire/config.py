@@ -27,6 +27,7 @@ _ENV = {
     "heartbeat": ("TRIPWIRE_HEARTBEAT", 60.0),
     "native_tick": ("TRIPWIRE_NATIVE_TICK", "auto"),
     "event_log": ("TRIPWIRE_EVENT_LOG", None),
+    "store_poll": ("TRIPWIRE_STORE_POLL", 0.5),
 }
 NATIVE_TICK = ("auto", "on", "off")
 
@@ -97,6 +98,7 @@ _PARSERS = {
     "capacity": _parse_capacity,
     "native_tick": _parse_native_tick,
     "event_log": _parse_path,
+    "store_poll": _parse_seconds,
 }
 
 
@@ -111,7 +113,9 @@ class Settings:
     ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
     can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it cannot be
     built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick). ``event_log``: a file that
-    gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None.
+    gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None. ``store_poll``: seconds between
+    :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own thread (the reader's ticks stay
+    native): how late a peer's stop arrives, against the store's load (one request per rank per poll).
     """
 
     mode: str = "warn"
@@ -122,6 +126,7 @@ class Settings:
     heartbeat: float = 60.0
     native_tick: str = "auto"
     event_log: str | None = None
+    store_poll: float = 0.5
 
     def __post_init__(self) -> None:
         # Validate keyword-built settings exactly like environment ones: the same fail-closed rules.

@@ -44,7 +44,7 @@ class Monitor:
     """Holds the reported state of every row, the armed stop and the reader thread.
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
-    ``heartbeat``, ``native_tick``, ``event_log``), validated exactly like the ``TRIPWIRE_*``
+    ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``), validated exactly like the ``TRIPWIRE_*``
     variable it overrides, and readable as a read-only attribute (``monitor.mode``). A fresh Monitor has its own
     arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
     """
@@ -56,6 +56,7 @@ class Monitor:
     capacity = SettingView()
     heartbeat = SettingView()
     event_log = SettingView()
+    store_poll = SettingView()
 
     def __init__(
         self, *, registry: SiteRegistry | None = None, env: dict[str, str] | None = None, **settings: Any
