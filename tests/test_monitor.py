@@ -398,7 +398,7 @@ def test_counter_is_cached_view(registry, monitor):
 
 
 def test_snapshot_and_module_level_default(monkeypatch):
-    m = tripwire.configure(mode="warn", interval=0.01)
+    m = tripwire.configure(mode="warn", interval=0.01, replace_live=True)  # other tests may have used the default
     try:
         s = tripwire.register_site("test_monitor.default", description="x")
         ctr = tripwire.counter(s, "cpu")
@@ -664,3 +664,101 @@ def test_control_quiet_skip_while_pending_loses_the_report(registry, monitor, ca
         monitor.poll()
     assert warnings(caplog) == []
     assert monitor.confirmer.reported("cpu", s.id) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- health
+def test_health_of_a_running_reader(registry):
+    m = Monitor(registry=registry, capacity=64, interval=0.005)
+    s = registry.register("k.health")
+    hit(m.counter(s, "cpu"), 1, 2, n=3)
+    assert m.health()["ok"] is False and m.health()["last_tick_age"] is None  # not started yet
+    m.start()
+    try:
+        deadline = time.monotonic() + 5
+        while m.health()["counts"].get("cpu", {}).get("k.health") != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h = m.health()
+    finally:
+        m.stop()
+    assert h["ok"] and h["reader_alive"] and not h["armed"] and h["stop"] is None and h["mode"] == "warn"
+    assert h["counts"] == {"cpu": {"k.health": 3}} and h["devices"]["cpu"]["lost"] is None
+    assert 0 <= h["last_tick_age"] < 1.0 and h["ticks"] == h["python_ticks"] + h["native_ticks"] > 0
+    assert h["native_tick"] in ("engaged", "ready") or h["native_tick"].startswith("no ")
+    import json
+
+    json.dumps(h)  # plain JSON types, for a health endpoint
+
+
+def test_health_shows_an_armed_stop_and_a_lost_reader(registry):
+    m = Monitor(registry=registry, capacity=64, mode="raise")
+    s = registry.register("k.armed")
+    hit(m.counter(s, "cpu"), 4, 44)
+    _hit_and_confirm(m, m.counter(s, "cpu"), 4, 44)
+    h = m.health()
+    assert h["armed"] and not h["ok"]
+    assert (h["stop"]["site"], h["stop"]["device"], h["stop"]["first_row"], h["stop"]["fatal"]) == (
+        "k.armed",
+        "cpu",
+        4,
+        False,
+    )
+    assert "MASKED FAULT" in h["stop"]["message"]
+    m.reset()
+    assert not m.health()["armed"]
+
+    def broken(n, same_as=None):
+        raise RuntimeError("device fell off the bus")
+
+    m.readers()["cpu"].poll = broken
+    m.poll()
+    h = m.health()
+    assert h["armed"] and h["stop"]["site"] == "<reader>" and not h["ok"]
+    assert h["devices"]["cpu"]["lost"] == "RuntimeError: device fell off the bus"
+
+
+def test_health_of_a_stuck_reader_shows_its_last_tick_ageing(registry):
+    """Control for the tick age: a reader that stops ticking (stopped here) leaves an age that keeps growing."""
+    m = Monitor(registry=registry, capacity=64, interval=0.005)
+    m.prealloc("cpu")
+    m.start()
+    time.sleep(0.05)
+    m.stop()
+    a = m.health()["last_tick_age"]
+    time.sleep(0.1)
+    assert m.health()["last_tick_age"] >= a + 0.09 and not m.health()["reader_alive"]
+
+
+# ---------------------------------------------------------------------------------------------------- papercuts
+def test_settings_are_read_only_attributes(registry):
+    m = Monitor(registry=registry, capacity=64, mode="raise", interval=0.02, report_every=3.0)
+    assert (m.mode, m.interval, m.report_every, m.capacity, m.idle_tail) == ("raise", 0.02, 3.0, 64, 2.0)
+    assert m.native_tick == "not started" and m.event_log is None and m.store_poll == 0.5
+    with pytest.raises(AttributeError, match="read-only"):
+        m.mode = "off"
+    assert m.mode == "raise"
+
+
+def test_configure_refuses_to_replace_a_default_monitor_with_arenas():
+    first = tripwire.configure(mode="warn", replace_live=True)
+    second = tripwire.configure(mode="warn", interval=0.02)  # control: no arena yet, so it may be replaced
+    assert second is tripwire.default_monitor() and second is not first
+    tripwire.counter(tripwire.register_site("test_monitor.configure"), "cpu")
+    with pytest.raises(RuntimeError, match=r"already has counter arenas on cpu.*replace_live=True"):
+        tripwire.configure(mode="raise")
+    assert tripwire.default_monitor() is second and second.mode == "warn"  # untouched
+    third = tripwire.configure(mode="raise", replace_live=True)
+    assert tripwire.default_monitor() is third and third.mode == "raise"
+    tripwire.stop(timeout=1.0)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "1", True])
+def test_stop_timeout_is_validated(registry, bad):
+    m = Monitor(registry=registry, capacity=64, interval=0.01)
+    m.start()
+    with pytest.raises(ValueError, match="stop"):
+        m.stop(timeout=bad)
+    m.stop(timeout=0.5)
+    assert not m.reader_alive
+    m.start()
+    m.stop(timeout=None)
+    assert not m.reader_alive
