@@ -1,4 +1,5 @@
-"""The ``tripwire`` command: ``tripwire demo`` (the README's first command), ``tripwire bench``, ``tripwire sites``.
+"""The ``tripwire`` command: ``tripwire demo`` (the README's first command), ``tripwire bench``, ``tripwire sites``,
+``tripwire doctor``.
 
 Without a GPU, Triton kernels must run in the interpreter, and TRITON_INTERPRET has to be set before triton is
 imported: so the CLI decides the device first and sets it before importing anything that imports triton.
@@ -62,10 +63,12 @@ def _main(argv: list[str] | None) -> int:
     bench = sub.add_parser("bench", help="run the benchmark suite (benchmarks/)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("sites", help="list the registered sites of the reference kernels and instruments")
+    doctor = sub.add_parser("doctor", help="check this machine: what works and what would not", add_help=False)
+    doctor.add_argument("args", nargs=argparse.REMAINDER)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, rest = parser.parse_known_args(argv)
     extra = list(getattr(ns, "args", []) or []) + rest
-    if ns.cmd in ("demo", "bench"):
+    if ns.cmd in ("demo", "bench", "doctor"):
         # argparse's REMAINDER drops leading options into `rest` out of order ("bench --only q2 --quick" would
         # become ["q2", "--quick", "--only"]): pass everything after the subcommand through verbatim instead.
         extra = argv[argv.index(ns.cmd) + 1 :]
@@ -106,6 +109,10 @@ def _main(argv: list[str] | None) -> int:
         for s in tripwire.sites():
             print(f"{s.id:4d}  {s.kind:9s} {'FATAL' if s.fatal else '     '} {s.name}  {s.description}")
         return 0
+    if ns.cmd == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(extra)
     return 2
 
 
