@@ -32,7 +32,7 @@ from tripwire.report import (
     guard_wording,
     short_name,
 )
-from tripwire.sinks import LINE_LIMIT, Event, Log
+from tripwire.sinks import LINE_LIMIT, Event, Log, Offender
 
 
 def guard_row(count: int, first: tuple[int, int], lo: int, hi: int, max_row: int) -> np.ndarray:
@@ -73,6 +73,17 @@ def test_control_without_shortening_a_long_name_overflows_the_line():
     name = "layers." + "deep." * 60 + "gather"
     assert len(make(repr(name))) > LINE_LIMIT
     assert len(short_name(make, name)) <= LINE_LIMIT and short_name(make, "short") == make("'short'")
+
+
+def test_offenders_go_into_the_detail_and_the_event():
+    """The row's offenders (empty while the arena keeps only the first pair) reach the report and its event from
+    the Hit: filling Hit.offenders is the one change that makes them appear everywhere."""
+    site = SiteRegistry(capacity=4).register("s")
+    hit = Hit(3, 4, 9, 8, 9, 1, offenders=(Offender(4, 9, "req-1"), Offender(8, 1)))
+    w = guard_wording(site, "cpu", hit, delta=3)
+    assert w.detail.endswith("Offenders: row 4 value 9 (request req-1), row 8 value 1.")
+    assert guard_event(site, "cpu", hit, 3).offenders == hit.offenders
+    assert "Offenders" not in guard_wording(site, "cpu", Hit(3, 4, 9, 8, 9, 1), delta=3).detail  # control
 
 
 def test_the_event_of_a_guard_report():

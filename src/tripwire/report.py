@@ -41,6 +41,7 @@ __all__ = [
     "guard_event",
     "guard_message",
     "guard_wording",
+    "offenders_text",
     "register_reporter",
     "short_name",
 ]
@@ -191,6 +192,14 @@ def short_name(make: Callable[[str], str], name: str, limit: int = LINE_LIMIT) -
     return make(repr(name[:head] + "..." + name[len(name) - (keep - head) :]))
 
 
+def offenders_text(offenders: tuple[Offender, ...]) -> str:
+    """``row 3 value 99 (request r7), ...``: the offenders kept on the device, for a report's detail line."""
+    return ", ".join(
+        f"row {o.row} value {_fmt(o.value)}" + ("" if o.request is None else f" (request {o.request})")
+        for o in (Offender(*x) for x in offenders)
+    )
+
+
 def guard_wording(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> Wording:
     """The words of a guard row's report (the logger's name already says tripwire, so no prefix)."""
     fatal = " (FATAL site)" if site.fatal else ""
@@ -205,6 +214,8 @@ def guard_wording(site: Site, device: str, hit: Hit, *, delta: int | None = None
     )
     if hit.first_value is not None and (hit.first_value >= VALUE_MAX or hit.first_value <= VALUE_MIN):
         detail += f" First offender's value {_fmt(hit.first_value)}."
+    if hit.offenders:
+        detail += f" Offenders: {offenders_text(hit.offenders)}."
     desc = f" [{site.description}]" if site.description else ""
     durable = " The site is FATAL: the masked value was written somewhere durable." if site.fatal else ""
     explanation = (
