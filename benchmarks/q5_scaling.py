@@ -17,7 +17,7 @@ import time
 
 from _common import Ctx, Result, single, stats
 from tripwire import Monitor, SiteRegistry
-from tripwire.monitor import _REPORTER_FACTORIES
+from tripwire.report import Reporters
 
 ROWS = (16, 64, 256, 1024)
 
@@ -29,7 +29,7 @@ def instrument_kind() -> str | None:
     except ImportError:
         return None
     for kind in ("clip", "fp8_clip", "fp8clip"):
-        if kind in _REPORTER_FACTORIES:
+        if Reporters().slots(kind) is not None:  # a reporter is registered for that kind
             return kind
     return None
 
