@@ -174,16 +174,16 @@ class Monitor:
         if not nested:
             self._deliver()
 
-    def _deliver(self, *, tick: bool = False) -> None:
-        """Outside the lock: the arm listeners for stops armed since the last call, then the queued events and (after
-        a stop, a reset, a new sink, or on a tick) the health to the sinks."""
+    def _deliver(self) -> None:
+        """Outside the lock: the arm listeners for stops armed since the last call, then the queued events and the
+        health (at once after a stop, a reset or a new sink; else now and then) to the sinks."""
         with self._lock:
             armed, self._arm_queue = self._arm_queue, []
             events = self.pipeline.take_events()
-            sync, self._sync_due = self._sync_due or bool(armed) or tick, False
+            urgent, self._sync_due = self._sync_due or bool(armed), False
         for exc in armed:
             self._arm_listeners.call(exc)
-        self.sinks.deliver([*events, *map(stop_event, armed)], self.health if sync else None)
+        self.sinks.deliver([*events, *map(stop_event, armed)], self.health, urgent=urgent)
 
     def add_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
         """Call ``fn(exc)`` when the stop is armed (used by tripwire.distributed to publish it)."""
@@ -368,7 +368,7 @@ class Monitor:
                     else:
                         self.pipeline.process(reader.name, rows, now, final=False)
             self.pipeline.tick(now)
-        self._deliver(tick=True)
+        self._deliver()
         self._tick_hooks.call(self)
 
     def _lose(self, reader: DeviceReader, e: BaseException) -> None:

@@ -11,8 +11,9 @@ A sink is called on the thread that confirmed the report (the reader thread, or 
 the monitor's lock and never on the engine's step path. It must return quickly (it delays the reader's next tick,
 not the engine). A sink that raises is logged (at most once per report window, with the number of failures since
 the last line), counted in ``Monitor.health()["sink_errors"]``, and called again for the next event: it never stops
-the reader. A sink object may also have ``sync(health)``: called with :meth:`tripwire.Monitor.health` on the
-reader's Python ticks and after the stop is armed or reset (:class:`Prometheus` keeps its gauges there).
+the reader. A sink object may also have ``sync(health)``: called with :meth:`tripwire.Monitor.health` at once
+after the stop is armed or reset, else on the reader's Python ticks at most once a second (:class:`Prometheus`
+keeps its gauges and its tick counter there).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "EVENT_FIELDS",
     "LINE_LIMIT",
+    "SYNC_EVERY_S",
     "Event",
     "JsonLines",
     "Log",
@@ -44,6 +46,8 @@ log = logging.getLogger("tripwire")
 
 # The log sink's first line: what a log pipeline shows in one row (site, device, delta, total, first offender).
 LINE_LIMIT = 200
+# Sinks' sync(health) on ticks: at most this often (a scrape is seconds apart).
+SYNC_EVERY_S = 1.0
 
 Sink = Callable[["Event"], None]
 
@@ -140,6 +144,7 @@ class SinkSet:
         self._window = window
         self._slots: list[_Slot] = []
         self.errors = 0
+        self._synced_at = float("-inf")
 
     def __bool__(self) -> bool:
         return bool(self._slots)
@@ -162,16 +167,20 @@ class SinkSet:
             raise ValueError(f"{sink!r} is not a sink of this monitor")
         self._slots = keep
 
-    def deliver(self, events: list[Event], health: Callable[[], Mapping[str, Any]] | None = None) -> None:
+    def deliver(self, events: list[Event], health: Callable[[], Mapping[str, Any]], *, urgent: bool = False) -> None:
         """Hand ``events`` to every sink (a local event without a rank gets this process's, when it has one), then
-        ``health()`` to those with ``sync``."""
+        ``health()`` to those with ``sync``: when ``urgent`` (a stop, a reset, a new sink), else at most once per
+        :data:`SYNC_EVERY_S` (building it costs the reader's tick some GIL time)."""
         slots = self._slots
         if not slots:
             return
         rank = current_rank() if events else None
         if rank is not None:
             events = [replace(ev, rank=rank) if ev.rank is None else ev for ev in events]
-        h = health() if health is not None and any(hasattr(s.fn, "sync") for s in slots) else None
+        h = None
+        now = _time.monotonic()
+        if (urgent or now - self._synced_at >= SYNC_EVERY_S) and any(hasattr(s.fn, "sync") for s in slots):
+            h, self._synced_at = health(), now
         for slot in slots:
             for ev in events:
                 self._call(slot, slot.fn, ev)
