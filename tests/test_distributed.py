@@ -365,7 +365,7 @@ def test_close_detaches_from_the_monitor(registry, store, ranks):
 # ---------------------------------------------------------------------- the store poll's own cadence
 def _quiet_coordinated(registry, store, *, hook: bool) -> tuple[Monitor, object]:
     """A monitor whose reader would be native (nothing changes), coordinated at a 20 ms store poll; ``hook``: also
-    a tick hook, which is how coordination used to poll (every tick a Python tick)."""
+    a tick hook, the other way to poll a store from the reader (every tick a Python tick)."""
     m = Monitor(registry=registry, capacity=64, interval=0.005, idle_tail=3600, report_every=3600, heartbeat=3600)
     m.counter(registry.register("dist.quiet"), "cpu")
     c = coordinate(store, rank=0, monitor=m, abort=False, store_poll=0.02)
@@ -377,7 +377,7 @@ def _quiet_coordinated(registry, store, *, hook: bool) -> tuple[Monitor, object]
 @pytest.mark.parametrize("hook", [False, True])
 def test_coordination_keeps_the_native_tick(registry, store, hook):
     """With coordinate() on, the quiet ticks stay native (the store is polled on the coordinator's own thread, at
-    its own cadence). The control adds a tick hook, as coordination used to: every tick becomes a Python tick."""
+    its own cadence). The control adds a tick hook (polling from the reader's ticks): every tick becomes Python's."""
     m, c = _quiet_coordinated(registry, store, hook=hook)
     try:
         m.start()

@@ -392,7 +392,7 @@ def test_heartbeat_continues_after_reset(caplog):
     assert polls(3) == 3
     m.reset()
     assert polls(3) == 3
-    # Control: the reporters dropped while the confirmer keeps its plan (a reset that forgets only them, the
-    # regression): nothing re-makes them on the read, so nothing ticks.
+    # Control: the reporters dropped while the confirmer keeps its plan and its last rows (a reset that forgets
+    # only them): nothing re-makes them on the read, so nothing ticks.
     m.pipeline.reporters.clear()
     assert polls(3) == 0
