@@ -543,7 +543,10 @@ class _LockProbe:
         return None
 
     def tick(self, monitor, latest, now):
-        _LockProbe.seen.append(_lock_free(monitor))
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # not the probe's own poll, on its thread
+            _LockProbe.seen.append(_lock_free(monitor))
 
 
 def test_control_the_probe_sees_the_lock_held(registry):
