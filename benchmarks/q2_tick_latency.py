@@ -70,9 +70,9 @@ def run(ctx: Ctx) -> dict:
     m.settings = m.settings.with_overrides(interval=0.001)
     m.start()
     try:
-        if m._native is not None:
+        if m.native.ticker is not None:
             time.sleep(0.05)  # engaged after its first Python tick
-            m._native.trace(on=True)
+            m.native.trace(on=True)
             for _ in range(busy_ms // PARK_MS):
                 torch.cuda._sleep(int(cpm * PARK_MS))
             t_start = time.monotonic_ns()
@@ -80,7 +80,7 @@ def run(ctx: Ctx) -> dict:
             while time.perf_counter() < t_end:
                 m.check()
                 time.sleep(0.001)
-            native = [(b - a) / 1e6 for a, b in m._native.trace().tolist() if a >= t_start]
+            native = [(b - a) / 1e6 for a, b in m.native.trace().tolist() if a >= t_start]
     finally:
         m.stop()
     torch.cuda.synchronize()

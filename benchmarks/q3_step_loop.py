@@ -158,10 +158,16 @@ def _cpu_split() -> tuple[set[int], set[int]] | None:
 class _Readers:
     """The competing readers (started/stopped around one run)."""
 
-    def __init__(self, m: Monitor, dev: str, split: tuple[set[int], set[int]] | None = None) -> None:
+    def __init__(
+        self, m: Monitor, dev: str, split: tuple[set[int], set[int]] | None = None, store: object | None = None
+    ) -> None:
         self.m = m
         self.dev = dev
         self.split = split
+        # --coordinate: tripwire's variants run coordinated through this store (one rank), as an engine would.
+        self.store = store
+        self.coord: object | None = None
+        self._heavy = False
         self.arena = m.arena.get(
             torch.device(dev) if dev == "cpu" else torch.device("cuda", torch.cuda.current_device())
         )
@@ -202,7 +208,12 @@ class _Readers:
             self.m.settings = self.m.settings.with_overrides(interval=iv)
             if heavy:
                 self.m.add_tick_hook(_hold_gil)
+                self._heavy = True
             self.m.start()
+            if self.store is not None:
+                from tripwire.distributed import coordinate
+
+                self.coord = coordinate(self.store, rank=0, monitor=self.m, abort=False)
         elif variant == "sync_50ms":
             self._spawn(self._sync_loop)
         elif variant == "per_instrument_64":
@@ -210,9 +221,13 @@ class _Readers:
                 self._spawn(lambda i=i: self._one_row_loop(i))
 
     def stop(self) -> None:
+        if self.coord is not None:
+            self.coord.close()  # type: ignore[attr-defined]
+            self.coord = None
         self.m.stop()
-        if _hold_gil in self.m._tick_hooks:
+        if self._heavy:
             self.m.remove_tick_hook(_hold_gil)
+            self._heavy = False
         self.stop_evt.set()
         for t in self.threads:
             t.join()
@@ -260,71 +275,42 @@ def _hold_gil(m: Monitor) -> None:
 
 
 class _TickTrace:
-    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter). A Python tick is the
-    reader thread's whole loop body -- taking the readers back from the native tick, the tick itself, handing them
-    back (``_native_pause`` .. ``_poll`` .. ``_maybe_engage``) -- traced by wrapping those methods (the wrappers'
-    clock reads and appends, ~0.5 us, are charged to the reader, so the attribution can only overstate its cost).
-    Native quiet ticks come from the native thread's own span ring (CLOCK_MONOTONIC, which is perf_counter's clock
-    on Linux: checked)."""
+    """Records when each reader tick ran: ``(start, end)`` on the steps' clock (perf_counter), from the monitor's
+    own trace (:meth:`tripwire.Monitor.trace`): a Python tick is the reader thread's whole loop body -- taking the
+    readers back from the native tick, the tick itself, handing them back; native quiet ticks come from the native
+    thread's span ring (CLOCK_MONOTONIC, which is perf_counter's clock on Linux: checked). With coordination on, the
+    coordinator's store rounds (its own threads, sharing the engine's GIL) are traced and attributed too."""
 
     def __init__(self, m: Monitor) -> None:
         self.spans: list[tuple[float, float]] = []
         self.since = -inf
         self.variant = ""
-        self.kinds: dict[str, list[int]] = {}  # variant -> [Python ticks, native ticks] traced
+        self.kinds: dict[str, list[int]] = {}  # variant -> [Python ticks, native ticks] run
         impl = time.get_clock_info("perf_counter").implementation
         if "CLOCK_MONOTONIC" not in impl or "RAW" in impl:
             raise RuntimeError(f"perf_counter is {impl}, not CLOCK_MONOTONIC: native tick spans would be misplaced")
-        self._t0: float | None = None
-        pause, poll, engage = m._native_pause, m._poll, m._maybe_engage
-
-        def on_reader() -> bool:
-            return threading.current_thread().name == "tripwire-reader"
-
-        def begin() -> None:
-            if self._t0 is None and on_reader():
-                self._t0 = time.perf_counter()
-
-        def traced_pause(timeout: float | None = None) -> bool:
-            begin()
-            return pause(timeout)
-
-        def traced_poll(*, on_reader_thread: bool) -> None:
-            begin()
-            poll(on_reader_thread=on_reader_thread)
-
-        def traced_engage() -> None:
-            begin()
-            try:
-                engage()
-            finally:
-                if on_reader() and self._t0 is not None:
-                    self.spans.append((self._t0, time.perf_counter()))
-                    self.kinds.setdefault(self.variant, [0, 0])[0] += 1
-                self._t0 = None
-
-        # Instance attributes shadow the methods for _run (the bench reaches into the monitor to trace it).
-        m._native_pause = traced_pause  # type: ignore[method-assign]
-        m._poll = traced_poll  # type: ignore[method-assign]
-        m._maybe_engage = traced_engage  # type: ignore[method-assign]
+        self._h0: dict = {}
 
     def clear(self) -> None:
         self.spans.clear()
         self.since = time.perf_counter()
 
-    @staticmethod
-    def arm(m: Monitor) -> None:
-        """Switch on the native thread's span ring (right after start(): each start makes a new native thread)."""
-        if m._native is not None:
-            m._native.trace(on=True)
+    def arm(self, m: Monitor, coord: object | None = None) -> None:
+        """Start recording (right after start(): each start makes a new native thread)."""
+        m.trace(on=True)
+        if coord is not None:
+            coord.trace(on=True)  # type: ignore[attr-defined]
+        self._h0 = m.health()
 
-    def add_native(self, m: Monitor) -> None:
-        """Add the native ticks since :meth:`clear` (call before stop(), which frees the native thread)."""
-        if m._native is not None:
-            native = [(a / 1e9, b / 1e9) for a, b in m._native.trace().tolist() if a / 1e9 >= self.since]
-            self.kinds.setdefault(self.variant, [0, 0])[1] += len(native)
-            self.spans.extend(native)
-            self.spans.sort()
+    def add_native(self, m: Monitor, coord: object | None = None) -> None:
+        """Take the ticks since :meth:`clear` (call before stop(), which frees the native thread)."""
+        self.spans = [sp for sp in m.trace() if sp[0] >= self.since]
+        if coord is not None:
+            self.spans = sorted(self.spans + [sp for sp in coord.trace() if sp[0] >= self.since])  # type: ignore[attr-defined]
+        h = m.health()
+        k = self.kinds.setdefault(self.variant, [0, 0])
+        k[0] += h["python_ticks"] - self._h0.get("python_ticks", 0)
+        k[1] += h["native_ticks"] - self._h0.get("native_ticks", 0)
 
 
 def _run_variant(
@@ -433,7 +419,7 @@ def _reader_cpu_s(m: Monitor) -> float | None:
     t = m._thread  # the bench reads the library's private thread handle: the only way to its CPU clock
     if t is None or t.ident is None or not t.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
         return None
-    native = m._native.cpu_s() if m._native is not None else 0.0
+    native = m.native.cpu_s()
     return time.clock_gettime(time.pthread_getcpuclockid(t.ident)) + (native or 0.0)
 
 
@@ -465,12 +451,12 @@ def _rounds(
             trace.clear()
             trace.variant = v
             readers.start(v)
-            trace.arm(m)
+            trace.arm(m, readers.coord)
             try:
                 cpu0, wall0 = _reader_cpu_s(m), time.perf_counter()
                 mean_us, times, starts = _run_variant(dec, work, m, steps)
                 cpu1, wall1 = _reader_cpu_s(m), time.perf_counter()
-                trace.add_native(m)
+                trace.add_native(m, readers.coord)
             finally:
                 readers.stop()
             if cpu0 is not None and cpu1 is not None:
@@ -534,7 +520,10 @@ def _attribution(res: Result, raw: dict[str, list[Run]], unit: int) -> dict[str,
 
 
 def run(ctx: Ctx) -> dict:
+    coordinated = bool(ctx.extra.get("coordinate"))
     title = "Reader cost on an engine-like step loop" + ("" if ctx.cuda else " (CPU variant: eager CPU decode step)")
+    if coordinated:
+        title += ", with tripwire.distributed.coordinate() on (one rank, a TCPStore on 127.0.0.1)"
     res = Result("q3", title, ctx)
     dev = "cuda" if ctx.cuda else "cpu"
     if ctx.cuda:
@@ -553,7 +542,12 @@ def run(ctx: Ctx) -> dict:
     # created on the engine's single core (measured: 0.5 ms steps became 16 ms).
     split = _cpu_split() if ctx.cuda else None
     original_affinity = os.sched_getaffinity(0) if split is not None else None
-    readers = _Readers(m, dev, split)
+    store = None
+    if coordinated:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    readers = _Readers(m, dev, split, store)
     trace = _TickTrace(m)
     # As engines do after start-up (vLLM freezes the heap after capturing its graphs): move every object alive now
     # out of the collector's reach, so that a full collection does not walk torch's and Triton's start-up objects.
@@ -573,14 +567,14 @@ def run(ctx: Ctx) -> dict:
         # ticks (each short run above starts a new reader thread, whose first CUDA work pays one-time per-thread
         # set-up), for the CPU-share bound.
         readers.start("tripwire_50ms")
-        trace.arm(m)
+        trace.arm(m, readers.coord)
         try:
             _run_variant(dec, work, m, 600 if ctx.cuda else 100)
             trace.clear()
             cpu0, wall0, k0 = _reader_cpu_s(m), time.perf_counter(), m.ticks
             _, steady_durs, steady_starts = _run_variant(dec, work, m, STEADY_STEPS if ctx.cuda else 300)
             cpu1, wall1, k1 = _reader_cpu_s(m), time.perf_counter(), m.ticks
-            trace.add_native(m)
+            trace.add_native(m, readers.coord)
         finally:
             readers.stop()
         steady_spans = list(trace.spans)
@@ -711,6 +705,12 @@ def run(ctx: Ctx) -> dict:
     )
     if not ctx.cuda:
         res.note("CPU figures: eager CPU decode step; the readers cost the engine thread only through the GIL here")
+    if coordinated:
+        res.fig("store_poll_s", single(m.settings.store_poll, unit="s", label="coordinate(): seconds between polls"))
+        res.note(
+            f"coordinate() on during tripwire's variants (one rank, TCPStore on 127.0.0.1, store_poll "
+            f"{m.settings.store_poll} s): its store rounds are traced and attributed with the reader's ticks"
+        )
     return res.to_dict()
 
 

@@ -17,7 +17,7 @@ import time
 
 from _common import Ctx, Result, single, stats
 from tripwire import Monitor, SiteRegistry
-from tripwire.monitor import _REPORTER_FACTORIES
+from tripwire.report import Reporters
 
 ROWS = (16, 64, 256, 1024)
 
@@ -29,7 +29,7 @@ def instrument_kind() -> str | None:
     except ImportError:
         return None
     for kind in ("clip", "fp8_clip", "fp8clip"):
-        if kind in _REPORTER_FACTORIES:
+        if Reporters().slots(kind) is not None:  # a reporter is registered for that kind
             return kind
     return None
 
@@ -109,12 +109,9 @@ def _timed_ticks(m: Monitor, reader, ticks: int, *, decode: bool) -> tuple[list[
     for _ in range(ticks):
         _settle(reader)
         if decode:
-            # As if a counter had changed: the last processed rows differ from the landed copy in their last word,
-            # so the timed tick compares, copies and decodes. The bench reaches into the monitor to do it.
-            for name, rows in list(m._latest.items()):
-                changed = rows.copy()
-                changed.flat[-1] ^= 1
-                m._latest[name] = changed
+            # As if a counter had changed: with the last processed rows forgotten, the landed copy is copied and
+            # decoded in full (confirmed progress is kept: nothing is reported).
+            m.confirmer.forget_latest()
         t_cpu = time.thread_time_ns()
         t_wall = time.perf_counter_ns()
         m.poll()
@@ -129,14 +126,14 @@ def _native_quiet_ticks(m: Monitor, seconds: float = 0.3) -> list[float] | None:
     m.settings = m.settings.with_overrides(interval=0.001)
     m.start()
     try:
-        if m._native is None:
+        if m.native.ticker is None:
             return None
-        m._native.trace(on=True)
+        m.native.trace(on=True)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             m.check()
             time.sleep(0.001)
-        spans = m._native.trace()
+        spans = m.native.trace()
     finally:
         m.stop()
         m.settings = m.settings.with_overrides(interval=1.0)

@@ -169,7 +169,7 @@ def _child(out: Path, n: int) -> None:
             d["reader_reads"] = sum(r.copies for r in m.readers().values())
             d["reader_errors"] = m.loop_errors
             d["reader_ticks"] = m.ticks - ticks0
-            result["relaxed"] = m._relaxed
+            result["relaxed"] = m.devices.relaxed
         elif plain is not None:
             plain.stop.set()
             plain.thread.join()

@@ -1,6 +1,6 @@
 """``tripwire bench``: run the benchmark questions, write ``bench.json``, ``bench.png`` and ``results.md``.
 
-    tripwire bench [--quick] [--out DIR] [--only q2,q3] [--soak-minutes M] [--budget-s S]
+    tripwire bench [--quick] [--out DIR] [--only q2,q3] [--soak-minutes M] [--budget-s S] [--coordinate]
 
 Without a GPU only the questions that need none run (q3's CPU step-loop variant, q4, q5, q6), and every figure is
 labelled a CPU figure. On a GPU the whole suite runs; sizes are chosen so that the full suite ends in about 5-6
@@ -53,6 +53,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="skip questions that would start after this many seconds (default 480, plus the soak when given)",
     )
+    p.add_argument(
+        "--coordinate",
+        action="store_true",
+        help="q3: run tripwire's variants with tripwire.distributed.coordinate() on (one rank, a local TCPStore)",
+    )
     p.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if budget is None:
         budget = 480.0 + (args.soak_minutes * 60 if args.soak_minutes else 0.0)
     ctx = Ctx(quick=args.quick, device=device, out=out, soak_minutes=args.soak_minutes, verbose=not args.quiet)
+    ctx.extra["coordinate"] = args.coordinate
 
     cpu = device == "cpu"
     label = "CPU figures (no GPU: reduced suite, reader on CPU arenas)" if cpu else "GPU figures"

@@ -15,6 +15,9 @@ import os
 import pytest
 import torch
 
+# pytester: tests/test_tripwire_pytest.py runs pytest sessions with tripwire's plugin.
+pytest_plugins = ["pytester"]
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

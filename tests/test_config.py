@@ -9,6 +9,7 @@ VARS = {
     "TRIPWIRE_IDLE_TAIL": "idle_tail",
     "TRIPWIRE_REPORT_EVERY": "report_every",
     "TRIPWIRE_HEARTBEAT": "heartbeat",
+    "TRIPWIRE_STORE_POLL": "store_poll",
 }
 
 

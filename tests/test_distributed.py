@@ -75,7 +75,7 @@ def ranks(registry):
         mon_kw = {k: kw.pop(k) for k in ("mode", "interval") if k in kw}
         m = Monitor(registry=registry, capacity=64, report_every=10.0, **{"interval": 0.01, **mon_kw})
         m.prealloc("cpu")
-        c = coordinate(store, rank=rank, monitor=m, **{"abort": False, **kw})
+        c = coordinate(store, rank=rank, monitor=m, **{"abort": False, "store_poll": 0.01, **kw})
         made.append((m, c))
         return m, c
 
@@ -186,7 +186,7 @@ def test_warn_mode_non_fatal_hits_stay_local(registry, store, ranks):
     for _ in range(20):
         m1.poll()
         m0.poll()
-    assert m1._reported["cpu"][soft.id] == 1  # seen and reported by rank 1 ...
+    assert m1.confirmer.reported("cpu", soft.id) == 1  # seen and reported by rank 1 ...
     assert m1.armed is None and m0.armed is None and c1.published is None  # ... and nobody stops
     assert not store.check(["tripwire/stop"])
 
@@ -269,9 +269,9 @@ def test_a_hung_store_never_stalls_the_reader(registry, ranks):
         t0 = time.monotonic()
         assert wait_until(lambda: m.armed is not None, 5.0)
         assert m.armed.site == COORDINATION_SITE and "coordination lost" in str(m.armed)
-        # Overdue from 0.2 s, then one failure per 10 ms tick: armed long before the 30 s hang would end.
+        # Overdue from 0.2 s, then one failure per 10 ms poll slot: armed long before the 30 s hang would end.
         assert time.monotonic() - t0 < 3.0
-        assert c.polls == 1 and c.store_failures >= 5  # one call, stuck; the failures are overdue ticks
+        assert c.polls == 1 and c.store_failures >= 5  # one call, stuck; the failures are overdue poll slots
         ticks = m.ticks
         assert wait_until(lambda: m.ticks > ticks + 3, 2.0), "the reader stopped ticking"
     finally:
@@ -360,6 +360,70 @@ def test_close_detaches_from_the_monitor(registry, store, ranks):
     assert m1.armed is None
     m1.arm(GuardTripped("local", site="t", device="cpu", count=1))
     assert c1.published is None and json.loads(store.get("tripwire/stop"))["rank"] == 0
+
+
+# ---------------------------------------------------------------------- the store poll's own cadence
+def _quiet_coordinated(registry, store, *, hook: bool) -> tuple[Monitor, object]:
+    """A monitor whose reader would be native (nothing changes), coordinated at a 20 ms store poll; ``hook``: also
+    a tick hook, the other way to poll a store from the reader (every tick a Python tick)."""
+    m = Monitor(registry=registry, capacity=64, interval=0.005, idle_tail=3600, report_every=3600, heartbeat=3600)
+    m.counter(registry.register("dist.quiet"), "cpu")
+    c = coordinate(store, rank=0, monitor=m, abort=False, store_poll=0.02)
+    if hook:
+        m.add_tick_hook(lambda _m: None)
+    return m, c
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_coordination_keeps_the_native_tick(registry, store, hook):
+    """With coordinate() on, the quiet ticks stay native (the store is polled on the coordinator's own thread, at
+    its own cadence). The control adds a tick hook (polling from the reader's ticks): every tick becomes Python's."""
+    m, c = _quiet_coordinated(registry, store, hook=hook)
+    try:
+        m.start()
+        time.sleep(0.4)
+        m.check()
+        h = m.health()
+    finally:
+        c.close()
+        m.stop()
+    assert c.polls >= 5 and c.store_failures == 0  # the store was polled all along
+    assert h["ticks"] > 30
+    if hook:
+        assert h["native_tick"] == "ready" and h["native_ticks"] == 0 and h["python_ticks"] >= h["ticks"] - 1
+    else:
+        assert h["native_tick"] == "engaged" and h["python_ticks"] <= 2, h
+        assert h["native_ticks"] >= h["ticks"] - 3
+
+
+@pytest.mark.parametrize("poll", [0.05, 0.5])
+def test_the_store_is_polled_at_its_cadence(registry, store, poll):
+    """store_poll sets how often the store is polled (one check per poll), whatever the reader's interval."""
+    m = Monitor(registry=registry, capacity=64, interval=0.005)
+    c = coordinate(store, rank=0, monitor=m, abort=False, store_poll=poll)
+    try:
+        time.sleep(1.0)
+        polls = c.polls
+    finally:
+        c.close()
+    assert c.store_poll == poll
+    if poll < 0.1:
+        assert 8 <= polls <= 25, polls  # ~20 polls in 1 s, whatever the machine's load
+    else:
+        assert 1 <= polls <= 3, polls  # ~2
+
+
+def test_store_poll_is_a_validated_setting(registry, store, monkeypatch):
+    m = Monitor(registry=registry, capacity=64, store_poll=0.25)
+    c = coordinate(store, rank=0, monitor=m, abort=False)  # the monitor's setting is the default
+    c.close()
+    assert c.store_poll == 0.25
+    for bad in (0, -1, float("nan"), "abc", True):
+        with pytest.raises(ValueError, match="store_poll"):
+            coordinate(store, rank=0, monitor=m, abort=False, store_poll=bad)
+    monkeypatch.setenv("TRIPWIRE_STORE_POLL", "0")
+    with pytest.raises(ValueError, match="TRIPWIRE_STORE_POLL"):
+        Monitor(registry=registry, capacity=64)
 
 
 # ====================================================================== multi-process
@@ -520,7 +584,8 @@ def _worker(cfg: dict) -> dict:
     logging.getLogger("tripwire").addHandler(_Keep())
     logging.getLogger("tripwire").setLevel(logging.INFO)
     store = TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=30))
-    mon = tripwire.configure(mode="warn", interval=INTERVAL, capacity=64, report_every=60.0)
+    # The store polled at the reader's interval: the bound below is the reader's confirmation plus one poll.
+    mon = tripwire.configure(mode="warn", interval=INTERVAL, capacity=64, report_every=60.0, store_poll=INTERVAL)
     fatal = tripwire.register_site("dist.fatal", fatal=True)
     soft = tripwire.register_site("dist.soft")
     mon.prealloc("cpu")

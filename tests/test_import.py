@@ -25,8 +25,8 @@ exec(sys.argv[2])
 print(json.dumps({
     "threads": sorted(t.name for t in threading.enumerate()),
     "cuda_initialized": torch.cuda.is_initialized(),
-    "arenas": len(tripwire.arena._IMMORTAL),
-    "default_monitor_built": tripwire._default._monitor is not None,
+    "arenas": tripwire.arena.arenas_made(),
+    "default_monitor_built": tripwire._default.built(),
 }))
 """
 

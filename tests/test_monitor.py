@@ -10,7 +10,7 @@ import torch
 
 import tripwire
 from tripwire import GuardTripped, Monitor
-from tripwire.arena import _IMMORTAL
+from tripwire.arena import is_kept
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
 
 
@@ -162,31 +162,41 @@ def test_reader_loss_arms_and_keeps_the_buffer(registry, monitor, caplog):
     assert reader.lost is not None
     with pytest.raises(GuardTripped, match="lost the reader of cpu"):
         monitor.check()
-    assert any(t is arena for t in _IMMORTAL)  # kept alive forever
+    assert is_kept(arena)  # kept alive forever
     assert monitor.counter(s, "cpu").data_ptr() == ctr.data_ptr() == arena[s.id].data_ptr()
     monitor.poll()  # no longer polled: no second error
     assert sum("failed" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 1
 
 
+class _BrokenReporter:
+    """A reporter whose confirmation raises: a bug inside the reader loop (not a read failure)."""
+
+    count_slots = (COUNT,)
+    calls = 0
+
+    def confirm(self, monitor, device, site, row, now):
+        _BrokenReporter.calls += 1
+        raise ValueError("boom")
+
+    def tick(self, monitor, latest, now):
+        return None
+
+
 def test_reader_loop_exception_logs_arms_and_keeps_going(registry, caplog):
+    from tripwire.monitor import register_reporter
+
+    register_reporter("test.broken", _BrokenReporter)
     m = Monitor(registry=registry, capacity=64, interval=0.005)
-    calls = {"n": 0}
-    orig = m._read_all
-
-    def flaky(now, **kw):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ValueError("boom")
-        return orig(now, **kw)
-
-    m._read_all = flaky
+    hit(m.counter(registry.register("k.broken", kind="test.broken"), "cpu"), 1, 1)
+    ticks = []
+    m.add_tick_hook(lambda _m: ticks.append(1))
     m.start()
     deadline = time.monotonic() + 5
-    while calls["n"] < 5 and time.monotonic() < deadline:
+    while len(ticks) < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     m.stop()
-    assert calls["n"] >= 5 and m.loop_errors == 1
-    assert m.armed is not None and "reader loop failed" in str(m.armed)
+    assert _BrokenReporter.calls == 1 and len(ticks) >= 5 and m.loop_errors == 1  # it kept ticking after the error
+    assert m.armed is not None and "reader loop failed" in str(m.armed) and "boom" in str(m.armed)
 
 
 def test_hooks(registry):
@@ -256,10 +266,9 @@ def test_reset_control_skipping_one_part_loses_the_next_hit(registry, caplog, sk
     if skip != "zero":
         m.arena.zero_()
     if skip != "forget":
-        m._reported.clear()
-        m._pending.clear()
-        m._emitted.clear()
+        m.pipeline.clear()  # confirmations, the report window, reporters
     if skip != "disarm":
+        # The one reach into private state: the stop has no public disarm but reset() itself (sticky by contract).
         m._tripped = None
     caplog.clear()
     _hit_and_confirm(m, ctr, 7, 70)
@@ -334,7 +343,7 @@ def test_idle_skip_and_resume(registry):
     time.sleep(0.08)
     m.poll()  # idle by time, but pending: copies and confirms
     assert reader.copies == copies + 3
-    assert int(m._reported["cpu"][s.id]) == 1
+    assert m.confirmer.reported("cpu", s.id) == 1
 
 
 def test_idle_control_without_tail_keeps_copying(registry):
@@ -389,7 +398,7 @@ def test_counter_is_cached_view(registry, monitor):
 
 
 def test_snapshot_and_module_level_default(monkeypatch):
-    m = tripwire.configure(mode="warn", interval=0.01)
+    m = tripwire.configure(mode="warn", interval=0.01, replace_live=True)  # other tests may have used the default
     try:
         s = tripwire.register_site("test_monitor.default", description="x")
         ctr = tripwire.counter(s, "cpu")
@@ -431,9 +440,9 @@ def test_confirmation_repolls_fast(registry):
 
 
 def test_control_without_fast_repoll_takes_two_intervals(registry, monkeypatch):
-    import tripwire.monitor as mon
+    import tripwire.confirm
 
-    monkeypatch.setattr(mon, "_CONFIRM_REPOLL_S", 10.0)
+    monkeypatch.setattr(tripwire.confirm, "CONFIRM_REPOLL_S", 10.0)
     assert _latency_after_a_tick(registry, 0.2) > 0.35
 
 
@@ -466,7 +475,7 @@ def test_lost_reader_reports_what_it_had_seen_and_stops_fast_polling(registry, c
     reader.poll = broken
     m.poll()
     assert any("row 3, value 77" in line for line in warnings(caplog))  # the seen hit is reported, not dropped
-    assert not any(m._pending.values())  # so the reader does not re-poll every millisecond forever
+    assert not m.confirmer.any_pending()  # so the reader does not re-poll every millisecond forever
     assert m.armed is not None and "lost the reader" in str(m.armed)
 
 
@@ -504,20 +513,55 @@ def test_poll_reads_nothing_under_off(registry):
     assert m.readers()["cpu"].copies == 0 and m.armed is None
 
 
+def _lock_free(m: Monitor) -> bool:
+    """Whether another thread can take the monitor's lock now (poll() takes it) within 0.5 s."""
+    import threading
+
+    t = threading.Thread(target=m.poll, daemon=True)
+    t.start()
+    t.join(0.5)
+    return not t.is_alive()
+
+
 def test_arm_listeners_run_outside_the_monitor_lock(registry):
     m = Monitor(registry=registry, capacity=64, mode="raise")
     s = registry.register("k.site")
     seen = []
-    m.add_arm_listener(lambda exc: seen.append((exc.site, m._lock._is_owned())))
+    m.add_arm_listener(lambda exc: seen.append((exc.site, _lock_free(m))))
     hit(m.counter(s, "cpu"), 1, 1)
     m.drain()  # confirmation (and arming) happens under the lock
-    assert seen == [("k.site", False)]
+    assert seen == [("k.site", True)]
+
+
+class _LockProbe:
+    """A reporter whose heartbeat tick (which runs under the monitor's lock) probes the lock."""
+
+    count_slots = (COUNT,)
+    seen: list[bool] = []
+
+    def confirm(self, monitor, device, site, row, now):
+        return None
+
+    def tick(self, monitor, latest, now):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # not the probe's own poll, on its thread
+            _LockProbe.seen.append(_lock_free(monitor))
+
+
+def test_control_the_probe_sees_the_lock_held(registry):
+    """Control for the test above: called where the monitor's lock is held, the probe says so."""
+    from tripwire.monitor import register_reporter
+
+    register_reporter("test.lockprobe", _LockProbe)
+    m = Monitor(registry=registry, capacity=64)
+    m.counter(registry.register("k.probe", kind="test.lockprobe"), "cpu")
+    m.poll()  # the first decode makes the reporter; its tick runs under the lock
+    assert _LockProbe.seen == [False]
 
 
 def test_control_confirming_at_once_loses_the_late_extremes(registry, monitor, caplog, monkeypatch):
-    import tripwire.monitor as mon
-
-    monkeypatch.setattr(mon, "_MAX_EXTRA_CONFIRM_COPIES", 0)
+    monitor.confirmer.max_extra_copies = 0
     s = registry.register("k.site")
     ctr = monitor.counter(s, "cpu")
     hit(ctr, 1, 5)
@@ -583,44 +627,32 @@ def test_progress_sums_each_kinds_own_count_slots(registry, monitor, caplog):
     assert any("'k.guard2'" in line for line in warnings(caplog))
 
 
-def _count_decodes(monkeypatch, m: Monitor) -> list[int]:
-    calls: list[int] = []
-    process = m._process
-
-    def counted(device, rows, now, *, final):
-        calls.append(int(rows[:, COUNT].sum()))
-        return process(device, rows, now, final=final)
-
-    monkeypatch.setattr(m, "_process", counted)
-    return calls
-
-
-def test_quiet_ticks_skip_the_decode_and_miss_nothing(registry, monitor, caplog, monkeypatch):
+def test_quiet_ticks_skip_the_decode_and_miss_nothing(registry, monitor, caplog):
     s = registry.register("k.site")
     ctr = monitor.counter(s, "cpu")
-    decodes = _count_decodes(monkeypatch, monitor)
+    c = monitor.confirmer
     for _ in range(5):
         monitor.poll()
     # The first copy is decoded; the four identical ones after it are not.
-    assert decodes == [0] and monitor.quiet_ticks == 4
+    assert c.decoded == 1 and monitor.quiet_ticks == 4
     hit(ctr, 7, 300, n=3)
     monitor.poll()  # the rise is decoded (pending), and the next copy confirms it although it is identical
     monitor.poll()
-    assert decodes == [0, 3, 3] and monitor.quiet_ticks == 4
+    assert c.decoded == 3 and int(c.latest("cpu")[s.id, COUNT]) == 3 and monitor.quiet_ticks == 4
     (line,) = warnings(caplog)
     assert "3 new out-of-range accesses masked (3 total)" in line and "row 7, value 300" in line
     for _ in range(3):
         monitor.poll()
-    assert decodes == [0, 3, 3] and monitor.quiet_ticks == 7
+    assert c.decoded == 3 and monitor.quiet_ticks == 7
     hit(ctr, 9, 500, n=2)  # a later rise after quiet ticks is seen on the very next copy, confirmed on the one after
     monitor.poll()
-    assert int(monitor._reported["cpu"][s.id]) == 3 and monitor._pending["cpu"]
+    assert c.reported("cpu", s.id) == 3 and c.pending("cpu") == (s.id,)
     monitor.poll()
-    assert int(monitor._reported["cpu"][s.id]) == 5 and not monitor._pending["cpu"]
+    assert c.reported("cpu", s.id) == 5 and c.pending("cpu") == ()
     # Registry growth changes the rows' shape: decoded, never mistaken for quiet.
     registry.register("k.other")
     monitor.poll()
-    assert len(decodes) == 6
+    assert c.decoded == 6
 
 
 def test_control_quiet_skip_while_pending_loses_the_report(registry, monitor, caplog, monkeypatch):
@@ -628,10 +660,108 @@ def test_control_quiet_skip_while_pending_loses_the_report(registry, monitor, ca
     a rise whose extremes have already landed; the real monitor reports it on the next copy."""
     s = registry.register("k.site")
     ctr = monitor.counter(s, "cpu")
-    monkeypatch.setattr(monitor, "_quiet_reference", lambda device: monitor._latest.get(device))
+    monkeypatch.setattr(monitor.confirmer, "quiet_reference", monitor.confirmer.latest)
     monitor.poll()
     hit(ctr, 7, 300, n=3)
     for _ in range(6):
         monitor.poll()
     assert warnings(caplog) == []
-    assert int(monitor._reported["cpu"][s.id]) == 0
+    assert monitor.confirmer.reported("cpu", s.id) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- health
+def test_health_of_a_running_reader(registry):
+    m = Monitor(registry=registry, capacity=64, interval=0.005)
+    s = registry.register("k.health")
+    hit(m.counter(s, "cpu"), 1, 2, n=3)
+    assert m.health()["ok"] is False and m.health()["last_tick_age"] is None  # not started yet
+    m.start()
+    try:
+        deadline = time.monotonic() + 5
+        while m.health()["counts"].get("cpu", {}).get("k.health") != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h = m.health()
+    finally:
+        m.stop()
+    assert h["ok"] and h["reader_alive"] and not h["armed"] and h["stop"] is None and h["mode"] == "warn"
+    assert h["counts"] == {"cpu": {"k.health": 3}} and h["devices"]["cpu"]["lost"] is None
+    assert 0 <= h["last_tick_age"] < 1.0 and h["ticks"] == h["python_ticks"] + h["native_ticks"] > 0
+    assert h["native_tick"] in ("engaged", "ready") or h["native_tick"].startswith("no ")
+    import json
+
+    json.dumps(h)  # plain JSON types, for a health endpoint
+
+
+def test_health_shows_an_armed_stop_and_a_lost_reader(registry):
+    m = Monitor(registry=registry, capacity=64, mode="raise")
+    s = registry.register("k.armed")
+    hit(m.counter(s, "cpu"), 4, 44)
+    _hit_and_confirm(m, m.counter(s, "cpu"), 4, 44)
+    h = m.health()
+    assert h["armed"] and not h["ok"]
+    assert (h["stop"]["site"], h["stop"]["device"], h["stop"]["first_row"], h["stop"]["fatal"]) == (
+        "k.armed",
+        "cpu",
+        4,
+        False,
+    )
+    assert "MASKED FAULT" in h["stop"]["message"]
+    m.reset()
+    assert not m.health()["armed"]
+
+    def broken(n, same_as=None):
+        raise RuntimeError("device fell off the bus")
+
+    m.readers()["cpu"].poll = broken
+    m.poll()
+    h = m.health()
+    assert h["armed"] and h["stop"]["site"] == "<reader>" and not h["ok"]
+    assert h["devices"]["cpu"]["lost"] == "RuntimeError: device fell off the bus"
+
+
+def test_health_of_a_stuck_reader_shows_its_last_tick_ageing(registry):
+    """Control for the tick age: a reader that stops ticking (stopped here) leaves an age that keeps growing."""
+    m = Monitor(registry=registry, capacity=64, interval=0.005)
+    m.prealloc("cpu")
+    m.start()
+    time.sleep(0.05)
+    m.stop()
+    a = m.health()["last_tick_age"]
+    time.sleep(0.1)
+    assert m.health()["last_tick_age"] >= a + 0.09 and not m.health()["reader_alive"]
+
+
+# ---------------------------------------------------------------------------------------------------- papercuts
+def test_settings_are_read_only_attributes(registry):
+    m = Monitor(registry=registry, capacity=64, mode="raise", interval=0.02, report_every=3.0)
+    assert (m.mode, m.interval, m.report_every, m.capacity, m.idle_tail) == ("raise", 0.02, 3.0, 64, 2.0)
+    assert m.native_tick == "not started" and m.event_log is None and m.store_poll == 0.5
+    with pytest.raises(AttributeError, match="read-only"):
+        m.mode = "off"
+    assert m.mode == "raise"
+
+
+def test_configure_refuses_to_replace_a_default_monitor_with_arenas():
+    first = tripwire.configure(mode="warn", replace_live=True)
+    second = tripwire.configure(mode="warn", interval=0.02)  # control: no arena yet, so it may be replaced
+    assert second is tripwire.default_monitor() and second is not first
+    tripwire.counter(tripwire.register_site("test_monitor.configure"), "cpu")
+    with pytest.raises(RuntimeError, match=r"already has counter arenas on cpu.*replace_live=True"):
+        tripwire.configure(mode="raise")
+    assert tripwire.default_monitor() is second and second.mode == "warn"  # untouched
+    third = tripwire.configure(mode="raise", replace_live=True)
+    assert tripwire.default_monitor() is third and third.mode == "raise"
+    tripwire.stop(timeout=1.0)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "1", True])
+def test_stop_timeout_is_validated(registry, bad):
+    m = Monitor(registry=registry, capacity=64, interval=0.01)
+    m.start()
+    with pytest.raises(ValueError, match="stop"):
+        m.stop(timeout=bad)
+    m.stop(timeout=0.5)
+    assert not m.reader_alive
+    m.start()
+    m.stop(timeout=None)
+    assert not m.reader_alive

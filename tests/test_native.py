@@ -44,21 +44,16 @@ def _native_threads() -> int:
 
 def _engaged_with_reference(m: Monitor) -> bool:
     """Engaged after a Python tick processed the rows (the first engagement has no reference rows yet)."""
-    return _wait_for(lambda: m.native_tick == "engaged" and bool(m._latest))
+    return _wait_for(lambda: m.native_tick == "engaged" and bool(m.confirmer.all_latest()))
 
 
-def _python_ticks(m: Monitor) -> list[int]:
-    """Count the reader thread's Python ticks (wraps the monitor's tick, as q3's trace does)."""
-    n = [0]
-    inner = m._poll
+def _python_ticks(m: Monitor) -> int:
+    """The Python ticks so far (the reader thread's: these tests never call poll())."""
+    return m.health()["python_ticks"]
 
-    def counted(*, on_reader_thread: bool) -> None:
-        if on_reader_thread:
-            n[0] += 1
-        inner(on_reader_thread=on_reader_thread)
 
-    m._poll = counted  # type: ignore[method-assign]
-    return n
+def _native_ticks(m: Monitor) -> int:
+    return m.health()["native_ticks"]
 
 
 def _wait_for(cond, timeout: float = 2.0) -> bool:
@@ -72,8 +67,7 @@ def _wait_for(cond, timeout: float = 2.0) -> bool:
 
 def _reported(m: Monitor, device: str, row: int) -> int:
     """The count the monitor has confirmed (decoded and reported) for ``row``; 0 before its first decode."""
-    rep = m._reported.get(device)
-    return 0 if rep is None else int(rep[row])
+    return m.confirmer.reported(device, row)
 
 
 def _quiet_monitor(registry, **kw) -> Monitor:
@@ -87,26 +81,26 @@ def test_library_builds_with_the_loader_layout():
     lib = native.library()
     out = (ctypes.c_int64 * 6)()
     lib.tw_layout(out)
-    assert list(out) == native._layout() and out[0] == ctypes.sizeof(native._Dev)
+    assert list(out) == native.layout()  # sizes and offsets of both structs, as the loader's ctypes mirror has them
 
 
 def test_a_cached_library_with_another_layout_is_rebuilt(monkeypatch, tmp_path):
     """A cached file whose structs differ from the loader's (damaged, or built by other code) is never used: it is
     rebuilt once from the source. The control: that file, loaded as it is, is refused for its layout."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    so = native._cached_path()
-    real = native._SRC
+    so = native.cached_path()
+    real = native.SRC
     bad = tmp_path / "bad.c"
     bad.write_text(real.read_text().replace("out[0] = (int64_t)sizeof(tw_dev);", "out[0] = 1;"))
-    monkeypatch.setattr(native, "_SRC", bad)
-    native._compile(so)  # planted under the name the real source would use
-    monkeypatch.setattr(native, "_SRC", real)
+    monkeypatch.setattr(native, "SRC", bad)
+    native.compile_library(so)  # planted under the name the real source would use
+    monkeypatch.setattr(native, "SRC", real)
     with pytest.raises(NativeUnavailable, match="struct layout"):
-        native._load(so)
-    lib = native._build()  # refuses it, rebuilds it (and loads the rebuilt file under a private name)
+        native.load(so)
+    lib = native.build()  # refuses it, rebuilds it (and loads the rebuilt file under a private name)
     out = (ctypes.c_int64 * 6)()
     lib.tw_layout(out)
-    assert list(out) == native._layout()
+    assert list(out) == native.layout()
     assert list((tmp_path / "tripwire").iterdir()) == [so]  # rebuilt in place, nothing left behind
 
 
@@ -117,7 +111,7 @@ def test_cc_with_arguments_builds(monkeypatch, tmp_path):
     assert gcc is not None, "no compiler here"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", f"{gcc} -O0")  # CC with arguments, as ccache setups have it
-    native._build()
+    native.build()
     assert list((tmp_path / "tripwire").glob("tick-*.so"))
 
 
@@ -125,24 +119,33 @@ def test_a_cache_dir_others_can_write_is_not_used(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
     d.chmod(0o777)
-    assert not native._private_dir(d)
+    assert not native.private_dir(d)
     d.chmod(0o700)
-    assert native._private_dir(d)
+    assert native.private_dir(d)
 
 
 def test_no_compiler_is_unavailable_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached there: it must compile
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(NativeUnavailable, match=r"compiling the native tick failed .*no-such-cc"):
-        native._build()
+        native.build()
     monkeypatch.delenv("CC")
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(NativeUnavailable, match=r"no C compiler found \(\$CC, cc, gcc, clang\)"):
-        native._build()
+        native.build()
+
+
+def _no_native(monkeypatch) -> None:
+    """This process cannot build the native tick (what a machine without a C compiler sees)."""
+
+    def unavailable():
+        raise NativeUnavailable("no C compiler found ($CC, cc, gcc, clang)")
+
+    monkeypatch.setattr(native, "library", unavailable)
 
 
 def test_native_tick_on_raises_where_it_cannot_be_built(registry, monkeypatch):
-    monkeypatch.setattr(native, "_lib", NativeUnavailable("no C compiler found ($CC, cc, gcc, clang)"))
+    _no_native(monkeypatch)
     m = _quiet_monitor(registry, native_tick="on")
     m.prealloc("cpu")
     with pytest.raises(NativeUnavailable, match=r"native_tick=on \(TRIPWIRE_NATIVE_TICK\) but no C compiler"):
@@ -151,10 +154,9 @@ def test_native_tick_on_raises_where_it_cannot_be_built(registry, monkeypatch):
 
 
 def test_auto_falls_back_to_python_ticks_and_counts_exactly(registry, monkeypatch, caplog):
-    monkeypatch.setattr(native, "_lib", NativeUnavailable("no C compiler found ($CC, cc, gcc, clang)"))
+    _no_native(monkeypatch)
     m = _quiet_monitor(registry)
     ctr = m.counter(registry.register("n.fallback"), "cpu")
-    py = _python_ticks(m)
     m.start()
     try:
         hit(ctr, 5, 77, n=4)
@@ -164,7 +166,7 @@ def test_auto_falls_back_to_python_ticks_and_counts_exactly(registry, monkeypatc
         assert "4 new out-of-range accesses masked (4 total)" in line
         assert m.native_tick == "no C compiler found ($CC, cc, gcc, clang)"
         assert any("no native quiet tick (no C compiler found" in w for w in warnings(caplog))
-        assert py[0] > 10 and m._native_ticks == 0  # every tick was Python's
+        assert _python_ticks(m) > 10 and _native_ticks(m) == 0  # every tick was Python's
     finally:
         m.stop()
 
@@ -175,7 +177,6 @@ def test_quiet_ticks_run_no_python(registry, native_tick):
     native_tick=off (the control), every tick is a Python tick."""
     m = _quiet_monitor(registry, native_tick=native_tick)
     m.counter(registry.register("n.quiet"), "cpu")
-    py = _python_ticks(m)
     m.start()
     try:
         time.sleep(0.3)
@@ -184,11 +185,12 @@ def test_quiet_ticks_run_no_python(registry, native_tick):
     finally:
         m.stop()
     assert ticks > 100
+    py = _python_ticks(m)
     if native_tick == "auto":
-        assert py[0] <= 2, f"{py[0]} Python ticks out of {ticks}"  # the first read (no reference yet), once
-        assert m._native_ticks >= ticks - py[0] - 1
+        assert py <= 2, f"{py} Python ticks out of {ticks}"  # the first read (no reference yet), once
+        assert _native_ticks(m) >= ticks - py - 1
     else:
-        assert py[0] >= ticks - 1 and m._native_ticks == 0
+        assert py >= ticks - 1 and _native_ticks(m) == 0
 
 
 def test_every_rise_reported_exactly_while_engaged(registry, caplog):
@@ -311,7 +313,7 @@ _EXIT_SCRIPT = textwrap.dedent(
     """
     import atexit, sys, time
     from pathlib import Path
-    import tripwire.monitor as mon
+    import tripwire._native.engage as engage
     from tripwire import Monitor, SiteRegistry
 
     def comm(t):
@@ -326,7 +328,7 @@ _EXIT_SCRIPT = textwrap.dedent(
     # Registered before tripwire's hook, so it runs after it (atexit is last in, first out).
     atexit.register(lambda: print("at-exit native threads:", native_threads(), flush=True))
     if sys.argv[1] == "control":
-        mon._register_exit_hook = lambda: None
+        engage.register_exit_hook = lambda: None
     reg = SiteRegistry(capacity=8)
     m = Monitor(registry=reg, capacity=8, interval=0.001, idle_tail=3600)
     m.counter(reg.register("x"), "cpu")
@@ -367,9 +369,9 @@ def ownership(monkeypatch):
 
 
 def _widen_after_pause(m: Monitor, seconds: float = 0.05) -> None:
-    """Sleep right after a _native_pause made on the main thread: the reader thread (woken by the pause) then has time
+    """Sleep right after a native pause made on the main thread: the reader thread (woken by the pause) then has time
     to tick and re-engage before the caller takes the lock."""
-    orig = m._native_pause
+    orig = m.native.pause
     main = threading.main_thread()
 
     def slow(timeout=None):
@@ -378,7 +380,7 @@ def _widen_after_pause(m: Monitor, seconds: float = 0.05) -> None:
             time.sleep(seconds)
         return done
 
-    m._native_pause = slow  # type: ignore[method-assign]
+    m.native.pause = slow  # type: ignore[method-assign]
 
 
 def _started_widened(registry, site: str) -> Monitor:
@@ -413,19 +415,19 @@ def test_control_a_pause_outside_the_lock_lets_python_poll_an_engaged_reader(reg
     the control survives the fix) drives a reader the native thread owns."""
     m = _started_widened(registry, "o.ctl")  # the same setup as the test above: only _poll's order differs
     try:
-        widened = m._native_pause
+        widened = m.native.pause
         main = threading.main_thread()
         for _ in range(3):
             m.check()
             widened()
-            # _poll's own pause (the fix) skipped on this thread only: the reviewed code's order
-            m._native_pause = lambda timeout=None: (  # type: ignore[method-assign]
+            # poll()'s own pause under the lock (the fix) skipped on this thread only: the reviewed code's order
+            m.native.pause = lambda timeout=None: (  # type: ignore[method-assign]
                 True if threading.current_thread() is main else widened(timeout)
             )
             try:
-                m._poll(on_reader_thread=False)
+                m.poll()
             finally:
-                m._native_pause = widened  # type: ignore[method-assign]
+                m.native.pause = widened  # type: ignore[method-assign]
             assert _wait_for(lambda: m.native_tick == "engaged")
     finally:
         m.stop()
@@ -498,7 +500,7 @@ def test_racing_registrations_never_shrink_the_native_row_count(registry, monkey
         registry.register("r.b")
         b_done.set()
         a.join()
-        assert m._native.cfg.n_rows == len(registry) == 3
+        assert m.native.ticker.cfg.n_rows == len(registry) == 3
     finally:
         m.stop()
 
@@ -511,7 +513,7 @@ def test_a_huge_idle_tail_never_idles_the_native_tick(registry):
     try:
         assert _engaged_with_reference(m)
         ctr[0] += 1
-        assert _wait_for(lambda: bool(m._pending.get("cpu")) or _reported(m, "cpu", 0) == 1, timeout=0.5)
+        assert _wait_for(lambda: bool(m.confirmer.pending("cpu")) or _reported(m, "cpu", 0) == 1, timeout=0.5)
         assert m.idle_skips == 0
     finally:
         m.stop()
@@ -525,7 +527,7 @@ _KICK_AFTER_CLOSE = textwrap.dedent(
     m = Monitor(registry=reg, capacity=8, interval=0.001, idle_tail=3600)
     m.counter(reg.register("x"), "cpu")
     m.start()
-    t = m._native      # what a second, concurrent stop() read before the first one closed the ticker
+    t = m.native.ticker  # what a second, concurrent stop() read before the first one closed the ticker
     m.stop()
     t.kick(); t.pause(); t.wait(0.0); t.stop(); t.close()
     print("ok")
@@ -557,7 +559,7 @@ _FORK = textwrap.dedent(
         time.sleep(0.2)
         t0 = time.monotonic()
         ctr[0] += 1
-        while time.monotonic() - t0 < 1.0 and not m._pending.get("cpu") and not m._reported["cpu"][site.id]:
+        while time.monotonic() - t0 < 1.0 and not m.confirmer.pending("cpu") and not m.confirmer.reported("cpu", site.id):
             m.check()
             time.sleep(0.002)
         os._exit(0 if time.monotonic() - t0 < 1.0 else 3)
@@ -577,7 +579,7 @@ def test_a_forked_child_that_starts_again_reads_at_its_interval():
 _BLOCKED_EXIT = textwrap.dedent(
     """
     import ctypes, sys, time
-    import tripwire.monitor as mon
+    import tripwire._native.engage as engage
     from tripwire import Monitor, SiteRegistry
     from tripwire.reader import DeviceReader
 
@@ -587,7 +589,7 @@ _BLOCKED_EXIT = textwrap.dedent(
     fields = DeviceReader.native_fields
     DeviceReader.native_fields = lambda self: (lambda f: (f[0], sleep_addr, *f[2:]))(fields(self))
     if sys.argv[1] == "control":  # an exit hook that waits for the native thread without a limit
-        mon._EXIT_JOIN_S = None
+        engage.EXIT_JOIN_S = None
     reg = SiteRegistry(capacity=8)
     m = Monitor(registry=reg, capacity=8, interval=0.01, idle_tail=3600)
     m.counter(reg.register("x"), "cpu")
@@ -640,7 +642,6 @@ def test_cuda_native_tick_reads_graph_replays_exactly(registry, native_tick):
     s = registry.register("gpu.native")
     ctr = m.counter(s, "cuda")
     g, *_ = _captured_gather(m, ctr, 3)
-    py = _python_ticks(m)
     m.start()
     try:
         if native_tick == "auto":
@@ -656,12 +657,12 @@ def test_cuda_native_tick_reads_graph_replays_exactly(registry, native_tick):
             while time.monotonic() < end:  # quiet ticks, with the engine "alive"
                 m.check()
                 time.sleep(0.002)
-        py_ticks, ticks = py[0], m.ticks
+        py_ticks, ticks = _python_ticks(m), m.ticks
         snap = m.drain()
     finally:
         m.stop()
     assert snap[("cuda:0", "gpu.native")].count == 165
     if native_tick == "auto":
-        assert m._native_ticks > 150 and py_ticks < 40, (m._native_ticks, py_ticks, ticks)
+        assert _native_ticks(m) > 150 and py_ticks < 40, (_native_ticks(m), py_ticks, ticks)
     else:
-        assert m._native_ticks == 0 and py_ticks > 150
+        assert _native_ticks(m) == 0 and py_ticks > 150

@@ -90,27 +90,28 @@ def test_tick_from_reader_thread_never_waits(registry, native_tick):
     s = registry.register("gpu.thread")
     m.counter(s, "cuda")
     durations: list[float] = []
-    orig = m._read_all
+    orig = m.devices.poll
 
-    def timed(now, **kw):
-        a = time.perf_counter()
-        orig(now, **kw)
-        durations.append(time.perf_counter() - a)
+    def timed(*a, **kw):  # the Python tick's reads (every device's poll), as a list
+        t = time.perf_counter()
+        got = list(orig(*a, **kw))
+        durations.append(time.perf_counter() - t)
+        return iter(got)
 
-    m._read_all = timed
+    m.devices.poll = timed  # type: ignore[method-assign]
     m.start()
     try:
         time.sleep(0.05)
         if native_tick == "auto":
             assert m.native_tick == "engaged", m.native_tick
-            m._native.trace(on=True)
+            m.native.trace(on=True)
         torch.cuda._sleep(SLEEP_CYCLES)
         durations.clear()
         t0 = time.monotonic_ns()
         time.sleep(0.3)
         busy_still = not torch.cuda.current_stream().query()
         if native_tick == "auto":
-            durations += [(b - a) / 1e9 for a, b in m._native.trace().tolist() if a >= t0]
+            durations += [(b - a) / 1e9 for a, b in m.native.trace().tolist() if a >= t0]
     finally:
         m.stop()
     torch.cuda.synchronize()
@@ -245,9 +246,9 @@ def test_cuda_quiet_copy_comes_back_as_the_same_object(registry, cuda_monitor, p
     s = registry.register("gpu.quiet")
     ctr = cuda_monitor.counter(s, "cuda")
     r = cuda_monitor.readers()["cuda:0"]
-    assert r._drv is not None  # the driver path is what runs on this machine; the torch case replaces it
+    assert r.driver is not None  # the driver path is what runs on this machine; the torch case replaces it
     if path == "torch":
-        r._drv = None
+        r.driver = None
     n = len(registry)
     assert r.poll(n) is None
     torch.cuda.synchronize()
@@ -310,8 +311,8 @@ def _capture_loop(m: Monitor, n: int, check: bool = True) -> int:
         for _ in range(n):
             if check:
                 m.check()
-            else:
-                m._act[0] = 1  # keep the reader out of its idle state without raising
+            # (check=False: the control's stop is armed once its reader is lost; its idle_tail of 60 s keeps the
+            # reader copying meanwhile)
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g):
@@ -331,9 +332,9 @@ def test_reader_during_200_global_mode_captures_breaks_none(registry):
     registry.register("gpu.capture")
     m.prealloc("cuda")
     failures = _capture_loop(m, 200)
-    assert m._relaxed is not None, "the reader did not relax its capture mode"
+    assert m.devices.relaxed is not None, "the reader did not relax its capture mode"
     assert failures == 0
-    assert m._native_ticks > 50, "the native tick (which relaxes its own thread's mode) did not run"
+    assert m.health()["native_ticks"] > 50, "the native tick (which relaxes its own thread's mode) did not run"
     assert m.readers()["cuda:0"].copies > 50 and m.armed is None
 
 
@@ -341,7 +342,7 @@ def test_control_reader_without_relaxed_mode_breaks_captures(registry):
     m = Monitor(registry=registry, capacity=64, interval=0.001, idle_tail=60)
     registry.register("gpu.capture")
     m.prealloc("cuda")
-    m._skip_relax = True
+    m.devices.relax_capture = False
     failures = _capture_loop(m, 100, check=False)
     # The reader's event query during a global-mode capture invalidates that capture, and the driver refuses the
     # query itself (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the reader is lost as well.
@@ -354,8 +355,8 @@ def test_torch_fallback_path_reads_like_the_driver_path(registry, cuda_monitor):
     s = registry.register("gpu.fallback")
     ctr = cuda_monitor.counter(s, "cuda")
     r = cuda_monitor.readers()["cuda:0"]
-    assert r._drv is not None  # the fast path is what runs on this machine
-    r._drv = None
+    assert r.driver is not None  # the fast path is what runs on this machine
+    r.driver = None
     ctr[0] = 11
     torch.cuda.synchronize()
     assert r.poll(len(registry)) is None

@@ -7,7 +7,7 @@ import ctypes.util
 
 import pytest
 
-from tripwire.reader import _Driver
+from tripwire.reader import Driver
 
 # ctypes marks a foreign function that keeps the GIL (a PyDLL one) with this flag.
 _KEEPS_GIL = ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
@@ -27,16 +27,16 @@ class _AnySymbol:
 
 
 @pytest.fixture
-def drivers() -> tuple[_Driver, _Driver]:
+def drivers() -> tuple[Driver, Driver]:
     """(as built: PyDLL for the calls that cannot block, CDLL for the rest; control: everything through PyDLL)."""
     keeps, releases = _AnySymbol(ctypes.PyDLL), _AnySymbol(ctypes.CDLL)
-    return _Driver(keeps, releases), _Driver(keeps, keeps)  # type: ignore[arg-type]
+    return Driver(keeps, releases), Driver(keeps, keeps)  # type: ignore[arg-type]
 
 
 def test_enqueue_calls_release_the_gil_and_the_rest_keep_it(drivers) -> None:
     """An enqueue can block (a hardware queue shared with a hung compute stream, a driver lock): with the GIL held
     that would freeze every Python thread of the engine. The calls that cannot block keep it (no mid-tick hand-off).
-    Control: the all-PyDLL driver (this session's first version) holds the GIL in the enqueues too."""
+    Control: the all-PyDLL driver holds the GIL in the enqueues too."""
     built, control = drivers
     for name in ENQUEUE:
         assert not getattr(built, name)._flags_ & _KEEPS_GIL, name

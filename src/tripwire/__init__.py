@@ -4,7 +4,8 @@ Importing tripwire reads no setting, initialises no CUDA context, starts no thre
 (``tests/test_import.py`` proves it). The default monitor is built on first use.
 
 Triton device helpers live in :mod:`tripwire.triton`; reference guarded kernels in :mod:`tripwire.kernels`; numeric
-instruments in :mod:`tripwire.numerics`; several ranks in :mod:`tripwire.distributed`.
+instruments in :mod:`tripwire.numerics`; several ranks in :mod:`tripwire.distributed`; events and their sinks (JSON
+lines, Prometheus) in :mod:`tripwire.sinks`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ._default import (
     counter,
     default_monitor,
     drain,
+    health,
     poll,
     prealloc,
     register_post_capture_hook,
@@ -28,6 +30,7 @@ from .config import MODES, Settings, load_settings
 from .errors import CaptureError, GuardTripped
 from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
 from .monitor import Hit, Monitor
+from .sinks import Event, Offender
 from .sites import Site, SiteRegistry, register_site, sites
 
 __version__ = "0.1.0"
@@ -51,7 +54,11 @@ __all__ = [
     "snapshot",
     "reset",
     "poll",
+    "health",
     "Hit",
+    # events (tripwire.sinks has the sinks)
+    "Event",
+    "Offender",
     # monitor and settings
     "Monitor",
     "default_monitor",

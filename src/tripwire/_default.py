@@ -16,11 +16,13 @@ from .monitor import Hit, Monitor
 from .sites import Site
 
 __all__ = [
+    "built",
     "check",
     "configure",
     "counter",
     "default_monitor",
     "drain",
+    "health",
     "poll",
     "prealloc",
     "register_post_capture_hook",
@@ -51,13 +53,27 @@ def _build() -> Monitor:
         return _monitor
 
 
-def configure(**settings: Any) -> Monitor:
+def configure(*, replace_live: bool = False, **settings: Any) -> Monitor:
     """Replace the default monitor with ``Monitor(**settings)`` (same names as the TRIPWIRE_* variables).
 
-    The old monitor's reader is stopped; its arenas stay allocated forever (graphs may hold them), so call this
-    before ``prealloc`` and before capturing anything, or kernels captured earlier keep counting into the old arena.
+    Call it before ``prealloc`` and before anything counts: once the default monitor has an arena, kernels (and
+    graphs captured with them) keep counting into it, and a replacement would never read those counts. So a
+    default monitor whose arenas exist is not replaced: RuntimeError, naming them. ``replace_live=True`` replaces
+    it anyway (tests and tools that know nothing still writes there): the old monitor's reader is stopped and its
+    arenas stay allocated forever (graphs may hold them).
     """
     global _monitor
+    with _lock:
+        old = _monitor
+    if old is not None and not replace_live:
+        devices = [str(d) for d in old.arena.devices()]
+        if devices:
+            raise RuntimeError(
+                f"tripwire.configure(): the default monitor already has counter arenas on {', '.join(devices)}; "
+                f"kernels and captured graphs keep counting into them, so a new monitor would never see those "
+                f"counts. Call configure() before prealloc()/counter(), or pass replace_live=True if nothing "
+                f"writes there any more."
+            )
     new = Monitor(**settings)
     with _lock:
         old, _monitor = _monitor, new
@@ -91,11 +107,22 @@ def start() -> None:
     default_monitor().start()
 
 
-def stop() -> None:
-    """Join the default monitor's reader thread."""
+def stop(timeout: float | None = 5.0) -> None:
+    """Stop and join the default monitor's reader thread and native tick, waiting at most ``timeout`` seconds for
+    each (None: no limit)."""
     m = _monitor
     if m is not None:
-        m.stop()
+        m.stop(timeout)
+
+
+def health() -> dict[str, Any]:
+    """The default monitor's :meth:`Monitor.health` (built on first use, like every function here)."""
+    return default_monitor().health()
+
+
+def built() -> bool:
+    """Whether the default monitor exists yet (importing tripwire must not build it)."""
+    return _monitor is not None
 
 
 def poll() -> None:

@@ -17,10 +17,20 @@ from .errors import CaptureError
 from .layout import SLOTS
 from .sites import Site, SiteRegistry
 
-__all__ = ["Arena", "normalize_device", "unindexed_cuda"]
+__all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
 
 # Every arena of the process, forever (see the module docstring). Never cleared.
 _IMMORTAL: list[torch.Tensor] = []
+
+
+def arenas_made() -> int:
+    """How many arenas this process has allocated (every one is still alive: see the module docstring)."""
+    return len(_IMMORTAL)
+
+
+def is_kept(t: torch.Tensor) -> bool:
+    """``t`` is one of the arenas kept alive for the process's lifetime."""
+    return any(a is t for a in _IMMORTAL)
 
 
 def unindexed_cuda(device: object) -> bool:
@@ -58,7 +68,7 @@ class Arena:
         self._lock = threading.Lock()
         self._tensors: dict[torch.device, torch.Tensor] = {}
         # (id(site), raw device argument) -> (site, row view). The hot path of a launcher is one dict lookup.
-        self._views: dict[tuple[int, object], tuple[Site, torch.Tensor]] = {}
+        self.views: dict[tuple[int, object], tuple[Site, torch.Tensor]] = {}
 
     def prealloc(self, device: torch.device | str | int) -> torch.Tensor:
         """Allocate (once) the arena of ``device`` and return it. Raises CaptureError inside a capture."""
@@ -96,7 +106,7 @@ class Arena:
         CaptureError. Repeated calls return the same cached view (no allocation, no CUDA call).
         """
         key = (id(site), device)
-        hit = self._views.get(key)
+        hit = self.views.get(key)
         if hit is not None and hit[0] is site:
             return hit[1]
         site = self.registry.resolve(site)
@@ -117,7 +127,7 @@ class Arena:
         view = t[site.id]
         if not unindexed_cuda(device):
             # "cuda" without an index names the current device, which can change: never cache it as is.
-            self._views[key] = (site, view)
+            self.views[key] = (site, view)
         return view
 
     def zero_(self) -> None:

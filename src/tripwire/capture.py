@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,6 +27,7 @@ __all__ = [
     "CAPTURE_MODE_GLOBAL",
     "CAPTURE_MODE_RELAXED",
     "CAPTURE_MODE_THREAD_LOCAL",
+    "PostCaptureHooks",
     "exchange_capture_mode",
     "install_capture_watch",
     "is_capturing",
@@ -159,3 +162,42 @@ def install_capture_watch() -> None:
         cls.capture_begin = capture_begin  # type: ignore[method-assign]
         cls.capture_end = capture_end  # type: ignore[method-assign]
         _watch_installed = True
+
+
+class PostCaptureHooks:
+    """Functions to run once after warm-up and capture (at ``start()``), in registration order; one registered
+    after that runs at once. A failing hook is logged and does not stop the others (nor the engine)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: list[Callable[[], Any]] = []
+        self._ran = 0
+        self.started = False
+
+    def register(self, fn: Callable[[], Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"a post-capture hook must be callable, got {fn!r}")
+        with self._lock:
+            self._fns.append(fn)
+            run_now = self.started
+        if run_now:
+            self.run()
+
+    def start(self) -> bool:
+        """Mark the start (later hooks run at once); True the first time."""
+        with self._lock:
+            first, self.started = not self.started, True
+        return first
+
+    def run(self) -> None:
+        """Run every hook that has not run yet, each once, in registration order."""
+        while True:
+            with self._lock:
+                if self._ran >= len(self._fns):
+                    return
+                fn = self._fns[self._ran]
+                self._ran += 1
+            try:
+                fn()
+            except Exception:
+                log.exception("tripwire: post-capture hook %r failed; continuing with the others", fn)

@@ -1,4 +1,5 @@
-"""The ``tripwire`` command: ``tripwire demo`` (the README's first command), ``tripwire bench``, ``tripwire sites``.
+"""The ``tripwire`` command: ``tripwire demo`` (the README's first command), ``tripwire bench``, ``tripwire sites``,
+``tripwire doctor``.
 
 Without a GPU, Triton kernels must run in the interpreter, and TRITON_INTERPRET has to be set before triton is
 imported: so the CLI decides the device first and sets it before importing anything that imports triton.
@@ -20,15 +21,41 @@ def _want_interpreter(device: str | None) -> bool:
     return not device.startswith("cuda")
 
 
-def _bench_dir() -> Path:
+def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
+    """Where the benchmark suite is, or None and why not. ``TRIPWIRE_BENCH_DIR`` wins; else the ``benchmarks/`` of
+    the source checkout this package runs from (src layout: ``<repo>/src/tripwire`` -> ``<repo>/benchmarks``). An
+    installed wheel has no suite: the scripts, their results and their plots live in the repository."""
     env = os.environ.get("TRIPWIRE_BENCH_DIR")
-    if env:
-        return Path(env)
-    # Source checkout (editable install, src layout): <repo>/src/tripwire/cli.py -> <repo>/benchmarks
-    return Path(__file__).resolve().parents[2] / "benchmarks"
+    if env is not None:
+        d = Path(env)
+        if (d / "run_all.py").is_file():
+            return d, ""
+        return None, f"TRIPWIRE_BENCH_DIR={env!r} has no run_all.py (it must name a checkout's benchmarks/ folder)"
+    pkg = (package or Path(__file__).resolve().parent).resolve()
+    d = pkg.parents[1] / "benchmarks"
+    if pkg.parent.name == "src" and (d / "run_all.py").is_file():
+        return d, ""
+    return None, (
+        f"tripwire is installed at {pkg}, not run from a source checkout, and the benchmark suite ships only with "
+        f"the repository: clone it and run `pip install -e '.[bench]'` there, or set TRIPWIRE_BENCH_DIR to a "
+        f"checkout's benchmarks/ folder"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # The reader of our output went away (`tripwire sites | head`): not an error of ours. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tripwire", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a paged-KV decode loop with injected metadata faults", add_help=False)
@@ -36,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the benchmark suite (benchmarks/)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("sites", help="list the registered sites of the reference kernels and instruments")
+    doctor = sub.add_parser("doctor", help="check this machine: what works and what would not", add_help=False)
+    doctor.add_argument("args", nargs=argparse.REMAINDER)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, rest = parser.parse_known_args(argv)
     extra = list(getattr(ns, "args", []) or []) + rest
-    if ns.cmd in ("demo", "bench"):
+    if ns.cmd in ("demo", "bench", "doctor"):
         # argparse's REMAINDER drops leading options into `rest` out of order ("bench --only q2 --quick" would
         # become ["q2", "--quick", "--only"]): pass everything after the subcommand through verbatim instead.
         extra = argv[argv.index(ns.cmd) + 1 :]
@@ -61,13 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(extra)
     if ns.cmd == "bench":
-        bdir = _bench_dir()
-        if not (bdir / "run_all.py").is_file():
-            print(
-                f"tripwire bench: no benchmark suite at {bdir} (it runs from a source checkout; set "
-                f"TRIPWIRE_BENCH_DIR to the repository's benchmarks/ folder)",
-                file=sys.stderr,
-            )
+        bdir, why = bench_dir()
+        if bdir is None:
+            print(f"tripwire bench: no benchmark suite: {why}", file=sys.stderr)
             return 2
         if _want_interpreter(None):
             os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -88,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in tripwire.sites():
             print(f"{s.id:4d}  {s.kind:9s} {'FATAL' if s.fatal else '     '} {s.name}  {s.description}")
         return 0
+    if ns.cmd == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(extra)
     return 2
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["MODES", "NATIVE_TICK", "Settings", "load_settings"]
+__all__ = ["MODES", "NATIVE_TICK", "SettingView", "Settings", "check_timeout", "load_settings"]
 
 MODES = ("raise", "warn", "off")
 
@@ -26,6 +26,8 @@ _ENV = {
     "capacity": ("TRIPWIRE_CAPACITY", 1024),
     "heartbeat": ("TRIPWIRE_HEARTBEAT", 60.0),
     "native_tick": ("TRIPWIRE_NATIVE_TICK", "auto"),
+    "event_log": ("TRIPWIRE_EVENT_LOG", None),
+    "store_poll": ("TRIPWIRE_STORE_POLL", 0.5),
 }
 NATIVE_TICK = ("auto", "on", "off")
 
@@ -43,6 +45,18 @@ def _parse_native_tick(var: str, raw: Any) -> str:
     if not isinstance(raw, str) or raw.strip().lower() not in NATIVE_TICK:
         raise ValueError(f"{var}={raw!r} is not a native-tick choice; expected one of {', '.join(NATIVE_TICK)}")
     return raw.strip().lower()
+
+
+def _parse_path(var: str, raw: Any) -> str | None:
+    """A file path, or None (no file). Whether it can be written is checked where it is opened (the monitor's
+    construction), so that an unwritable path fails there too."""
+    if raw is None:
+        return None
+    if isinstance(raw, os.PathLike):
+        raw = os.fspath(raw)
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(f"{var}={raw!r}: expected a file path (unset it for no event log)")
+    return raw
 
 
 def _parse_seconds(var: str, raw: Any) -> float:
@@ -83,6 +97,8 @@ _PARSERS = {
     "heartbeat": _parse_seconds,
     "capacity": _parse_capacity,
     "native_tick": _parse_native_tick,
+    "event_log": _parse_path,
+    "store_poll": _parse_seconds,
 }
 
 
@@ -96,7 +112,10 @@ class Settings:
     device arena, fixed for the process. ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
     ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
     can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it cannot be
-    built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick).
+    built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick). ``event_log``: a file that
+    gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None. ``store_poll``: seconds between
+    :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own thread (the reader's ticks stay
+    native): how late a peer's stop arrives, against the store's load (one request per rank per poll).
     """
 
     mode: str = "warn"
@@ -106,6 +125,8 @@ class Settings:
     capacity: int = 1024
     heartbeat: float = 60.0
     native_tick: str = "auto"
+    event_log: str | None = None
+    store_poll: float = 0.5
 
     def __post_init__(self) -> None:
         # Validate keyword-built settings exactly like environment ones: the same fail-closed rules.
@@ -118,6 +139,27 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown tripwire setting(s) {sorted(unknown)}; known: {sorted(_ENV)}")
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def check_timeout(what: str, timeout: Any) -> None:
+    """ValueError unless ``timeout`` is None (no limit) or a finite number of seconds >= 0."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"{what}(timeout={timeout!r}): expected None or a finite number of seconds >= 0")
+
+
+class SettingView:
+    """A read-only attribute that shows one of its object's settings: ``Monitor.mode`` is ``monitor.settings.mode``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.settings, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{type(obj).__name__}.{self.name} is read-only: build it with {self.name}=... instead")
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -133,7 +175,7 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Set
     values: dict[str, Any] = {}
     for name, (var, default) in _ENV.items():
         raw = env.get(var)
-        values[name] = default if raw is None else _PARSERS[name](var, raw)
+        values[name] = default if raw is None else _PARSERS[name](var, raw)  # type: ignore[operator]
     for name, value in overrides.items():
         if value is not None:
             values[name] = _PARSERS[name](name, value)

@@ -8,27 +8,36 @@ collective until the NCCL watchdog fires (minutes later) and the cause drowns in
   reader, a fatal hit confirmed by ``drain()`` at shutdown), a JSON record (rank, site, device, count, first
   offender, message, host, pid, time) is written under one job-scoped key with ``compare_set`` from "absent", so
   the first rank to publish wins and later ones never overwrite it. A stop learned from a peer is never re-published.
-* **Learn.** On every reader tick (idle ticks included) the key is checked with ``store.check([key])`` (one
-  non-blocking round trip; ``get`` only once it exists). When a peer published, this rank arms its own stop with a
-  :class:`~tripwire.GuardTripped` whose ``rank`` is the peer's and whose message carries the peer's message; the
-  engine raises it at its next ``tripwire.check()``. Nothing runs on the engine thread and nothing is a collective.
+* **Learn.** Every ``store_poll`` seconds (``TRIPWIRE_STORE_POLL``, default 0.5 s) the key is checked with
+  ``store.check([key])`` (one non-blocking round trip; ``get`` only once it exists). When a peer published, this rank
+  arms its own stop with a :class:`~tripwire.GuardTripped` whose ``rank`` is the peer's and whose message carries
+  the peer's message; the engine raises it at its next ``tripwire.check()``. Nothing runs on the engine thread,
+  nothing is a collective, and nothing runs on the reader's ticks: they stay native (the store poll would otherwise
+  make every tick a Python tick, each holding the engine's GIL).
 * **Abort** (``abort=True``). On any stop (local or learned) the process groups are aborted (``ProcessGroup.abort``,
   which for NCCL is ``ncclCommAbort`` of every communicator), so a thread blocked inside a collective returns at once
   with an error instead of waiting for the watchdog. The stop is armed *before* the abort, so an engine that catches
   the collective's error finds the GuardTripped already there (:meth:`Coordinator.raise_if_stopped`,
   :meth:`Coordinator.guarded`). After an abort the groups are unusable: the engine must exit or rebuild them.
 
-Threads. The reader thread's tick hook only schedules work and watches the clock; the store calls run on a separate
-``tripwire-coord`` thread. Why: a TCPStore whose server is alive but stalled (SIGSTOP, a wedged host, a dropped
-network path) makes ``check()`` block indefinitely -- the client's timeout does not bound it (measured with torch
-2.13: >40 s with a 0.3 s timeout). On the reader thread that would also stop local hit detection. Instead, a call
-outstanding longer than ``store_timeout`` counts as a failure on every tick; a call that raises counts once.
-After ``max_store_failures`` consecutive failures the rank arms with "coordination lost" (its peers can no longer
-reach it, nor it them). The abort runs on its own short-lived thread, so a hung store cannot delay it either.
+Threads. The store calls run on a ``tripwire-coord`` thread, at the poll cadence (and at once to publish). A
+``tripwire-coord-watch`` thread watches it: a TCPStore whose server is alive but stalled (SIGSTOP, a wedged host, a
+dropped network path) makes ``check()`` block indefinitely -- the client's timeout does not bound it (measured with
+torch 2.13: >40 s with a 0.3 s timeout). A call outstanding longer than ``store_timeout`` counts as a failure at
+every poll slot it occupies; a call that raises counts once. After ``max_store_failures`` consecutive failures the
+rank arms with "coordination lost" (its peers can no longer reach it, nor it them): about ``max_store_failures x
+store_poll`` seconds of a store that refuses connections, ``store_timeout`` more of one that stopped answering. The
+abort runs on its own short-lived thread, so a hung store cannot delay it either.
 
 Latency. The firing rank arms about one reader interval after the hit (its reader sees the rise on its next tick and
-re-polls at once for the confirming copy), publishes at once, and a peer sees the record on its next tick (at most
-one more interval): peers raise within about two intervals of the hit, three in the worst case the Monitor allows.
+re-polls at once for the confirming copy) and publishes at once; a peer sees the record at its next poll: peers
+raise within about one reader interval plus one ``store_poll`` of the hit.
+
+Load on the store. Each rank sends one ``check`` (a ~30-byte request, a ~10-byte reply) per ``store_poll``; a
+published stop adds one ``compare_set`` and, on every peer, one ``get``. At the default 0.5 s: 128 requests/s at 64
+ranks, 1,024/s at 512, 8,192/s at 4,096, all on the one TCPStore master (the job's rendezvous store). See
+``benchmarks/RESULTS.md`` (the store's load) for what one master serves; at thousands of ranks raise
+``store_poll`` (1-2 s) or give ``coordinate`` a store of its own.
 
 Scope of the key. ``{key_prefix}/stop`` inside the given store. The default process group's store is already
 scoped to the job (and, under torchrun, to the restart attempt); a store you pass in must be private to the job,
@@ -37,6 +46,7 @@ or use a ``key_prefix`` unique to it: a record left from an earlier job under th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -67,9 +77,9 @@ __all__ = [
 
 log = logging.getLogger("tripwire")
 
-# 20 consecutive failures: about 1 s of a store that refuses connections at the default 50 ms interval, or
-# store_timeout + 1 s of a store that stopped answering. A dead TCPStore master does not come back (it lives in
-# rank 0's process or the launcher), so waiting longer only delays the stop.
+# 20 consecutive failures: 20 polls of a store that refuses connections (10 s at the default 0.5 s poll), or
+# store_timeout more of a store that stopped answering. A dead TCPStore master does not come back (it lives in rank
+# 0's process or the launcher), so waiting longer only delays the stop.
 DEFAULT_MAX_STORE_FAILURES = 20
 DEFAULT_STORE_TIMEOUT = 2.0
 # The site name of a stop armed because the store became unreachable (never published: the store is the problem).
@@ -89,6 +99,7 @@ def coordinate(
     key_prefix: str = "tripwire",
     max_store_failures: int = DEFAULT_MAX_STORE_FAILURES,
     store_timeout: float = DEFAULT_STORE_TIMEOUT,
+    store_poll: float | None = None,
 ) -> Coordinator:
     """Coordinate ``monitor``'s stop (default: the default monitor) with every rank of the job. Call it on every
     rank, after ``torch.distributed.init_process_group`` (or with a store), before or after ``tripwire.start()``.
@@ -101,7 +112,8 @@ def coordinate(
     ``abort``: abort the group(s) on any stop, so a thread blocked in a collective returns with an error.
     ``key_prefix``: the record lives at ``{key_prefix}/stop``; every rank must use the same prefix.
     ``max_store_failures``: consecutive failed (or overdue) store calls after which this rank arms "coordination
-    lost". ``store_timeout``: seconds after which an outstanding store call counts as failed.
+    lost". ``store_timeout``: seconds after which an outstanding store call counts as failed. ``store_poll``:
+    seconds between polls of the store (default: the monitor's ``store_poll`` setting, ``TRIPWIRE_STORE_POLL``).
 
     Returns the :class:`Coordinator`; ``close()`` it to detach. One coordinator per monitor at a time.
     """
@@ -114,6 +126,10 @@ def coordinate(
         raise ValueError(f"store_timeout={store_timeout!r}: expected a number of seconds")
     if not math.isfinite(store_timeout) or store_timeout <= 0:
         raise ValueError(f"store_timeout={store_timeout!r}: expected a finite number of seconds > 0")
+    # Validated like every setting (fail closed): a broken cadence must not silently stop the polling.
+    poll_s = (
+        mon.settings.store_poll if store_poll is None else mon.settings.with_overrides(store_poll=store_poll).store_poll
+    )
     if not isinstance(key_prefix, str) or not key_prefix:
         raise ValueError(f"key_prefix={key_prefix!r}: expected a non-empty string")
 
@@ -168,6 +184,7 @@ def coordinate(
             groups=groups,
             max_store_failures=max_store_failures,
             store_timeout=float(store_timeout),
+            store_poll=poll_s,
         )
         _coordinated[mon] = coord
     return coord
@@ -193,8 +210,10 @@ class Coordinator:
         groups: list[Any] | None,
         max_store_failures: int,
         store_timeout: float,
+        store_poll: float,
     ) -> None:
         self.monitor = monitor
+        self.store_poll = store_poll
         self.rank = rank
         self.key = key
         self.abort_enabled = abort
@@ -224,10 +243,12 @@ class Coordinator:
         self.abort_done = threading.Event()
         self.aborted: list[str] = []
         self.abort_errors: list[str] = []
+        self._spans: collections.deque[tuple[float, float]] | None = None
         self._thread = threading.Thread(target=self._io_loop, name="tripwire-coord", daemon=True)
+        self._watch = threading.Thread(target=self._watch_loop, name="tripwire-coord-watch", daemon=True)
         self._thread.start()
+        self._watch.start()
         monitor.add_arm_listener(self._on_arm)
-        monitor.add_tick_hook(self._on_tick)
         armed = monitor.armed
         if armed is not None:  # armed before coordinate(): its peers have not heard of it yet
             self._on_arm(armed)
@@ -273,10 +294,10 @@ class Coordinator:
         """Detach from the monitor (no more publishing, learning or aborting) and stop the store thread. An abort
         already running is not undone. Idempotent."""
         self.monitor.remove_arm_listener(self._on_arm)
-        self.monitor.remove_tick_hook(self._on_tick)
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        self._watch.join(timeout)
         self._thread.join(timeout)
         if self._thread.is_alive():  # stuck in a store call on a hung store: a daemon thread, it cannot block exit
             log.warning("tripwire: the coordination thread is stuck in a store call; leaving it (daemon)")
@@ -313,38 +334,43 @@ class Coordinator:
             self._start_abort()
         # Off the reader thread (drain() at shutdown, user code), wait for the first publish attempt, so a stop
         # found at shutdown reaches the store before the process exits. The reader thread never waits.
-        if publish and threading.current_thread() is not self.monitor._thread:
+        if publish and not self.monitor.on_reader_thread():
             self._publish_attempted.wait(self.store_timeout)
 
-    def _on_tick(self, monitor: Monitor) -> None:
-        """Tick hook on the reader thread: schedule one store round, or count an overdue one. Never blocks."""
-        now = time.monotonic()
-        lost: str | None = None
-        with self._cv:
-            if self._closed:
-                return
-            if self._inflight_since is not None:
-                overdue = now - self._inflight_since
-                if overdue > self.store_timeout:
-                    lost = self._failed_locked(TimeoutError(f"a store call has not returned for {overdue:.1f} s"), now)
-            elif self._to_publish is not None or monitor.armed is None:
-                self._kick = True
-                self._cv.notify_all()
-        if lost is not None:
-            self._lose(lost)
+    def trace(self, on: bool | None = None) -> list[tuple[float, float]]:
+        """The store rounds' and the watchdog's spans ``(start, end)`` in ``time.perf_counter`` seconds (the last
+        few thousand); ``on`` switches recording (benchmarks: they run on threads that share the engine's GIL)."""
+        if on is not None:
+            self._spans = collections.deque(maxlen=8192) if on else None
+        return list(self._spans or ())
 
-    # ------------------------------------------------------------------ the coordination thread
+    def _span(self, t0: float) -> None:
+        spans = self._spans
+        if spans is not None:
+            spans.append((t0, time.perf_counter()))
+
+    # ------------------------------------------------------------------ the coordination threads
     def _io_loop(self) -> None:
+        """The store calls: a poll every ``store_poll`` (while not armed), a publish as soon as one is asked for."""
+        next_poll = time.monotonic()
         while True:
             with self._cv:
                 while not (self._kick or self._closed):
-                    self._cv.wait()
+                    wait = next_poll - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cv.wait(wait)
                 if self._closed:
                     return
                 self._kick = False
                 record = self._to_publish
-                poll = self.monitor.armed is None
+                # Mode off: no reader, so this rank neither learns nor publishes by polling (the mode's contract).
+                poll = self.monitor.armed is None and self.monitor.settings.mode != "off"
+                if record is None and not poll:
+                    next_poll = time.monotonic() + self.store_poll
+                    continue
                 self._inflight_since = time.monotonic()
+            t0 = time.perf_counter()
             try:
                 self._round(record, poll)
             except Exception:  # never let the thread die: a bug here must not end coordination silently
@@ -352,6 +378,29 @@ class Coordinator:
             finally:
                 with self._cv:
                     self._inflight_since = None
+                self._span(t0)
+            next_poll = time.monotonic() + self.store_poll
+
+    def _watch_loop(self) -> None:
+        """Counts a store call outstanding past ``store_timeout`` as one failure per poll slot it occupies (the
+        caller thread cannot: it is the one stuck). Never blocks on the store."""
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                self._cv.wait(self.store_poll)
+                if self._closed:
+                    return
+                since = self._inflight_since
+            now = time.monotonic()
+            if since is None or now - since <= self.store_timeout:
+                continue
+            t0 = time.perf_counter()
+            with self._cv:
+                lost = self._failed_locked(TimeoutError(f"a store call has not returned for {now - since:.1f} s"), now)
+            if lost is not None:
+                self._lose(lost)
+            self._span(t0)
 
     def _round(self, record: dict[str, Any] | None, poll: bool) -> None:
         found: bytes | None = None

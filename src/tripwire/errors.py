@@ -47,6 +47,24 @@ class GuardTripped(RuntimeError):
         self.rank = rank
         self.fatal = fatal
 
+    @classmethod
+    def internal(cls, message: str, device: str = "*") -> GuardTripped:
+        """A stop armed by tripwire itself (a lost reader, a failed reader loop), not by a site's hit."""
+        return cls(message, site="<reader>", device=device, count=0)
+
+    def as_dict(self) -> dict[str, object]:
+        """The stop as plain JSON types (``Monitor.health()``)."""
+        return {
+            "site": self.site,
+            "device": self.device,
+            "rank": self.rank,
+            "count": self.count,
+            "first_row": self.first_row,
+            "first_value": self.first_value,
+            "fatal": self.fatal,
+            "message": str(self),
+        }
+
     def __reduce__(self):  # picklable, so it can cross process boundaries in tests and tools
         return (
             _rebuild_guard_tripped,

@@ -1,4 +1,4 @@
-"""The monitor: the sites' reported state, the armed stop, the reader thread and the lifecycle.
+"""The monitor: the lifecycle, the reader thread, the armed stop, and the tools.
 
 Lifecycle in an engine::
 
@@ -8,237 +8,64 @@ Lifecycle in an engine::
     loop: tripwire.check(); step()   # one attribute read per step; raises GuardTripped when armed
     shutdown: tripwire.drain()       # a final synchronous read: a hit on the last step is not lost
 
-Reporting: a rise first seen in copy k is confirmed and reported from copy k+1 (kernels bump the count before the
-extremes, so copy k may hold the count without them). Reports are aggregated per site and device: at most one line
-per ``report_every`` seconds, carrying the delta since the last line.
+A tick: :mod:`tripwire.reader` copies each arena without waiting on the GPU (quiet ticks run natively:
+:mod:`tripwire._native.engage`), then :mod:`tripwire.pipeline` confirms, reports and delivers what changed.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from ._native import NativeTicker, NativeUnavailable
+from . import confirm
+from ._native.engage import Engagement
 from .arena import Arena, normalize_device, unindexed_cuda
-from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
-from .config import Settings, load_settings
+from .capture import PostCaptureHooks, is_capturing
+from .config import Settings, SettingView, check_timeout, load_settings
 from .errors import CaptureError, GuardTripped
-from .layout import (
-    COUNT,
-    FIRST_ROW,
-    FIRST_VALUE,
-    MAX_ROW,
-    MAX_VALUE,
-    NEG_MIN,
-    SLOTS,
-    VALUE_MAX,
-    VALUE_MIN,
-    decode,
-    decode_neg,
-)
-from .reader import DeviceReader
+from .pipeline import Callbacks, Pipeline
+from .reader import DeviceReader, Readers
+from .report import GuardReporter, Hit, Report, RowReporter, register_reporter, tripped_for
+from .sinks import Event, JsonLines, stop_event
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 
 __all__ = ["GuardReporter", "Hit", "Monitor", "RowReporter", "register_reporter"]
 
 log = logging.getLogger("tripwire")
 
-# Monitors whose native tick may be running: stopped at interpreter exit, before torch frees the pinned mirrors it
-# reads (the Python reader is a daemon thread and is simply frozen; a native thread would keep running).
-_live_tickers: weakref.WeakSet[Monitor] = weakref.WeakSet()
-_exit_hook = False
-
-
-# At exit, how long to wait for a native tick stuck in a driver call (a hung stream) before leaving it behind.
-_EXIT_JOIN_S = 1.0
-
-
-def _stop_native_at_exit() -> None:
-    for m in list(_live_tickers):
-        m._stop_evt.set()
-        ticker = m._native
-        if ticker is not None and not ticker.stop(_EXIT_JOIN_S):
-            log.error("tripwire: the native tick is stuck in a driver call at exit; leaving it behind")
-
-
-def _forget_native_in_child() -> None:
-    # The child has no native thread (only the forking thread survives fork): drop the parent's tickers without
-    # calling into them (their mutex may have been held at the fork); a start() in the child makes a new one.
-    for m in list(_live_tickers):
-        t = m._native
-        if t is not None:
-            t._forked = True
-            if t.attached:
-                t.detach()  # Python-only: hands the readers' copy state back
-            m._native, m._native_off = None, "not started"
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_native_in_child)
-
-
-def _register_exit_hook() -> None:
-    global _exit_hook
-    if not _exit_hook:
-        _exit_hook = True
-        atexit.register(_stop_native_at_exit)
-
-
-# A confirmation waits at most this many extra copies for a first-offender pair that has not landed yet.
-_MAX_EXTRA_CONFIRM_COPIES = 3
-# Re-poll delay while a confirmation is pending (a D2H copy of the arena lands in tens of microseconds).
-_CONFIRM_REPOLL_S = 0.001
-
-
-@dataclass(frozen=True)
-class Hit:
-    """Decoded guard row. ``first_row``/``first_value`` are one real hit; the extremes are independent lifetime
-    extremes (the max row and the max value may come from different hits). None where nothing was recorded."""
-
-    count: int
-    first_row: int | None
-    first_value: int | None
-    max_row: int | None
-    max_value: int | None
-    min_value: int | None
-
-    @classmethod
-    def from_row(cls, row: np.ndarray) -> Hit:
-        return cls(
-            count=int(row[COUNT]),
-            first_row=decode(int(row[FIRST_ROW])),
-            first_value=decode(int(row[FIRST_VALUE])),
-            max_row=decode(int(row[MAX_ROW])),
-            max_value=decode(int(row[MAX_VALUE])),
-            min_value=decode_neg(int(row[NEG_MIN])),
-        )
-
-
-class RowReporter(Protocol):
-    """Turns confirmed rises of one kind of row into reports. ``count_slots``: the slots whose sum rising means
-    new events. ``confirm`` runs under the monitor's lock on the reader thread (or drain's caller); ``tick`` runs on
-    every poll with the latest rows of every device (for heartbeats)."""
-
-    count_slots: tuple[int, ...]
-
-    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None: ...
-
-    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None: ...
-
-
-_REPORTER_FACTORIES: dict[str, Callable[[], Any]] = {}
-
-
-def register_reporter(kind: str, factory: Callable[[], Any]) -> None:
-    """Plug in the reporter for rows of ``kind`` (numeric instruments do this at import)."""
-    _REPORTER_FACTORIES[kind] = factory
-
-
-def _fmt(v: int | None) -> str:
-    if v is None:
-        return "-"
-    if v >= VALUE_MAX or v <= VALUE_MIN:
-        return f"{v} (saturated: |value| >= 2**62)"
-    return str(v)
-
-
-def _accesses(n: int) -> str:
-    return f"{n} out-of-range access{'' if n == 1 else 'es'}"
-
-
-def guard_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
-    """The report of a guard row (the logger's name already says tripwire, so no prefix)."""
-    fatal = " (FATAL site: the masked value was written somewhere durable)" if site.fatal else ""
-    if delta is not None:
-        what = f"{delta} new {_accesses(delta)[len(str(delta)) + 1 :]} masked ({hit.count} total)"
-    else:
-        what = f"{_accesses(hit.count)} masked"
-    desc = f" [{site.description}]" if site.description else ""
-    return (
-        f"MASKED FAULT at site {site.name!r} on {device}{fatal}: {what}; those lanes did NOT compute a correct "
-        f"result.{desc} First offender: row {_fmt(hit.first_row)}, value {_fmt(hit.first_value)}. Lifetime "
-        f"extremes (independent, not one hit): max row {_fmt(hit.max_row)}, value min {_fmt(hit.min_value)} max "
-        f"{_fmt(hit.max_value)}. Look at the metadata entry at the first offender's row."
-    )
-
-
-class GuardReporter:
-    """The reporter of guard-layout rows: a WARNING per confirmed rise (aggregated per site and device), and the
-    stop armed in ``raise`` mode or for a fatal site. Subclasses change only the wording (``message``)."""
-
-    count_slots: tuple[int, ...] = (COUNT,)
-    message = staticmethod(guard_message)
-
-    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
-        hit = Hit.from_row(row)
-        message = self.message
-        monitor.emit((device, site.id), hit.count, now, lambda delta: message(site, device, hit, delta=delta))
-        if monitor.settings.mode == "raise" or site.fatal:
-            monitor.arm(monitor.tripped_for(site, device, hit, message))
-
-    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None:
-        return None
-
-
-for _kind in GUARD_KINDS:
-    register_reporter(_kind, GuardReporter)
-
-
-@dataclass
-class _Emitted:
-    logged_total: int = 0
-    logged_at: float = float("-inf")
-    total: int = 0
-    render: Callable[[int], str] | None = None  # set while a line is deferred by the window
-    level: int = logging.WARNING
-
 
 class Monitor:
     """Holds the reported state of every row, the armed stop and the reader thread.
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
-    ``heartbeat``, ``native_tick``), validated exactly like the ``TRIPWIRE_*`` variables it overrides. A fresh
-    Monitor has its own arena, reader and reported state, so tests can build one each. ``registry`` defaults to the
-    process-wide one.
+    ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``), validated exactly like the ``TRIPWIRE_*``
+    variable it overrides, and readable as a read-only attribute (``monitor.mode``). A fresh Monitor has its own
+    arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
     """
 
+    mode = SettingView()
+    interval = SettingView()
+    idle_tail = SettingView()
+    report_every = SettingView()
+    capacity = SettingView()
+    heartbeat = SettingView()
+    event_log = SettingView()
+    store_poll = SettingView()
+
     def __init__(
-        self,
-        *,
-        mode: str | None = None,
-        interval: float | None = None,
-        idle_tail: float | None = None,
-        report_every: float | None = None,
-        capacity: int | None = None,
-        heartbeat: float | None = None,
-        native_tick: str | None = None,
-        registry: SiteRegistry | None = None,
-        env: dict[str, str] | None = None,
+        self, *, registry: SiteRegistry | None = None, env: dict[str, str] | None = None, **settings: Any
     ) -> None:
-        self.settings: Settings = load_settings(
-            env,
-            mode=mode,
-            interval=interval,
-            idle_tail=idle_tail,
-            report_every=report_every,
-            capacity=capacity,
-            heartbeat=heartbeat,
-            native_tick=native_tick,
-        )
+        self.settings: Settings = load_settings(env, **settings)
         self.registry = registry if registry is not None else default_registry()
         self.arena = Arena(self.registry, self.settings.capacity)
         self._lock = threading.RLock()
-        self._readers: dict[torch.device, DeviceReader] = {}
+        self.devices = Readers()
         # The armed stop. check() reads only this attribute (and sets _act).
         self._tripped: GuardTripped | None = None
         # check() sets this byte (the reader's idle detection). A bytearray, not a bool attribute, so that the native
@@ -247,67 +74,41 @@ class Monitor:
         self._last_active = time.monotonic()
         self._thread: threading.Thread | None = None
         self._stop_evt = threading.Event()
-        self._started = False
-        self._hooks: list[Callable[[], Any]] = []
-        self._hooks_run = 0
-        self._tick_hooks: list[Callable[[Monitor], None]] = []
-        self._arm_listeners: list[Callable[[GuardTripped], None]] = []
-        self._arm_queue: list[GuardTripped] = []  # armed under the lock, listeners not yet called
-        self._reporters: dict[str, RowReporter] = {}
-        # Per device: reported progress per row, and the rows pending confirmation
-        # (row -> [extra copies waited, progress seen in the newest copy]).
-        self._reported: dict[str, np.ndarray] = {}
-        self._pending: dict[str, dict[int, list[int]]] = {}
-        self._latest: dict[str, np.ndarray] = {}
-        self._emitted: dict[tuple[str, int], _Emitted] = {}
-        # Per registry size: the row ids of each kind, and the progress plan (slot, 0/1 mask or None = every row).
-        self._kind_index: tuple[int, dict[str, np.ndarray], tuple[tuple[int, np.ndarray | None], ...]] = (-1, {}, ())
-        self._relaxed: str | None = None  # how the latest reader thread's capture mode was relaxed
-        # The capture mode is per THREAD: a reader thread started again after stop() must relax its own.
-        self._tls = threading.local()
-        self._skip_relax = False  # tests' control only: a reader that keeps the global mode
-        self._ticks = 0
-        self._native_ticks = 0  # of which the native thread ran (folded in when it hands the readers back)
-        self._quiet_ticks = 0
-        self._idle_skips = 0
+        self._hooks = PostCaptureHooks()
+        self._tick_hooks = Callbacks("a tick hook")
+        self._arm_listeners = Callbacks("an arm listener")
+        self._arm_queue: list[GuardTripped] = []  # armed under the lock, delivered (_deliver) once it is released
+        self._sync_due = False  # the sinks' health is due (a stop, a reset, a new sink)
+        self.pipeline = Pipeline(self)
+        self.confirmer, self.sinks = self.pipeline.confirmer, self.pipeline.sinks
+        self._last_tick: float | None = None
         self.loop_errors = 0
-        # The native quiet tick (tripwire._native): made at start() unless native_tick is off or it cannot be built
-        # (_native_off then says why, for the log and the tests).
-        self._native: NativeTicker | None = None
-        self._rows_lock = threading.Lock()
-        self._native_off: str | None = "not started" if self.settings.native_tick != "off" else "native_tick=off"
+        # The native quiet tick: made at start() unless native_tick is off or it cannot be built.
+        self.native = Engagement(self._lock, self._stop_evt, self.settings.native_tick)
         self.registry.add_listener(self._on_register)
+        if self.settings.event_log is not None:
+            self.add_sink(JsonLines(self.settings.event_log))  # opened now: an unwritable path fails here
 
-    # ------------------------------------------------------------------ statistics
-    def _native_live(self, k: int) -> int:
-        """The native thread's ``live()[k]`` (ticks, idle skips, quiet reads) since it engaged; 0 when not engaged
-        (detach has folded them into Python's counters)."""
-        t = self._native
-        return t.live()[k] if t is not None and t.attached else 0
-
+    # ------------------------------------------------------------------ statistics (health() has them all)
     @property
     def ticks(self) -> int:
         """Reader ticks so far: Python's and the native tick's."""
-        return self._ticks + self._native_live(0)
+        return self.native.total(0)
 
     @property
     def idle_skips(self) -> int:
         """Ticks that copied nothing because no check() arrived for idle_tail."""
-        return self._idle_skips + self._native_live(1)
+        return self.native.total(1)
 
     @property
     def quiet_ticks(self) -> int:
         """Device reads that landed unchanged and were not decoded (one per device per tick)."""
-        return self._quiet_ticks + self._native_live(2)
+        return self.native.total(2)
 
     @property
     def native_tick(self) -> str:
-        """``"engaged"`` while the native thread runs the quiet ticks, ``"ready"`` while Python ticks (a change is
-        being confirmed, a tick hook is installed...), else why it is not used."""
-        t = self._native
-        if t is None or self._native_off is not None:
-            return self._native_off or "not started"
-        return "engaged" if t.attached else "ready"
+        """``"engaged"`` (the native thread runs the quiet ticks), ``"ready"`` (Python ticks), or why it is unused."""
+        return self.native.status
 
     # ------------------------------------------------------------------ arena
     def prealloc(self, device: torch.device | str | int) -> torch.Tensor:
@@ -315,27 +116,25 @@ class Monitor:
         capture (raises CaptureError inside one, leaving the capture usable). Idempotent."""
         dev = normalize_device(device)
         with self._lock:
-            if is_capturing() and (self.arena.get(dev) is None or dev not in self._readers):
+            if is_capturing() and (self.arena.get(dev) is None or dev not in self.devices):
                 raise CaptureError(
                     f"tripwire.prealloc({str(dev)!r}) inside a CUDA-graph capture: the arena and the reader's "
                     f"mirror must be allocated before capturing"
                 )
             t = self.arena.prealloc(dev)
-            if dev not in self._readers:
-                self._native_pause()  # the native tick reads a fixed set of readers: re-engage with this one too
-                self._readers[dev] = DeviceReader(dev, t)
+            if dev not in self.devices:
+                self.native.pause()  # the native tick reads a fixed set of readers: re-engage with this one too
+                self.devices.add(dev, t)
             return t
 
     def counter(self, site: Site, device: torch.device | str | int) -> torch.Tensor:
         """``site``'s int64 ``[8]`` row on ``device``, for a kernel argument. The hot path is one dict lookup; the
         first call for a (site, device) may allocate the arena, which raises CaptureError inside a capture."""
-        hit = self.arena._views.get((id(site), device))
+        hit = self.arena.views.get((id(site), device))
         if hit is not None and hit[0] is site:
             return hit[1]
-        # "cuda" (no index) is normalised on every call, never cached as is: it means the CURRENT device, which
-        # can change (a cached row of cuda:0 handed to a kernel on cuda:1 would be an illegal access).
-        dev = normalize_device(device)
-        if self.arena.get(dev) is None or dev not in self._readers:
+        dev = normalize_device(device)  # "cuda" (the CURRENT device) is never cached as is: see Arena.counter
+        if self.arena.get(dev) is None or dev not in self.devices:
             self.registry.resolve(site)  # a bad site is the clearer error
             if is_capturing():
                 raise CaptureError(
@@ -347,12 +146,9 @@ class Monitor:
 
     # ------------------------------------------------------------------ the stop
     def check(self) -> None:
-        """Raise the armed :class:`GuardTripped`, if any. Call it at the top of each engine step.
-
-        It reads one attribute and sets one byte (the reader's idle detection); it never touches the GPU. The raise
-        is late by up to about two reader intervals, and local to this process unless
-        :func:`tripwire.distributed.coordinate` is on.
-        """
+        """Raise the armed :class:`GuardTripped`, if any; call it at the top of each engine step. It reads one
+        attribute and sets one byte (the reader's idle detection), never the GPU. The raise is late by up to about
+        two reader intervals, and local to this process unless :func:`tripwire.distributed.coordinate` is on."""
         tripped = self._tripped
         if tripped is not None:
             # Drop the previous raise's traceback: an engine that catches and retries must not grow it forever.
@@ -364,11 +160,9 @@ class Monitor:
         return self._tripped
 
     def arm(self, exc: GuardTripped) -> None:
-        """Arm the stop with ``exc`` (the first arming wins; later ones are logged, not lost).
-
-        Arm listeners (tripwire.distributed publishing the stop) never run under the monitor's lock: when the
-        caller holds it (a confirmation inside a tick or a drain), they run once the lock is released.
-        """
+        """Arm the stop with ``exc`` (the first arming wins; later ones are logged, not lost). Arm listeners
+        (tripwire.distributed publishing the stop) and sinks never run under the monitor's lock: when the caller
+        holds it (a confirmation inside a tick or a drain), they run once it is released."""
         nested = self._lock._is_owned()  # type: ignore[attr-defined]  # RLock: does this thread hold it?
         with self._lock:
             if self._tripped is not None:
@@ -378,287 +172,168 @@ class Monitor:
             self._arm_queue.append(exc)
         log.error("stop ARMED: %s", exc)
         if not nested:
-            self._fire_arm_listeners()
+            self._deliver()
 
-    def _fire_arm_listeners(self) -> None:
+    def _deliver(self) -> None:
+        """Outside the lock: the arm listeners for stops armed since the last call, then the queued events and the
+        health (at once after a stop, a reset or a new sink; else now and then) to the sinks."""
         with self._lock:
-            queued, self._arm_queue = self._arm_queue, []
-            listeners = list(self._arm_listeners)
-        for exc in queued:
-            for fn in listeners:
-                try:
-                    fn(exc)
-                except Exception:
-                    log.exception("tripwire: an arm listener failed")
-
-    def tripped_for(
-        self, site: Site, device: str, hit: Hit, message: Callable[..., str] = guard_message
-    ) -> GuardTripped:
-        """The GuardTripped for a confirmed hit of a guard-layout row (``message`` words the report)."""
-        return GuardTripped(
-            "tripwire: " + message(site, device, hit) + " The engine was stopped by tripwire.check().",
-            site=site.name,
-            device=device,
-            count=hit.count,
-            first_row=hit.first_row,
-            first_value=hit.first_value,
-            fatal=site.fatal,
-        )
+            armed, self._arm_queue = self._arm_queue, []
+            events = self.pipeline.take_events()
+            urgent, self._sync_due = self._sync_due or bool(armed), False
+        for exc in armed:
+            self._arm_listeners.call(exc)
+        self.sinks.deliver([*events, *map(stop_event, armed)], self.health, urgent=urgent)
 
     def add_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
         """Call ``fn(exc)`` when the stop is armed (used by tripwire.distributed to publish it)."""
-        if not callable(fn):
-            raise TypeError(f"an arm listener must be callable, got {fn!r}")
-        self._arm_listeners.append(fn)
+        self._arm_listeners.add(fn)
 
     def remove_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
         with self._lock:
-            if fn in self._arm_listeners:
-                self._arm_listeners.remove(fn)
+            self._arm_listeners.discard(fn)
 
     def add_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
-        """Call ``fn(monitor)`` on every reader tick, idle ones included (tripwire.distributed polls its store)."""
-        if not callable(fn):
-            raise TypeError(f"a tick hook must be callable, got {fn!r}")
+        """Call ``fn(monitor)`` on every reader tick, idle ones included. While any hook is installed every tick is
+        a Python tick (the native tick cannot call Python): a cost on the engine's GIL."""
         with self._lock:  # atomic with _maybe_engage's hook check (made under the lock)
-            self._tick_hooks.append(fn)
-            self._native_pause()  # hooks run on Python ticks: every tick must be Python's while any is installed
+            self._tick_hooks.add(fn)
+            self.native.pause()  # hooks run on Python ticks: every tick must be Python's while any is installed
 
     def remove_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
-        if fn in self._tick_hooks:
-            self._tick_hooks.remove(fn)
+        self._tick_hooks.discard(fn)
+
+    # ------------------------------------------------------------------ reports and sinks
+    def add_sink(self, sink: Callable[[Event], None]) -> None:
+        """Hand every event from now on to ``sink`` (a callable taking a :class:`tripwire.Event`; see
+        :mod:`tripwire.sinks`). The log always gets the reports. Adding the same sink twice adds it once."""
+        with self._lock:
+            self._sync_due |= self.sinks.add(sink)
+
+    def remove_sink(self, sink: Callable[[Event], None]) -> None:
+        """Stop handing events to ``sink`` (ValueError if it was not added)."""
+        with self._lock:
+            self.sinks.remove(sink)
+
+    def emit(self, key: tuple[str, int], total: int, now: float, render: Callable[[int], Report]) -> None:
+        """A reporter's report for ``key`` (a device and a row), through the aggregation window."""
+        self.pipeline.submit(key, total, now, render)
 
     # ------------------------------------------------------------------ lifecycle
     def register_post_capture_hook(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` once at :meth:`start` (or at once, if start already ran). A failing hook is logged and does
         not stop the others or the engine."""
-        if not callable(fn):
-            raise TypeError(f"a post-capture hook must be callable, got {fn!r}")
-        with self._lock:
-            self._hooks.append(fn)
-            run_now = self._started
-        if run_now:
-            self.run_post_capture_hooks()
+        self._hooks.register(fn)
 
     def run_post_capture_hooks(self) -> None:
         """Run every hook that has not run yet, each once, in registration order."""
-        while True:
-            with self._lock:
-                if self._hooks_run >= len(self._hooks):
-                    return
-                fn = self._hooks[self._hooks_run]
-                self._hooks_run += 1
-            try:
-                fn()
-            except Exception:
-                log.exception("tripwire: post-capture hook %r failed; continuing with the others", fn)
+        self._hooks.run()
 
     def start(self) -> None:
-        """Run the post-capture hooks, then start the reader thread unless mode is off. Idempotent.
-
-        Call it after warm-up and capture. The reader relaxes its own capture mode, so later captures (new batch
-        sizes, torch.compile's lazily recorded graphs) stay safe too.
-        """
+        """Run the post-capture hooks, then start the reader thread unless mode is off. Idempotent. Call it after
+        warm-up and capture; the reader relaxes its own capture mode, so later captures (new batch sizes,
+        torch.compile's lazily recorded graphs) stay safe too."""
         with self._lock:
-            first = not self._started
-            self._started = True
             self._act[0] = 1
             self._last_active = time.monotonic()
-        if first:
-            self.run_post_capture_hooks()
+        if self._hooks.start():
+            self._hooks.run()
         if self.settings.mode == "off":
             return
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
-            self._make_native()
+            s = self.settings
+            self.native.make(s.interval, s.idle_tail, self._act, min(len(self.registry), s.capacity))
             self._stop_evt.clear()
             self._thread = threading.Thread(target=self._run, name="tripwire-reader", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop and join the reader thread and the native tick (reports already made stay made; use drain for a
-        final read)."""
+        """Stop and join the reader thread and the native tick, waiting at most ``timeout`` seconds for each (None:
+        no limit). Reports already made stay made; use drain for a final read."""
+        check_timeout("stop", timeout)
         with self._lock:
             thread = self._thread
             self._stop_evt.set()
-        ticker = self._native
-        if ticker is not None:
-            ticker.kick()  # ends the reader thread's native wait
+        ticker = self.native.ticker
+        self.native.kick()  # ends the reader thread's native wait
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
                 log.error("tripwire: the reader thread did not stop within %s s", timeout)
-        paused = self._native_pause(timeout)
+        paused = self.native.pause(timeout)
         with self._lock:
             if self._thread is thread:
                 self._thread = None
-            if ticker is not None and self._native is ticker and (thread is None or not thread.is_alive()):
-                self._native = None
-                if paused:
-                    self._native_off = "stopped"
-                    ticker.close(timeout)  # freed when collected: a concurrent stop() may still hold it
-                else:
-                    # A native tick stuck in a driver call (a hung stream): it keeps the readers it holds and exits
-                    # when the call returns; Python never re-engages it (nor touches those readers' copies safely).
-                    self._native_off = "stuck in a driver call at stop()"
-                    ticker.close(0.0)
-                    log.error("tripwire: the native tick is stuck in a driver call; leaving it behind")
-
-    # ------------------------------------------------------------------ the native quiet tick
-    def _make_native(self) -> None:
-        """Build (or load) the native tick and start its thread, idle until engaged. Under the lock, in start()."""
-        if self._native is not None or self.settings.native_tick == "off":
-            return
-        try:
-            self._native = NativeTicker(
-                self.settings.interval,
-                self.settings.idle_tail,
-                self._act,
-                min(len(self.registry), self.settings.capacity),
-            )
-        except NativeUnavailable as e:
-            if self.settings.native_tick == "on":
-                raise NativeUnavailable(f"tripwire: native_tick=on (TRIPWIRE_NATIVE_TICK) but {e}") from None
-            if self._native_off != str(e):
-                # A WARNING: on an engine this costs the step loop ~10x more reader time (the GIL, every tick).
-                log.warning(
-                    "tripwire: no native quiet tick (%s); every reader tick runs in Python, holding the engine's GIL "
-                    "~0.2 ms per tick (set TRIPWIRE_NATIVE_TICK=off to choose this and silence the warning)",
-                    e,
-                )
-            self._native_off = str(e)
-            return
-        self._native_off = None
-        _live_tickers.add(self)
-        _register_exit_hook()
-
-    def _on_register(self, n: int) -> None:
-        """A site was registered: the native tick copies its row from its next tick on (no re-engagement)."""
-        ticker = self._native
-        if ticker is not None:
-            with self._rows_lock:  # size read and stored in order: an older, smaller size never lands last
-                ticker.set_rows(min(len(self.registry), self.settings.capacity))
-
-    def _native_pause(self, timeout: float | None = None) -> bool:
-        """Take the readers back from the native tick, if it holds them (or handed them back), and fold its
-        statistics in. Every Python access to a reader's copy state goes after this. Waits for a native tick in
-        progress (microseconds; never the GPU), at most ``timeout`` seconds if given: False if it is still in a
-        driver call then (the readers stay the native thread's)."""
-        ticker = self._native
-        if ticker is None or not ticker.attached:
-            return True
-        with self._lock:
-            if not ticker.attached:
-                return True
-            if not ticker.pause(timeout):
-                return False
-            ticks, idle, quiet, error = ticker.detach()
-            self._ticks += ticks
-            self._native_ticks += ticks
-            self._idle_skips += idle
-            self._quiet_ticks += quiet
-            self._last_active = max(self._last_active, ticker.last_active)
-            if error is not None:
-                # The Python tick that follows repeats the read: a persistent failure loses the reader there (and
-                # arms the stop), exactly as without the native tick. Python ticks from now on.
-                self._native_off = f"failed: {error}"
-                log.warning(
-                    "tripwire: the native quiet tick failed (%s); the reader ticks in Python from now on", error
-                )
-        return True
-
-    def _maybe_engage(self) -> None:
-        """Hand the quiet ticks to the native thread when nothing needs Python every tick: no confirmation pending,
-        no tick hook, every live reader readable natively, the capture mode relaxable. On the reader thread."""
-        ticker = self._native
-        if ticker is None or ticker.attached or self._native_off is not None or self._stop_evt.is_set():
-            return
-        with self._lock:
-            if any(self._pending.values()) or self._tick_hooks:
-                return
-            readers = [r for r in self._readers.values() if r.lost is None]
-            if not readers or not all(r.supports_native for r in readers):
-                return
-            relax = None
-            cuda = [r for r in readers if r.is_cuda]
-            if cuda:
-                if self._relaxed is None:
-                    return  # the fallback pauses during visible captures: only Python ticks do that
-                if not self._skip_relax:
-                    relax = cuda[0]._drv.raw["cuThreadExchangeStreamCaptureMode"]  # type: ignore[union-attr]
-                    if relax is None:
-                        return
-            try:
-                ticker.engage(
-                    readers,
-                    [self._quiet_reference(r.name) for r in readers],
-                    n_rows=min(len(self.registry), self.settings.capacity),
-                    capacity=self.settings.capacity,
-                    last_active=self._last_active,
-                    relax=relax,
-                )
-            except Exception as e:  # e.g. more devices than the native tick holds: Python ticks, nothing is lost
-                self._native_off = f"failed to engage: {type(e).__name__}: {e}"
-                log.warning("tripwire: the native quiet tick cannot engage (%s); the reader ticks in Python", e)
-
-    def _duty_wait(self) -> float:
-        """How long the reader thread may leave every tick to the native thread: until the next deferred report line
-        is due, and at most a quarter of the heartbeat (the numeric instruments' heartbeats run on Python ticks)."""
-        s = self.settings
-        wait = max(s.interval, s.heartbeat / 4)
-        now = time.monotonic()
-        with self._lock:
-            for st in self._emitted.values():
-                if st.render is not None:
-                    wait = min(wait, st.logged_at + s.report_every - now)
-        return max(wait, 0.0)
+            if ticker is not None and (thread is None or not thread.is_alive()):
+                self.native.retire(ticker, paused, timeout)
 
     @property
     def reader_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def on_reader_thread(self) -> bool:
+        """True when called on this monitor's reader thread (which must never wait on anything)."""
+        return threading.current_thread() is self._thread
+
+    # ------------------------------------------------------------------ the reader thread
+    def _on_register(self, n: int) -> None:
+        """A site was registered: the native tick copies its row from its next tick on (no re-engagement)."""
+        self.native.set_rows(min(len(self.registry), self.settings.capacity))
+
+    def _maybe_engage(self) -> None:
+        """Hand the quiet ticks to the native thread if it may take them (on the reader thread)."""
+        if self.native.can_engage:
+            with self._lock:
+                self.native.maybe_engage(
+                    self.devices.live(),
+                    self.confirmer.quiet_reference,
+                    busy=self.confirmer.any_pending() or bool(self._tick_hooks),
+                    relaxed=self.devices.relaxed is not None,
+                    relax=self.devices.relax_capture,
+                    n_rows=min(len(self.registry), self.settings.capacity),
+                    capacity=self.settings.capacity,
+                    last_active=max(self._last_active, self.native.last_active),
+                )
+
     def _run(self) -> None:
         interval = self.settings.interval
-        # While a rise waits for its confirming copy (already in flight: it was started by the tick that saw the
-        # rise), re-poll after ~1 ms instead of a full interval, so detection costs about one interval, not two.
-        fast = min(interval, _CONFIRM_REPOLL_S)
         wait = interval
         try:
             # A restart (stop/start) already knows every device's last rows: hand the quiet ticks to the native thread
             # at once rather than after a first Python tick (that tick is where most of a Python tick's cost is).
-            self._relax_once()
+            self.devices.relax_once()
             self._maybe_engage()
         except Exception:
             log.exception("tripwire: engaging the native tick failed; the reader ticks in Python")
-            self._native_off = "failed to engage"
+            self.native.off = "failed to engage"
         while True:
-            ticker = self._native
-            if ticker is not None and ticker.attached:
+            if self.native.attached:
                 # The native thread ticks; this thread sleeps with the GIL released until a copy changed, a native
                 # call failed, someone paused it (drain, poll, prealloc), stop(), or a Python duty is due.
-                ticker.wait(self._duty_wait())
+                with self._lock:
+                    duty = self.pipeline.duty_wait(time.monotonic())
+                self.native.wait(duty)
                 if self._stop_evt.is_set():
                     break
             elif self._stop_evt.wait(wait):
                 break
+            t0 = time.perf_counter()
             try:
-                self._native_pause()
+                self.native.pause()
                 self._poll(on_reader_thread=True)
                 self._maybe_engage()
             except Exception as e:  # the loop itself failed: log, arm, keep going
                 self.loop_errors += 1
                 log.exception("tripwire: reader tick failed")
-                self.arm(
-                    GuardTripped(
-                        f"tripwire: the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the "
-                        f"engine is stopped",
-                        site="<reader>",
-                        device="*",
-                        count=0,
-                    )
-                )
-            wait = fast if any(self._pending.values()) else interval
+                why = f"the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the engine is stopped"
+                self.arm(GuardTripped.internal(f"tripwire: {why}"))
+            if self.native.python_spans is not None:
+                self.native.python_spans.append((t0, time.perf_counter()))
+            # While a rise waits for its confirming copy (already in flight: it was started by the tick that saw the
+            # rise), re-poll after ~1 ms instead of a full interval, so detection costs about one interval, not two.
+            wait = min(interval, confirm.CONFIRM_REPOLL_S) if self.confirmer.any_pending() else interval
 
     # ------------------------------------------------------------------ reading
     def poll(self) -> None:
@@ -668,221 +343,47 @@ class Monitor:
             return
         self._poll(on_reader_thread=False)  # it takes the readers back from the native tick, under the lock
 
-    def _relax_once(self) -> None:
-        if getattr(self._tls, "relax_tried", False) or not torch.cuda.is_initialized():
-            return
-        self._tls.relax_tried = True
-        if self._skip_relax:
-            self._relaxed = "skipped (control)"
-            return
-        self._relaxed = relax_thread_capture_mode()
-        if self._relaxed is None:
-            install_capture_watch()
-
     def _poll(self, *, on_reader_thread: bool) -> None:
-        now = time.monotonic()
-        if on_reader_thread:
-            self._relax_once()  # before this thread's first CUDA call (reads, or a tick hook's abort)
+        now, thread = time.monotonic(), on_reader_thread
+        if thread:
+            self.devices.relax_once()  # before this thread's first CUDA call (reads, or a tick hook's abort)
         with self._lock:
             # Under the lock: between a pause taken before it and this lock, the reader thread could re-engage.
-            self._native_pause()
-            self._ticks += 1
+            self.native.pause()
+            self.native.python[0] += 1
+            self._last_tick = now
             if self._act[0]:
                 self._act[0] = 0
                 self._last_active = now
-            pending = any(self._pending.values())
-            idle = not pending and now - self._last_active > self.settings.idle_tail
-            if idle:
-                self._idle_skips += 1
+            pending = self.confirmer.any_pending()
+            if not pending and now - max(self._last_active, self.native.last_active) > self.settings.idle_tail:
+                self.native.python[1] += 1
             else:
-                self._read_all(now, on_reader_thread=on_reader_thread)
-            self._flush_due(now)
-            for reporter in list(self._reporters.values()):
-                reporter.tick(self, self._latest, now)
-        self._fire_arm_listeners()
-        for fn in list(self._tick_hooks):
-            try:
-                fn(self)
-            except Exception:
-                log.exception("tripwire: tick hook %r failed", fn)
-
-    def _read_all(self, now: float, *, on_reader_thread: bool) -> None:
-        n = min(len(self.registry), self.settings.capacity)
-        for reader in list(self._readers.values()):
-            if reader.lost is not None:
-                continue
-            if reader.is_cuda and on_reader_thread:
-                self._relax_once()  # CUDA may have been initialised since the top of the tick
-                if self._relaxed is None and visible_captures() > 0:
-                    continue  # fallback: pause while a capture we can see is in progress
-            same_as = self._quiet_reference(reader.name)
-            try:
-                rows = reader.poll(n, same_as)
-            except Exception as e:
-                self._lose(reader, e)
-                continue
-            if rows is None:
-                continue
-            if rows is same_as:
-                self._quiet_ticks += 1
-                continue
-            self._process(reader.name, rows, now, final=False)
-
-    def _quiet_reference(self, device: str) -> np.ndarray | None:
-        """The rows a landed copy may be compared with to skip its decode (the quiet-tick fast path), or None.
-
-        Rows identical to the last processed ones change nothing in _process (no rise, no fall, same registry
-        size), unless a confirmation is waiting: those count copies (and give up after a few), so then every landed
-        copy must reach _process."""
-        return None if self._pending.get(device) else self._latest.get(device)
+                n = min(len(self.registry), self.settings.capacity)
+                for reader, rows in self.devices.poll(n, self.confirmer.quiet_reference, on_reader_thread=thread):
+                    if isinstance(rows, BaseException):
+                        self._lose(reader, rows)
+                    elif rows is None:
+                        self.native.python[2] += 1
+                    else:
+                        self.pipeline.process(reader.name, rows, now, final=False)
+            self.pipeline.tick(now)
+        self._deliver()
+        self._tick_hooks.call(self)
 
     def _lose(self, reader: DeviceReader, e: BaseException) -> None:
-        # Stop polling this device, but KEEP its arena: captured graphs still write there.
-        reader.lost = e
-        latest = self._latest.get(reader.name)
-        if latest is not None and self._pending.get(reader.name):
-            # Rises already seen there would otherwise never be reported (nobody polls the device again).
-            self._process(reader.name, latest, time.monotonic(), final=True)
-        self._pending.pop(reader.name, None)
-        log.error(
-            "tripwire: reading the counters of %s failed (%s: %s); no longer polling it",
-            reader.name,
-            type(e).__name__,
-            e,
-        )
-        self.arm(
-            GuardTripped(
-                f"tripwire: lost the reader of {reader.name} ({type(e).__name__}: {e}); fatal-site hits there can no "
-                f"longer be seen, so the engine is stopped",
-                site="<reader>",
-                device=reader.name,
-                count=0,
-            )
-        )
-
-    def _reporter(self, kind: str) -> RowReporter:
-        rep = self._reporters.get(kind)
-        if rep is None:
-            factory = _REPORTER_FACTORIES.get(kind)
-            if factory is None:
-                raise KeyError(f"no reporter registered for rows of kind {kind!r}")
-            rep = self._reporters[kind] = factory()
-        return rep  # type: ignore[no-any-return]
-
-    def _kinds(self, n: int) -> tuple[dict[str, np.ndarray], tuple[tuple[int, np.ndarray | None], ...]]:
-        """Row ids per kind, and how to compute every row's progress (the sum of its kind's count slots) as a few
-        whole-column numpy operations: ``(slot, mask)`` pairs, mask None when every row counts that slot. Built
-        once per registry size: the tick then does no fancy indexing (it cost ~20 ns per row per tick)."""
-        cached_n, index, plan = self._kind_index
-        if cached_n != n:
-            groups: dict[str, list[int]] = {}
-            for site in self.registry.all()[:n]:
-                if site.kind not in _REPORTER_FACTORIES:
-                    # Logged once per registry change, not every tick; such rows are read but never reported.
-                    log.error(
-                        "tripwire: no reporter for rows of kind %r (site %r): import the module that defines it",
-                        site.kind,
-                        site.name,
-                    )
-                    continue
-                groups.setdefault(site.kind, []).append(site.id)
-            index = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
-            counts = np.zeros((n, SLOTS), dtype=bool)
-            counts[:, COUNT] = True  # rows without a reporter: slot 0, like guard rows (read, never reported)
-            for kind, ids in index.items():
-                counts[ids] = False
-                for slot in self._reporter(kind).count_slots:
-                    counts[ids, slot] = True
-            plan = tuple(
-                (slot, None if counts[:, slot].all() else counts[:, slot].astype(np.int64))
-                for slot in range(SLOTS)
-                if counts[:, slot].any()
-            )
-            self._kind_index = (n, index, plan)
-        return index, plan
-
-    def _process(self, device: str, rows: np.ndarray, now: float, *, final: bool) -> None:
-        n = rows.shape[0]
-        self._latest[device] = rows
-        reported = self._reported.get(device)
-        if reported is None or reported.shape[0] < self.settings.capacity:
-            grown = np.zeros(self.settings.capacity, dtype=np.int64)
-            if reported is not None:
-                grown[: reported.shape[0]] = reported
-            reported = self._reported[device] = grown
-        pending = self._pending.setdefault(device, {})
-        index, plan = self._kinds(n)
-        for kind in index:
-            # Reporters are made lazily and reset() drops them; _poll ticks (heartbeats) only those that exist.
-            self._reporter(kind)
-        # progress = the sum of each row's count slots, one whole-column operation per slot in use (see _kinds).
-        progress = np.zeros(n, dtype=np.int64)
-        for slot, mask in plan:
-            progress += rows[:, slot] if mask is None else rows[:, slot] * mask
-        # A counter that went down was zeroed behind our back (reset of another kind): follow it, report nothing.
-        down = progress < reported[:n]
-        reported[:n][down] = progress[down]
-        # 1) Confirm what an earlier copy saw rise, with THIS copy's row (it has the extremes). Wait (a bounded number
-        #    of extra copies) while the first-offender pair has not landed, or while the count is still rising: a hit
-        #    counted in this copy may not have its extremes in it yet, and confirming now would mark it reported.
-        for rid in sorted(pending):
-            site = self.registry.by_id(rid)
-            row = rows[rid]
-            waited, seen = pending[rid]
-            not_landed = site.kind in GUARD_KINDS and (row[FIRST_ROW] == 0 or row[FIRST_VALUE] == 0)
-            if not final and (not_landed or progress[rid] > seen) and waited < _MAX_EXTRA_CONFIRM_COPIES:
-                pending[rid] = [waited + 1, int(progress[rid])]
-                continue
-            del pending[rid]
-            reported[rid] = progress[rid]
-            self._reporter(site.kind).confirm(self, device, site, row, now)
-        # 2) New rises: pending now, reported from the next copy (or at once when this read is final).
-        for rid in np.nonzero(progress > reported[:n])[0].tolist():
-            if self.registry.by_id(rid).kind not in _REPORTER_FACTORIES:
-                continue
-            if final:
-                site = self.registry.by_id(rid)
-                reported[rid] = progress[rid]
-                self._reporter(site.kind).confirm(self, device, site, rows[rid], now)
-            elif rid not in pending:
-                pending[rid] = [0, int(progress[rid])]
-
-    # ------------------------------------------------------------------ aggregated logging
-    def emit(
-        self, key: tuple[str, int], total: int, now: float, render: Callable[[int], str], level: int = logging.WARNING
-    ) -> None:
-        """Log ``render(delta)`` for ``key`` now, or defer it until ``report_every`` has passed since the key's
-        last line (then one line carries the whole delta). Nothing is dropped: deferred lines flush on later ticks
-        and at drain."""
-        st = self._emitted.get(key)
-        if st is None:
-            st = self._emitted[key] = _Emitted()
-        st.total = total
-        st.level = level
-        if now - st.logged_at >= self.settings.report_every:
-            self._log_line(st, render, now)
-        else:
-            st.render = render
-
-    def _log_line(self, st: _Emitted, render: Callable[[int], str], now: float) -> None:
-        delta = st.total - st.logged_total
-        st.logged_total, st.logged_at, st.render = st.total, now, None
-        log.log(st.level, "%s", render(delta))
-
-    def _flush_due(self, now: float, *, force: bool = False) -> None:
-        for st in self._emitted.values():
-            if st.render is not None and (force or now - st.logged_at >= self.settings.report_every):
-                self._log_line(st, st.render, now)
+        exc = self.devices.lose(reader, e)
+        self.pipeline.lose(reader.name, time.monotonic())  # rises seen there: reported now (nobody polls it again)
+        self.arm(exc)
 
     # ------------------------------------------------------------------ tools
     def drain(self, raise_on_fatal: bool = False) -> dict[tuple[str, str], Hit]:
-        """The final synchronous read, for shutdown and stage ends.
-
-        Synchronises each device, reads every arena through its mirror, reports what the reader had not yet (no
-        confirmation wait: the read is complete), flushes aggregated lines, and returns the snapshot. With
-        ``raise_on_fatal``, raises GuardTripped for a fatal-site hit (or any hit under raise). Under ``off`` it
-        reads nothing and returns ``{}``. Blocking: never call it on the step path or inside a capture.
-        """
+        """The final synchronous read, for shutdown and stage ends: synchronises each device, reads every arena
+        through its mirror, reports what the reader had not yet (no confirmation wait: the read is complete),
+        flushes aggregated reports, and returns the snapshot (see :meth:`snapshot`). With ``raise_on_fatal``,
+        raises GuardTripped for a fatal-site hit (or any guard hit under raise), or when the stop is armed
+        otherwise. Under ``off`` it reads nothing and returns ``{}``. Blocking: never on the step path or inside a
+        capture."""
         if self.settings.mode == "off":
             return {}
         if is_capturing():
@@ -891,62 +392,46 @@ class Monitor:
         if raise_on_fatal:
             for (device, name), hit in snap.items():
                 site = self.registry.get(name)
-                if site.fatal or self.settings.mode == "raise":
+                if site.kind in GUARD_KINDS and (site.fatal or self.settings.mode == "raise"):
                     armed = self._tripped
-                    raise armed if armed is not None else self.tripped_for(site, device, hit)
+                    raise armed if armed is not None else tripped_for(site, device, hit)
             if self._tripped is not None:  # armed otherwise: a fatal instrument, a lost reader, a peer's stop
                 raise self._tripped
         return snap
 
     def _final_read(self) -> dict[tuple[str, str], Hit]:
         """Synchronise and read every device, report every rise not yet reported (no confirmation wait: the read
-        is complete), flush deferred lines; return the snapshot. Blocking (drain and reset only)."""
+        is complete), flush deferred reports; return the snapshot. Blocking (drain and reset only)."""
         now = time.monotonic()
         snap: dict[tuple[str, str], Hit] = {}
         with self._lock:
-            self._native_pause()
-            n = min(len(self.registry), self.settings.capacity)
-            for reader in list(self._readers.values()):
-                if reader.lost is not None:
-                    log.error("tripwire: skipping %s, whose reader was lost (%s)", reader.name, reader.lost)
+            self.native.pause()
+            for reader, rows in self.devices.read_now(min(len(self.registry), self.settings.capacity)):
+                if isinstance(rows, BaseException):
+                    self._lose(reader, rows)
                     continue
-                try:
-                    rows = reader.read_now(n)
-                except Exception as e:
-                    self._lose(reader, e)
-                    continue
-                self._process(reader.name, rows, now, final=True)
-                snap.update(self._decode(reader.name, rows))
-            self._flush_due(now, force=True)
-        self._fire_arm_listeners()
+                self.pipeline.process(reader.name, rows, now, final=True)
+                snap.update(self.pipeline.decode(reader.name, rows))
+            self.pipeline.window.flush_due(now, force=True)
+        self._deliver()
         return snap
 
-    def _decode(self, device: str, rows: np.ndarray) -> dict[tuple[str, str], Hit]:
-        out: dict[tuple[str, str], Hit] = {}
-        for rid in np.nonzero(rows[:, COUNT])[0].tolist():
-            site = self.registry.by_id(rid)
-            if site.kind in GUARD_KINDS:
-                out[(device, site.name)] = Hit.from_row(rows[rid])
-        return out
-
     def snapshot(self) -> dict[tuple[str, str], Hit]:
-        """``{(device, site_name): Hit}`` for every guard row with a non-zero count. A synchronous read (it waits
-        for each device's current stream): a tool's call, never the step path's. Call it from the engine thread, or
-        while no capture runs (a synchronous copy from another thread invalidates a global-mode capture)."""
-        n = min(len(self.registry), self.settings.capacity)
+        """``{(device, site_name): Hit}`` for every row with a non-zero count: guard and non-finite rows decoded in
+        full, clip rows with ``count`` = K + V clipped (``Hit.kind`` tells them apart). A synchronous read (it
+        waits for each device's current stream): a tool's call, never the step path's. Call it from the engine
+        thread, or while no capture runs (a synchronous copy from another thread invalidates a global-mode
+        capture)."""
         out: dict[tuple[str, str], Hit] = {}
-        for dev, t in self.arena.items():
-            out.update(self._decode(str(dev), t[:n].cpu().numpy()))
+        for dev in self.arena.devices():
+            out.update(self.pipeline.decode(str(dev), self.read_rows(dev)))
         return out
 
     def read_rows(self, device: torch.device | str | int) -> np.ndarray:
         """A synchronous copy of ``device``'s registered rows (tools and numeric instruments' ``totals()``)."""
-        dev = normalize_device(device)
-        t = self.arena.get(dev)
+        t = self.arena.get(normalize_device(device))
         n = min(len(self.registry), self.settings.capacity)
-        if t is None:
-            return np.zeros((n, 8), dtype=np.int64)
-        return t[:n].cpu().numpy()
+        return np.zeros((n, 8), dtype=np.int64) if t is None else t[:n].cpu().numpy()
 
     def reset(self) -> None:
         """Report what is still unreported (a final read, unless mode is off), then zero the counters, forget reported
@@ -956,23 +441,59 @@ class Monitor:
         if is_capturing():
             raise CaptureError("tripwire.reset() cannot run inside a CUDA-graph capture")
         if self.settings.mode != "off":
-            # Nothing is lost: rises seen but not yet confirmed, and lines deferred by the report window, are
-            # reported before the counters they describe are zeroed.
+            # Nothing is lost: rises seen but not yet confirmed, and reports deferred by the window, go out before
+            # the counters they describe are zeroed.
             self._final_read()
         with self._lock:
-            self._native_pause()  # the reader thread may have re-engaged it since the final read
+            self.native.pause()  # the reader thread may have re-engaged it since the final read
             self.arena.zero_()
-            for dev, reader in self._readers.items():
+            for reader in self.devices.all():
                 if reader.is_cuda:
-                    torch.cuda.synchronize(dev)
+                    torch.cuda.synchronize(reader.device)
                 reader.discard()  # a copy in flight may hold pre-zero counts
-            self._reported.clear()
-            self._pending.clear()
-            self._latest.clear()
-            self._emitted.clear()
-            self._reporters.clear()  # reporters keep per-row state (logged totals) too
+            self.pipeline.clear()
             self._arm_queue.clear()
             self._tripped = None
+            self._sync_due = True
+        self._deliver()
 
     def readers(self) -> dict[str, DeviceReader]:
-        return {r.name: r for r in self._readers.values()}
+        return {r.name: r for r in self.devices.all()}
+
+    def health(self) -> dict[str, Any]:
+        """The state for an engine's health endpoint, as plain JSON types; it reads no device and waits on nothing.
+
+        ``ok``: not armed, no reader lost, the reader running (or mode off). ``armed``; ``stop``: the armed
+        GuardTripped's fields and message (None when not armed). ``reader_alive``. ``last_tick_age``: seconds since
+        the latest tick, Python's or native (None before the first; growing past a few intervals: a stuck reader).
+        ``native_tick``. ``devices``: per device, ``lost`` (why its reader was lost, or None) and ``reads``.
+        ``counts``: per device, each site's count as confirmed so far (reported; a rise not yet confirmed is not in
+        it). ``ticks``, ``python_ticks``, ``native_ticks``, ``idle_skips``, ``quiet_ticks``, ``loop_errors``,
+        ``sink_errors``."""
+        exc, alive = self._tripped, self.reader_alive
+        last = max((t for t in (self._last_tick, self.native.last_tick()) if t is not None), default=None)
+        devices = {r.name: r.status() for r in self.devices.all()}
+        lost = any(d["lost"] is not None for d in devices.values())
+        return {
+            "ok": exc is None and not lost and (alive or self.settings.mode == "off"),
+            "mode": self.settings.mode,
+            "armed": exc is not None,
+            "stop": None if exc is None else exc.as_dict(),
+            "reader_alive": alive,
+            "last_tick_age": None if last is None else max(time.monotonic() - last, 0.0),
+            "native_tick": self.native_tick,
+            "devices": devices,
+            "counts": self.pipeline.counts(),
+            "ticks": self.ticks,
+            "python_ticks": self.native.python[0],
+            "native_ticks": self.native.native_total(0),
+            "idle_skips": self.idle_skips,
+            "quiet_ticks": self.quiet_ticks,
+            "loop_errors": self.loop_errors,
+            "sink_errors": self.sinks.errors,
+        }
+
+    def trace(self, on: bool | None = None) -> list[tuple[float, float]]:
+        """Tick spans ``(start, end)`` in ``time.perf_counter`` seconds, Python's and native (benchmarks only: see
+        ``Engagement.spans``); ``on`` switches recording, for this start and later ones."""
+        return self.native.spans(on)

@@ -35,26 +35,30 @@ a reader hands it its copy in flight (:meth:`DeviceReader.take_pending`) and tak
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from .capture import is_capturing
-from .errors import CaptureError
+from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
+from .errors import CaptureError, GuardTripped
 
-__all__ = ["DeviceReader"]
+__all__ = ["DeviceReader", "Driver", "Readers"]
+
+log = logging.getLogger("tripwire")
 
 _CUDA_SUCCESS = 0
 _CUDA_ERROR_NOT_READY = 600
 
 
-class _Driver:
+class Driver:
     """The few CUDA driver entry points the tick needs, via ctypes (None when libcuda cannot be loaded)."""
 
     _lock = threading.Lock()
-    _instance: _Driver | bool | None = False  # False: not looked up yet
+    _instance: Driver | bool | None = False  # False: not looked up yet
 
     def __init__(self, keeps_gil: ctypes.CDLL, releases_gil: ctypes.CDLL) -> None:
         vp, u64, sz, i = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
@@ -92,12 +96,12 @@ class _Driver:
         self.raw["cuThreadExchangeStreamCaptureMode"] = ctypes.cast(mode_fn, ctypes.c_void_p).value if mode_fn else None
 
     @classmethod
-    def get(cls) -> _Driver | None:
+    def get(cls) -> Driver | None:
         with cls._lock:
             if cls._instance is False:
                 try:
                     # One library, two views: PyDLL's functions keep the GIL, CDLL's release it.
-                    cls._instance = _Driver(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
+                    cls._instance = Driver(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
                 except (OSError, AttributeError):
                     cls._instance = None
             return cls._instance  # type: ignore[return-value]
@@ -132,6 +136,9 @@ class DeviceReader:
         self.lost: BaseException | None = None
         self._pending_rows = 0  # rows of the copy in flight; 0 when none
         self.is_cuda = device.type == "cuda"
+        # The ctypes driver the ticks go through; None for a CPU arena, or for the torch fallback (where libcuda
+        # cannot be loaded; a test may set it to None to drive that path).
+        self.driver: Driver | None = None
         if self.is_cuda:
             if is_capturing():
                 raise CaptureError(
@@ -145,18 +152,23 @@ class DeviceReader:
                 self.event.record(self.stream)  # materialise the event handle now, outside any capture
             # A view of the pinned mirror, made once: .numpy() per tick costs a dispatcher round trip.
             self._mirror_np = self.mirror.numpy()
-            self._drv = _Driver.get()
-            if self._drv is not None:
+            self.driver = Driver.get()
+            if self.driver is not None:
                 dev_handle = ctypes.c_int()
-                _ok(self._drv.device_get(ctypes.byref(dev_handle), device.index), "cuDeviceGet")
+                _ok(self.driver.device_get(ctypes.byref(dev_handle), device.index), "cuDeviceGet")
                 ctx = ctypes.c_void_p()
-                _ok(self._drv.primary_ctx_retain(ctypes.byref(ctx), dev_handle.value), "cuDevicePrimaryCtxRetain")
+                _ok(self.driver.primary_ctx_retain(ctypes.byref(ctx), dev_handle.value), "cuDevicePrimaryCtxRetain")
                 self._ctx = ctx
                 self._stream_h = ctypes.c_void_p(self.stream.cuda_stream)
                 self._event_h = ctypes.c_void_p(self.event.cuda_event)
                 self._src = self.arena.data_ptr()
                 self._dst = self.mirror.data_ptr()
                 self._row_bytes = arena.shape[1] * arena.element_size()
+
+    def status(self) -> dict[str, Any]:
+        """``lost`` (why this reader was lost, or None) and ``reads`` (copies made), as plain JSON types."""
+        lost = None if self.lost is None else f"{type(self.lost).__name__}: {self.lost}"
+        return {"lost": lost, "reads": self.copies}
 
     @property
     def in_flight(self) -> bool:
@@ -177,18 +189,28 @@ class DeviceReader:
     @property
     def supports_native(self) -> bool:
         """The native tick can read this arena: a CPU arena (memcpy), or CUDA through the driver (not torch)."""
-        return not self.is_cuda or self._drv is not None
+        return not self.is_cuda or self.driver is not None
 
     def native_fields(self) -> tuple[int | None, ...]:
-        """(query, copy, record, push, pop, ctx, stream, event, src, mirror) for tick.c's tw_dev."""
+        """(query, copy, record, push, pop, ctx, stream, event, src, mirror) for tick.c's tw_dev. A CPU arena has no
+        driver: its query, copy and record are None, and the native tick fills in its own memcpy "driver" (this
+        module never imports the native one: the dependency runs one way, from tripwire._native to here)."""
         if not self.is_cuda:
-            from ._native import host_functions
-
             if self._host_mirror is None:
                 self._host_mirror = np.zeros(tuple(self.arena.shape), dtype=np.int64)
-            q, c, r = host_functions()
-            return (q, c, r, None, None, None, None, None, self.arena.data_ptr(), self._host_mirror.ctypes.data)
-        drv = self._drv
+            return (
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                self.arena.data_ptr(),
+                self._host_mirror.ctypes.data,
+            )
+        drv = self.driver
         assert drv is not None, "supports_native is False for the torch fallback"
         raw = drv.raw
         return (
@@ -239,7 +261,7 @@ class DeviceReader:
         return rows
 
     def _landed(self) -> bool:
-        drv = self._drv
+        drv = self.driver
         if drv is None:
             return bool(self.event.query())
         rc = drv.event_query(self._event_h)
@@ -253,7 +275,7 @@ class DeviceReader:
             return
         # Only the registered rows travel: bytes scale with what exists, and it is still one copy per device.
         # The side stream does not wait for the compute stream: the copy runs while compute kernels are busy.
-        drv = self._drv
+        drv = self.driver
         if drv is None:
             with torch.cuda.stream(self.stream):
                 self.mirror[:n_rows].copy_(self.arena[:n_rows], non_blocking=True)
@@ -288,3 +310,89 @@ class DeviceReader:
         rows = self._mirror_np[:n_rows].copy()
         self._pending_rows = 0
         return rows
+
+
+class Readers:
+    """A monitor's device readers, and how the reader thread relaxed its CUDA capture mode.
+
+    The capture mode is per THREAD: each thread that reads (the reader thread, restarted after a stop; a tool's
+    poll) relaxes its own once, before its first CUDA call. Where it cannot be relaxed, reads pause while a capture
+    made through ``torch.cuda.CUDAGraph`` is in progress (:func:`tripwire.capture.install_capture_watch`)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, DeviceReader] = {}
+        self.relaxed: str | None = None  # how the latest reader thread's capture mode was relaxed
+        self.relax_capture = True  # False only in tests' controls: a reader that keeps the global mode
+        self._tls = threading.local()
+
+    def __contains__(self, device: torch.device) -> bool:
+        return device in self._by_device
+
+    def add(self, device: torch.device, arena: torch.Tensor) -> DeviceReader:
+        reader = self._by_device[device] = DeviceReader(device, arena)
+        return reader
+
+    def all(self) -> list[DeviceReader]:
+        return list(self._by_device.values())
+
+    def live(self) -> list[DeviceReader]:
+        """The readers not lost."""
+        return [r for r in self._by_device.values() if r.lost is None]
+
+    def lose(self, reader: DeviceReader, e: BaseException) -> GuardTripped:
+        """Stop polling ``reader`` (its arena is KEPT: captured graphs still write there); log it, and return the stop
+        to arm (fatal-site hits there can no longer be seen)."""
+        reader.lost = e
+        what = f"{type(e).__name__}: {e}"
+        log.error("tripwire: reading the counters of %s failed (%s); no longer polling it", reader.name, what)
+        return GuardTripped.internal(
+            f"tripwire: lost the reader of {reader.name} ({what}); fatal-site hits there can no longer be seen, so "
+            f"the engine is stopped",
+            reader.name,
+        )
+
+    def read_now(self, n_rows: int) -> Iterator[tuple[DeviceReader, np.ndarray | BaseException]]:
+        """A complete, blocking read of every live reader (drain and reset only): ``(reader, rows)``, or
+        ``(reader, exc)`` for a read that failed. A reader lost earlier is skipped, and logged."""
+        for reader in self.all():
+            if reader.lost is not None:
+                log.error("tripwire: skipping %s, whose reader was lost (%s)", reader.name, reader.lost)
+                continue
+            try:
+                rows = reader.read_now(n_rows)
+            except Exception as e:
+                yield reader, e
+                continue
+            yield reader, rows
+
+    def relax_once(self) -> None:
+        """Relax the calling thread's capture mode, once per thread, once CUDA is initialised."""
+        if getattr(self._tls, "relax_tried", False) or not torch.cuda.is_initialized():
+            return
+        self._tls.relax_tried = True
+        if not self.relax_capture:
+            self.relaxed = "skipped (control)"
+            return
+        self.relaxed = relax_thread_capture_mode()
+        if self.relaxed is None:
+            install_capture_watch()
+
+    def poll(
+        self, n_rows: int, reference: Callable[[str], np.ndarray | None], *, on_reader_thread: bool
+    ) -> Iterator[tuple[DeviceReader, np.ndarray | BaseException | None]]:
+        """Poll every live reader (never waiting on the GPU). Yields ``(reader, rows)`` for a copy that landed and
+        differs from ``reference(device)``, ``(reader, None)`` for one that landed unchanged (a quiet read), and
+        ``(reader, exc)`` for a read that failed; nothing for a copy still in flight."""
+        for reader in self.live():
+            if reader.is_cuda and on_reader_thread:
+                self.relax_once()  # CUDA may have been initialised since the top of the tick
+                if self.relaxed is None and visible_captures() > 0:
+                    continue  # fallback: pause while a capture we can see is in progress
+            same_as = reference(reader.name)
+            try:
+                rows = reader.poll(n_rows, same_as)
+            except Exception as e:
+                yield reader, e
+                continue
+            if rows is not None:
+                yield reader, None if rows is same_as else rows

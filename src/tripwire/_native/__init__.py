@@ -29,11 +29,23 @@ import numpy as np
 if TYPE_CHECKING:
     from ..reader import DeviceReader
 
-__all__ = ["NativeTicker", "NativeUnavailable", "library"]
+__all__ = [
+    "SRC",
+    "NativeTicker",
+    "NativeUnavailable",
+    "build",
+    "cached_path",
+    "compile_library",
+    "host_functions",
+    "layout",
+    "library",
+    "load",
+    "private_dir",
+]
 
 log = logging.getLogger("tripwire")
 
-_SRC = Path(__file__).with_name("tick.c")
+SRC = Path(__file__).with_name("tick.c")
 _MAX_DEVICES = 64
 _TRACE = 8192
 
@@ -85,6 +97,7 @@ class _Cfg(ctypes.Structure):
         ("relax_err", _i64),
         ("ticks", _i64),
         ("idle_skips", _i64),
+        ("last_tick_ns", _i64),
         ("reason", _i64),
         ("changed_dev", _i64),
         ("trace_on", _i64),
@@ -107,7 +120,7 @@ _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | NativeUnavailable | None = None
 
 
-def _private_dir(d: Path) -> bool:
+def private_dir(d: Path) -> bool:
     """``d`` exists or was made, and is ours and writable by no one else (a shared temp dir could be planted)."""
     try:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -120,7 +133,7 @@ def _private_dir(d: Path) -> bool:
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for d in (Path(base) / "tripwire", Path(tempfile.gettempdir()) / f"tripwire-{os.getuid()}"):
-        if _private_dir(d):
+        if private_dir(d):
             return d
     raise NativeUnavailable("no private, writable cache directory for the native tick library")
 
@@ -132,7 +145,7 @@ def _compiler() -> list[str]:
     return shlex.split(cc)  # CC may carry arguments ("ccache gcc")
 
 
-def _layout() -> list[int]:
+def layout() -> list[int]:
     """The loader's view of tick.c's layout: sizes, and offsets of the fields most likely to move."""
     return [
         ctypes.sizeof(_Dev),
@@ -144,14 +157,14 @@ def _layout() -> list[int]:
     ]
 
 
-def _compile(so: Path) -> None:
+def compile_library(so: Path) -> None:
     cc = _compiler()
     # Written under a private temporary name and renamed: a concurrent process (one per rank, maybe on another host
     # sharing the home directory) never loads half a file.
     fd, tmp_name = tempfile.mkstemp(prefix=so.name + ".", suffix=".tmp", dir=so.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    cmd = [*cc, "-O2", "-shared", "-fPIC", "-pthread", str(_SRC), "-o", str(tmp)]
+    cmd = [*cc, "-O2", "-shared", "-fPIC", "-pthread", str(SRC), "-o", str(tmp)]
     try:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
@@ -164,7 +177,7 @@ def _compile(so: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _load(so: Path) -> ctypes.CDLL:
+def load(so: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))  # CDLL: every call releases the GIL (tw_wait, tw_pause and tw_stop wait)
     lib.tw_new.argtypes, lib.tw_new.restype = [ctypes.POINTER(_Cfg)], _vp
     for name in ("tw_engage", "tw_kick", "tw_free"):
@@ -176,34 +189,34 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.tw_layout.argtypes, lib.tw_layout.restype = [ctypes.POINTER(_i64)], None
     out = (_i64 * 6)()
     lib.tw_layout(out)
-    if list(out) != _layout():
-        raise NativeUnavailable(f"{so}: struct layout {list(out)} differs from the loader's {_layout()}")
+    if list(out) != layout():
+        raise NativeUnavailable(f"{so}: struct layout {list(out)} differs from the loader's {layout()}")
     return lib
 
 
-def _cached_path() -> Path:
+def cached_path() -> Path:
     # The key covers what the file depends on: the source, the loader's layout, the machine and the C library (a
     # home directory shared by hosts with different glibc versions must not share one file).
-    ident = repr((_layout(), platform.machine(), platform.libc_ver())).encode()
-    key = hashlib.sha256(_SRC.read_bytes() + ident).hexdigest()[:16]
+    ident = repr((layout(), platform.machine(), platform.libc_ver())).encode()
+    key = hashlib.sha256(SRC.read_bytes() + ident).hexdigest()[:16]
     return _cache_dir() / f"tick-{key}.so"
 
 
-def _build() -> ctypes.CDLL:
-    so = _cached_path()
+def build() -> ctypes.CDLL:
+    so = cached_path()
     if not so.exists():
-        _compile(so)
+        compile_library(so)
     try:
-        return _load(so)
+        return load(so)
     except (OSError, NativeUnavailable) as first:
         # A cached file this host cannot use (damaged, or built elsewhere): build it again, once, here. This process
         # loads the new file under a private name: dlopen would hand back the library already mapped for `so`.
         fd, private = tempfile.mkstemp(prefix=so.stem + ".", suffix=".so", dir=so.parent)
         os.close(fd)
         try:
-            _compile(so)
+            compile_library(so)
             shutil.copyfile(so, private)
-            return _load(Path(private))
+            return load(Path(private))
         except OSError as e:
             raise NativeUnavailable(f"loading {so} failed: {e} (first attempt: {first})") from None
         finally:
@@ -217,7 +230,7 @@ def library() -> ctypes.CDLL:
     with _lib_lock:
         if _lib is None:
             try:
-                _lib = _build()
+                _lib = build()
             except NativeUnavailable as e:
                 _lib = e
         if isinstance(_lib, NativeUnavailable):
@@ -262,7 +275,7 @@ class NativeTicker:
         if not self._handle:
             raise NativeUnavailable("tw_new failed (no memory, or pthread_create failed)")
         self._closed = False
-        self._forked = False  # inherited by a forked child: never call into it there
+        self.forked = False  # inherited by a forked child: never call into it there
 
     @property
     def attached(self) -> bool:
@@ -302,7 +315,11 @@ class NativeTicker:
         """Set up device row ``i`` for ``reader`` and take its copy in flight (the last step: nothing can fail after
         the reader's state moved here)."""
         d = self.devs[i]
-        (d.query, d.copy, d.record, d.push, d.pop, d.ctx, d.stream, d.event, d.src, d.mirror) = reader.native_fields()
+        q, c, r, *rest = reader.native_fields()
+        if q is None or c is None or r is None:  # a CPU arena: this library's memcpy "driver" for what it leaves out
+            hq, hc, hr = host_functions()
+            q, c, r = q or hq, c or hc, r or hr
+        (d.query, d.copy, d.record, d.push, d.pop, d.ctx, d.stream, d.event, d.src, d.mirror) = (q, c, r, *rest)
         buf = self._refs.get(id(reader))
         if buf is None or buf.shape[0] < capacity:
             buf = self._refs[id(reader)] = np.zeros((capacity, reader.arena.shape[1]), dtype=np.int64)
@@ -363,6 +380,12 @@ class NativeTicker:
     def last_active(self) -> float:
         return float(self.cfg.last_active_ns) / 1e9
 
+    def last_tick(self) -> float | None:
+        """When the native thread last ticked (monotonic seconds, the clock of ``time.monotonic``), None before its
+        first tick. Read racily: an aligned 8-byte load."""
+        ns = int(self.cfg.last_tick_ns)
+        return ns / 1e9 if ns else None
+
     def live(self) -> tuple[int, int, int]:
         """(ticks, idle skips, quiet reads) since engage, read racily while the thread may be ticking."""
         quiet = sum(self.devs[i].quiet for i in range(len(self._attached)))
@@ -399,5 +422,5 @@ class NativeTicker:
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
-        if handle and not getattr(self, "_forked", False):
+        if handle and not getattr(self, "forked", False):
             self._lib.tw_free(handle)

@@ -79,6 +79,7 @@ typedef struct {
     int64_t relax_err;     /* -1 not tried yet, else its result */
     int64_t ticks;         /* statistics */
     int64_t idle_skips;
+    int64_t last_tick_ns;  /* CLOCK_MONOTONIC start of the latest tick (0: none yet), for Monitor.health() */
     int64_t reason;        /* why the last engagement ended */
     int64_t changed_dev;   /* the device that ended it (CHANGED or ERROR; -1: the capture-mode exchange) */
     int64_t trace_on;
@@ -138,6 +139,7 @@ static int dev_error(tw_dev *d, int64_t i, int rc, int call, int64_t *dev) {
 static int tick(tw_cfg *c, int64_t *dev) {
     int64_t start = now_ns();
     c->ticks++;
+    c->last_tick_ns = start;
     if (__atomic_exchange_n(c->active, 0, __ATOMIC_RELAXED)) c->last_active_ns = start;
     /* Python's rule (monitor._poll): idle = no check() for idle_tail (no confirmation can be pending while engaged). */
     if (start - c->last_active_ns > c->idle_tail_ns) {

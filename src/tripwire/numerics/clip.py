@@ -42,7 +42,8 @@ import torch
 from ..arena import normalize_device
 from ..capture import is_capturing
 from ..errors import GuardTripped
-from ..monitor import register_reporter
+from ..report import Report, Wording, register_reporter, short_name
+from ..sinks import Event
 from ..sites import Site, SiteRegistry
 
 if TYPE_CHECKING:
@@ -60,7 +61,9 @@ __all__ = [
     "ClipCounter",
     "ClipReporter",
     "bits_to_float",
+    "clip_message",
     "clip_thresholds",
+    "clip_wording",
     "reference_quantize",
 ]
 
@@ -339,7 +342,9 @@ def _fmt_max(m: float, fmax: float | None, what: str) -> str:
     return f"max |{what}| {m:.6g} ({what} scale >= {m / fmax:.6g} would fit)"
 
 
-def clip_message(site: Site, device: str, row: np.ndarray, dk: int | None, dv: int | None) -> str:
+def clip_wording(site: Site, device: str, row: np.ndarray, dk: int | None, dv: int | None) -> Wording:
+    """The words of a clip row's report: the K and V deltas and totals first, the maxima and the scale that would
+    have fitted in the detail."""
     fmt = _format_of(site)
     fmax = FP8_MAX.get(fmt) if fmt is not None else None
     k, v = int(row[K_COUNT]), int(row[V_COUNT])
@@ -348,22 +353,32 @@ def clip_message(site: Site, device: str, row: np.ndarray, dk: int | None, dv: i
     kd = f"+{dk} " if dk is not None else ""
     vd = f"+{dv} " if dv is not None else ""
     ceiling = f"{fmt} max {fmax:g} x scale" if fmax is not None else "fp8 max x scale"
-    return (
-        f"tripwire: FP8 KV CLIPPING in layer {site.name!r} on {device}{fatal}: K {kd}({k} total), V {vd}({v} total) "
-        f"elements exceeded {ceiling} and were saturated. Observed lifetime {_fmt_max(kmax, fmax, 'K')}, "
-        f"{_fmt_max(vmax, fmax, 'V')}. The static KV scales are too small for these activations: recalibrate."
+    line = short_name(
+        lambda s: (
+            f"FP8 KV CLIPPING in layer {s} on {device}{fatal}: K {kd}({k} total), V {vd}({v} total) elements "
+            f"exceeded {ceiling} and were saturated."
+        ),
+        site.name,
     )
+    detail = f"Observed lifetime {_fmt_max(kmax, fmax, 'K')}, {_fmt_max(vmax, fmax, 'V')}."
+    return Wording(line, detail, "The static KV scales are too small for these activations: recalibrate.")
+
+
+def clip_message(site: Site, device: str, row: np.ndarray, dk: int | None, dv: int | None) -> str:
+    """The whole report of a clip row as one string (an exception's message)."""
+    return "tripwire: " + str(clip_wording(site, device, row, dk, dv))
 
 
 class ClipReporter:
-    """The monitor's reporter for ``"clip"`` rows: a WARNING per confirmed rise (aggregated by ``monitor.emit``,
-    with the K and V deltas since the last line), arming only for fatal counters; and an INFO heartbeat every
-    ``monitor.settings.heartbeat`` seconds with the totals, proving the counters are being read."""
+    """The monitor's reporter for ``"clip"`` rows: a report per confirmed rise (aggregated by the monitor's window,
+    with the K and V deltas since the last one; one event per tensor that rose, kinds ``"clip_k"`` and
+    ``"clip_v"``), arming only for fatal counters; and an INFO heartbeat every ``monitor.settings.heartbeat``
+    seconds with the totals, proving the counters are being read."""
 
     count_slots = (K_COUNT, V_COUNT)
 
     def __init__(self) -> None:
-        self._logged: dict[tuple[str, int], tuple[int, int]] = {}  # (device, row) -> (k, v) at the last line
+        self._logged: dict[tuple[str, int], tuple[int, int]] = {}  # (device, row) -> (k, v) at the last report
         self._next_beat: float | None = None
 
     def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
@@ -371,13 +386,18 @@ class ClipReporter:
         row = row.copy()
         k, v = int(row[K_COUNT]), int(row[V_COUNT])
 
-        def render(_delta: int) -> str:
-            # Called when the line is actually logged (maybe later, aggregated): deltas since the last line.
+        def render(_delta: int) -> Report:
+            # Called when the report actually goes out (maybe later, aggregated): deltas since the last one.
             lk, lv = self._logged.get(key, (0, 0))
             if k < lk or v < lv:  # the counters were reset since
                 lk, lv = 0, 0
             self._logged[key] = (k, v)
-            return clip_message(site, device, row, k - lk, v - lv)
+            events = tuple(
+                Event(kind, site.name, device, delta=d, total=t, fatal=site.fatal)
+                for kind, d, t in (("clip_k", k - lk, k), ("clip_v", v - lv, v))
+                if d > 0
+            )
+            return Report(events, clip_wording(site, device, row, k - lk, v - lv), site.name)
 
         monitor.emit(key, k + v, now, render)
         if site.fatal:

@@ -14,11 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..monitor import GuardReporter, Hit, Monitor, register_reporter
+from ..monitor import Monitor
+from ..report import GuardReporter, Hit, Wording, register_reporter, short_name
 from ..sites import Site
 from ..triton import record_hits
 
-__all__ = ["NonFiniteReporter", "count_nonfinite", "nonfinite_message", "register_nonfinite_site"]
+__all__ = [
+    "NonFiniteReporter",
+    "count_nonfinite",
+    "nonfinite_message",
+    "nonfinite_wording",
+    "register_nonfinite_site",
+]
 
 _FLOAT_DTYPES = (
     torch.float16,
@@ -153,23 +160,36 @@ def _fmt(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
-def nonfinite_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
+def nonfinite_wording(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> Wording:
+    """The words of a non-finite row's report: the count and the first element on the first line."""
     fatal = " (FATAL site)" if site.fatal else ""
     new = f"{delta} new, {hit.count} total" if delta is not None else f"{hit.count} total"
-    desc = f" [{site.description}]" if site.description else ""
-    return (
-        f"NON-FINITE values at site {site.name!r} on {device}{fatal}: {new} NaN/Inf elements.{desc} "
-        f"First: row {_fmt(hit.first_row)}, column {_fmt(hit.first_value)}. Lifetime extremes (independent, not one "
-        f"element): max row {_fmt(hit.max_row)}, columns {_fmt(hit.min_value)}..{_fmt(hit.max_value)}. The values "
-        f"were counted, not changed: whatever consumed them computed with NaN/Inf."
+    line = short_name(
+        lambda s: (
+            f"NON-FINITE values at site {s} on {device}{fatal}: {new} NaN/Inf elements. First: row "
+            f"{_fmt(hit.first_row)}, column {_fmt(hit.first_value)}."
+        ),
+        site.name,
     )
+    detail = f"Lifetime extremes: max row {_fmt(hit.max_row)}, columns {_fmt(hit.min_value)}..{_fmt(hit.max_value)}."
+    desc = f"[{site.description}] " if site.description else ""
+    explanation = (
+        f"{desc}The values were counted, not changed: whatever consumed them computed with NaN/Inf. The first element "
+        f"is one real element; the extremes are independent, not one element."
+    )
+    return Wording(line, detail, explanation)
+
+
+def nonfinite_message(site: Site, device: str, hit: Hit, *, delta: int | None = None) -> str:
+    """The whole report of a non-finite row as one string."""
+    return str(nonfinite_wording(site, device, hit, delta=delta))
 
 
 class NonFiniteReporter(GuardReporter):
     """Reporter for ``"nonfinite"`` rows (guard layout): the guard reporter's aggregation and arming rules (``raise``
     mode or a fatal site arms), with wording about NaN/Inf instead of masked accesses."""
 
-    message = staticmethod(nonfinite_message)
+    wording = staticmethod(nonfinite_wording)
 
 
 # Replaces the generic guard reporter for this kind (same arming rules, wording about NaN/Inf, not masked accesses).

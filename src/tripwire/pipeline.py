@@ -1,0 +1,131 @@
+"""The event pipeline after the copy: a landed copy's rows are confirmed (:mod:`tripwire.confirm`), the confirmed
+rises go to their kind's reporter (:mod:`tripwire.report`), which arms the stop where its rules say so and submits
+a report to the window, and the reports the window lets out go to the log and, as events, to the sinks
+(:mod:`tripwire.sinks`).
+
+Everything here but :meth:`Pipeline.take_events` and the sinks' delivery runs under the monitor's lock; the sinks
+are called once it is released (a slow sink must not hold the lock other threads take).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .confirm import Confirmed, Confirmer
+from .report import Hit, Report, Reporters, ReportWindow, decode_rows
+from .sinks import Event, Log, SinkSet
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+__all__ = ["Callbacks", "Pipeline"]
+
+log = logging.getLogger("tripwire")
+
+
+class Callbacks(list):  # type: ignore[type-arg]
+    """A list of callbacks (arm listeners, tick hooks): ``add`` refuses what is not callable, ``discard`` ignores
+    what is not there, ``call(arg)`` calls each in order and logs (never raises) a failing one."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def add(self, fn: Callable[..., Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"{self.what} must be callable, got {fn!r}")
+        self.append(fn)
+
+    def discard(self, fn: Callable[..., Any]) -> None:
+        if fn in self:
+            self.remove(fn)
+
+    def call(self, arg: Any) -> None:
+        for fn in list(self):
+            try:
+                fn(arg)
+            except Exception:
+                log.exception("tripwire: %s %r failed", self.what, fn)
+
+
+class Pipeline:
+    """One monitor's confirmer, reporters, report window, log and sinks."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+        self.reporters = Reporters()
+        self.confirmer = Confirmer(monitor.registry, monitor.settings.capacity, self.reporters.count_slots)
+        # The window and the sink-failure log follow the monitor's setting (read when used).
+        self.window = ReportWindow(lambda: monitor.settings.report_every, self._release)
+        self.log = Log()
+        self.sinks = SinkSet(lambda: monitor.settings.report_every)
+        self._events: list[Event] = []
+
+    def process(self, device: str, rows: np.ndarray, now: float, *, final: bool) -> None:
+        """A landed copy of ``device``'s rows (every row complete when ``final``): confirm, report."""
+        confirmed = self.confirmer.process(device, rows, final=final)
+        for kind in self.confirmer.kinds:
+            # Reporters are made lazily and reset() drops them; heartbeats tick only those that exist.
+            self.reporters.make(kind)
+        self._confirm(device, confirmed, now)
+
+    def lose(self, device: str, now: float) -> None:
+        """``device``'s reader is lost: report what it had seen rising (nobody polls it again)."""
+        self._confirm(device, self.confirmer.lose(device), now)
+
+    def _confirm(self, device: str, confirmed: list[Confirmed], now: float) -> None:
+        for site, row in confirmed:
+            self.reporters.make(site.kind).confirm(self.monitor, device, site, row, now)
+
+    def tick(self, now: float) -> None:
+        """Once per Python tick: release the reports whose window passed, tick the reporters (heartbeats)."""
+        self.window.flush_due(now)
+        latest = self.confirmer.all_latest()
+        for reporter in self.reporters.made():
+            reporter.tick(self.monitor, latest, now)
+
+    def _release(self, report: Report) -> None:
+        """The window let ``report`` out: log it now, queue its events for the sinks."""
+        w = report.wording
+        self.log.write(w.line, key=report.key, detail=w.detail, explanation=w.explanation, level=report.level)
+        if self.sinks:
+            self._events.extend(report.events)
+
+    def submit(self, key: tuple[str, int], total: int, now: float, render: Callable[[int], Report]) -> None:
+        self.window.submit(key, total, now, render)
+
+    def duty_wait(self, now: float) -> float:
+        """How long the reader thread may leave every tick to the native thread: until the next deferred report is
+        due, and at most a quarter of the heartbeat (the numeric instruments' heartbeats run on Python ticks)."""
+        s = self.monitor.settings
+        wait = max(s.interval, s.heartbeat / 4)
+        due = self.window.next_due(now)
+        return wait if due is None else min(wait, due)
+
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def decode(self, device: str, rows: np.ndarray) -> dict[tuple[str, str], Hit]:
+        return decode_rows(self.monitor.registry, self.reporters, device, rows)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per device, each site's count as confirmed so far (what was reported)."""
+        sites = self.monitor.registry.all()
+        out: dict[str, dict[str, int]] = {}
+        for name in self.confirmer.devices():
+            rows = self.confirmer.reported_rows(name)
+            if rows is not None:
+                out[name] = {sites[i].name: int(rows[i]) for i in np.nonzero(rows[: len(sites)])[0].tolist()}
+        return out
+
+    def clear(self) -> None:
+        """Forget every confirmation, deferred report and reporter (reporters keep per-row state too). Events
+        already released stay queued for the sinks."""
+        self.confirmer.clear()
+        self.window.clear()
+        self.reporters.clear()
