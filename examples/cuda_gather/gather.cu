@@ -17,11 +17,12 @@ constexpr int kRows = 32;      // rows per block: one per lane of the first warp
 // A block gathers kRows rows. Its first warp checks their indices, one row per lane: the 32 lanes hold 32
 // different entries, so one warp can hold several bad ones, and tripwire::guard_index records them all with one
 // ballot and one set of atomics (none at all when every index is good: the hot path). The whole block then copies
-// the rows 16 bytes per thread; a masked row is written as zeros and its source is never read.
+// the rows as one flat range of 16-byte vectors (narrow rows keep every thread busy too); a masked row is written
+// as zeros and its source is never read.
 template <bool GUARD, typename Index>
 __global__ void __launch_bounds__(kThreads)
     gather_rows(const uint4* __restrict__ src, const Index* __restrict__ idx, uint4* __restrict__ out, int64_t n,
-                int64_t n_src, int64_t vecs, int64_t* __restrict__ ctr) {
+                int64_t n_src, unsigned vecs, int64_t* __restrict__ ctr) {
   __shared__ int64_t s_row[kRows];
   __shared__ bool s_ok[kRows];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -41,20 +42,22 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
+  const unsigned total = static_cast<unsigned>(rows) * vecs;  // < 2**32: the host checks vecs
+  uint4* to = out + base * vecs;
 #pragma unroll 4
-  for (int r = 0; r < rows; ++r) {
-    uint4* to = out + (base + r) * vecs;
-    if (s_ok[r]) {  // uniform across the block: one row at a time
-      const uint4* from = src + s_row[r] * vecs;
-      for (int64_t j = threadIdx.x; j < vecs; j += kThreads) to[j] = from[j];
+  for (unsigned k = threadIdx.x; k < total; k += kThreads) {
+    const unsigned r = k / vecs;
+    const unsigned j = k - r * vecs;
+    if (s_ok[r]) {
+      to[k] = src[s_row[r] * vecs + j];
     } else {
-      for (int64_t j = threadIdx.x; j < vecs; j += kThreads) to[j] = make_uint4(0, 0, 0, 0);
+      to[k] = make_uint4(0, 0, 0, 0);
     }
   }
 }
 
 template <bool GUARD>
-void launch(const torch::Tensor& src, const torch::Tensor& idx, torch::Tensor& out, int64_t* ctr, int64_t vecs) {
+void launch(const torch::Tensor& src, const torch::Tensor& idx, torch::Tensor& out, int64_t* ctr, unsigned vecs) {
   const int64_t n = idx.size(0);
   const auto blocks = static_cast<unsigned>((n + kRows - 1) / kRows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();  // capture-safe: the caller's (capturing) stream
@@ -84,7 +87,8 @@ void gather(torch::Tensor src, torch::Tensor idx, torch::Tensor out, torch::Tens
               "out must be a contiguous tensor of src's dtype and device, shape [len(idx), *src.shape[1:]]");
   int64_t row_bytes = src.element_size();
   for (int64_t d = 1; d < src.dim(); ++d) row_bytes *= src.size(d);
-  TORCH_CHECK(row_bytes % 16 == 0, "a row must be a multiple of 16 bytes, got ", row_bytes);
+  TORCH_CHECK(row_bytes % 16 == 0 && row_bytes > 0, "a row must be a (non-zero) multiple of 16 bytes, got ", row_bytes);
+  TORCH_CHECK(row_bytes / 16 <= (1 << 26), "rows of at most 1 GiB are supported, got ", row_bytes, " bytes");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
               "src and out must be 16-byte aligned");
@@ -95,7 +99,7 @@ void gather(torch::Tensor src, torch::Tensor idx, torch::Tensor out, torch::Tens
   }
   if (idx.size(0) == 0) return;
   const c10::cuda::CUDAGuard device_guard(src.device());
-  const int64_t vecs = row_bytes / 16;
+  const auto vecs = static_cast<unsigned>(row_bytes / 16);
   if (guard) {
     launch<true>(src, idx, out, ctr.data_ptr<int64_t>(), vecs);
   } else {
