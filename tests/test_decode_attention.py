@@ -274,7 +274,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tripwire.kernels import decode_attention as da
 
-def build(guard, fault_block_n, block_n=64, stages=2, warps=4):
+CFG = da.Config()  # the launcher's default shape
+
+def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warps=CFG.num_warps):
     k = da._decode_split
     names = k.arg_names
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "lens_ptr": "*i32",
@@ -292,7 +294,14 @@ def build(guard, fault_block_n, block_n=64, stages=2, warps=4):
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"REG:(\d+)", res).group(1))
-    return {"regs": regs, "smem": c.metadata.shared, "cp_async": c.asm["ptx"].count("cp.async.cg.shared.global")}
+    smem = c.metadata.shared
+    # Programs per SM on an H100/H200 (sm_90): 64K registers (allocated per warp in units of 8 per thread),
+    # 228 KiB of shared memory (plus 1 KiB reserved per block), 2048 threads.
+    by_regs = 65536 // (warps * 32 * (-(-regs // 8) * 8))
+    by_smem = 233472 // (smem + 1024)
+    occupancy = min(by_regs, by_smem, 2048 // (warps * 32), 32)
+    return {"regs": regs, "smem": smem, "occupancy": occupancy,
+            "cp_async": c.asm["ptx"].count("cp.async.cg.shared.global")}
 
 try:
     out = {"twin": build(False, 16), "guarded": build(True, da._FAULT_BLOCK_N), "control": build(True, 64)}
@@ -303,15 +312,16 @@ print(json.dumps(out))
 
 
 def test_sm90_build_guard_costs_no_occupancy(build_probe):
-    """Compiled ahead of time for an H100/H200 (sm_90; no GPU needed): the guarded kernel uses the twin's
-    registers and shared memory, and its hot loop is pipelined like the twin's (16-byte async copies of K and V).
-    Registers are allocated for a kernel's worst path, so the fault path must not be the hungrier one. Control: a
-    fault loop shaped like the hot one (64-token tiles) needs more registers, so the comparison can fail."""
+    """Compiled ahead of time for an H100/H200 (sm_90; no GPU needed), at the launcher's default shape: the guarded
+    kernel fits as many programs per SM as the twin (registers and shared memory), and its hot loop is pipelined like
+    the twin's (16-byte async copies of K and V). Registers are allocated for a kernel's worst path, so the fault
+    path must not be the hungrier one. Control: a fault loop shaped like the hot one (64-token tiles) needs so many
+    more registers that fewer programs fit, so the comparison can fail."""
     r = build_probe(_BUILD_PROBE)
     twin, guarded, control = r["twin"], r["guarded"], r["control"]
-    assert guarded["regs"] <= twin["regs"] and guarded["smem"] == twin["smem"], r
+    assert guarded["occupancy"] == twin["occupancy"] and guarded["smem"] == twin["smem"], r
     assert twin["cp_async"] > 0 and guarded["cp_async"] == twin["cp_async"], r
-    assert control["regs"] > twin["regs"], r
+    assert control["occupancy"] < twin["occupancy"], r
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

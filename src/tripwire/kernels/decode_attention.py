@@ -12,8 +12,8 @@ rounded to the cache dtype for the P @ V product (as every flash-attention kerne
 
 Work split: one program per (sequence, KV head, split) reads its split's K/V pages of that KV head ONCE for all G
 query heads of the group (a ``[G, D] x [D, tokens]`` dot). Splits partition the table's columns into page-aligned
-chunks. With a workspace (:func:`alloc_workspace`, ``num_splits > 1``) each split writes its normalised partial output and
-log-sum-exp and a reduce kernel combines them; without one, the single split writes ``out`` directly.
+chunks. With a workspace (:func:`alloc_workspace`, ``num_splits > 1``) each split writes its normalised partial
+output and log-sum-exp and a reduce kernel combines them; without one, the single split writes ``out`` directly.
 
 Guards (two sites; a launch takes their ``[2, 8]`` counter block):
 
@@ -29,10 +29,11 @@ Guards (two sites; a launch takes their ``[2, 8]`` counter block):
 A sequence whose every page is bad (or whose length is 0) gets zeros, never NaN: the softmax's running max starts
 at -inf and an all-masked split keeps l = 0 and log-sum-exp = -inf, which the reduce weighs as 0.
 
-Hot path: before its loop a program checks its split's page ids in one vector (one reduction); the loop then runs
-exactly the unguarded twin's code, reading the same ids again (cache hits: no extra DRAM traffic). Only a split
-holding a bad id takes the masked loop (the fault path: not pipelined, not tuned). So the guard costs one small load
-and one reduction per program, not a compare-and-mask per tile.
+Hot path: before its loop a program checks its split's page ids in one vector (one reduction, no atomics); the loop
+then runs exactly the unguarded twin's code, reading the same ids again (cache hits: the twin's first DRAM read of
+them is the check's). Only a split holding a bad id takes the fault path: it records the split's bad entries and
+runs a masked loop (small tiles, not pipelined, so that it needs no more registers than the hot loop). The guard
+costs one reduction per program, not a compare-and-mask per tile.
 
 Neither site is fatal: the kernel reads the cache and writes only ``out`` (a wrong answer for that sequence, which
 the report calls a masked fault), nothing durable.
@@ -183,6 +184,18 @@ def _attend(
 
 
 @triton.jit
+def _record_pages(ctr_ptr, row_ptr, b, pid_h, first_page, end_page, N, BLOCK_P: tl.constexpr):
+    """Count the bad ids among page columns [first_page, end_page) of a sequence's row (a split's used pages): one
+    lane per entry, and of the KV-head programs reading them only the first counts; splits partition the columns,
+    so each bad entry counts once (row = the sequence, value = the id)."""
+    for c in tl.range(first_page, end_page, BLOCK_P, num_stages=1):
+        cols = c + tl.arange(0, BLOCK_P)
+        cm = cols < end_page
+        ids = tl.load(row_ptr + cols, mask=cm, other=0)
+        guard_index(ids, 0, N, ctr_ptr, b, mask=cm, count=pid_h == 0)
+
+
+@triton.jit
 def _decode_split(
     q_ptr,
     k_ptr,
@@ -242,20 +255,23 @@ def _decode_split(
 
     hot = True
     if GUARD:
-        # The split's used pages, checked once, as entries (one lane each); the first head program counts them.
+        # The split's used page ids, checked as one vector (an entry per lane) with one reduction, before the loop
+        # reads them again (cache hits: no extra DRAM traffic). No atomics and no recording here: that is the
+        # fault path's.
         n_bad = tl.zeros([], dtype=tl.int32)
         pg_hi = (tok_hi + BS - 1) // BS
         for c in tl.range(s * pages_per_split, pg_hi, BLOCK_P, num_stages=1):
             cols = c + tl.arange(0, BLOCK_P)
             cm = cols < pg_hi
             ids = tl.load(row_ptr + cols, mask=cm, other=0)
-            _, ok = guard_index(ids, 0, N, ctr_ptr, b, mask=cm, count=pid_h == 0)
-            n_bad += tl.sum(tl.where(cm, ok == 0, False).to(tl.int32), axis=0)
+            n_bad += tl.sum((cm & ((ids < 0) | (ids >= N))).to(tl.int32), axis=0)
         hot = n_bad == 0
         if not hot:
-            # The fault path: the tokens of bad pages masked. Small tiles, not pipelined: registers are allocated for
-            # the kernel's worst path, so a fault loop shaped like the hot one would raise the guarded kernel's count
-            # above the twin's and cost the hot path occupancy (tests/test_decode_attention.py checks the sm_90 build).
+            # The fault path: count the split's bad entries once, then attend with their tokens masked. Small tiles,
+            # not pipelined: registers are allocated for the kernel's worst path, so a fault loop shaped like the
+            # hot one would raise the guarded kernel's count above the twin's and cost the hot path occupancy
+            # (tests/test_decode_attention.py checks the sm_90 build).
+            _record_pages(ctr_ptr, row_ptr, b, pid_h, s * pages_per_split, pg_hi, N, BLOCK_P)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr, v_ptr, row_ptr, tok_lo, tok_hi, hk, Hkv, N, qk_scale,
                                     BS, FAULT_BLOCK_N, D, 1, True, DOT_F32)  # fmt: skip
     if hot:
