@@ -136,7 +136,7 @@ def run(quick: bool = False, sweep: bool = True, *, device: str = "cuda", shape:
         grid = (
             itertools.product([64], [4, 8], [2], [1, 2])
             if quick
-            else itertools.product([32, 64, 128], [4, 8], [1, 2, 3], [1, 2, 4])
+            else itertools.product([32, 64, 128], [4, 8], [1, 2, 3], [1, 2, 4, 8])
         )
         rows = []
         for block_n, warps, stages, splits in grid:

@@ -315,15 +315,16 @@ def _block_h(group: int) -> int:
 def default_splits(
     batch: int, kv_heads: int, q_heads: int, table_width: int, block_size: int, device: torch.device | str
 ) -> int:
-    """Splits per sequence for a launch shape: enough programs to fill the GPU about 16 per SM, but at least 256
-    tokens per split (a split's fixed costs -- query load, page check, epilogue, the reduce -- amortise over its
-    tokens). 1 when the batch alone fills the GPU, which also skips the reduce. A host-side heuristic: it reads
-    the device's SM count, never device memory."""
+    """Splits per sequence for a launch shape: enough programs for about 32 per SM, so the launch runs in several
+    waves and its last, partial wave is a small part of its time; but at least 256 tokens per split (a split's fixed
+    costs -- query load, page check, epilogue, its share of the reduce -- amortise over its tokens). 1 (which also
+    skips the reduce) when the batch alone is that many programs. A host-side heuristic: it reads the device's SM
+    count, never device memory; ``benchmarks/bench_decode_attention.py`` sweeps the alternatives."""
     dev = torch.device(device)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
     group = max(1, q_heads // max(1, kv_heads))
     programs = max(1, batch * kv_heads * triton.cdiv(group, _block_h(group)))
-    by_fill = max(1, (16 * sms) // programs)
+    by_fill = triton.cdiv(32 * sms, programs)
     by_length = max(1, (table_width * block_size) // 256)
     return int(min(by_fill, by_length))
 
