@@ -200,6 +200,18 @@ class Result:
         }
 
 
+def finish(res: dict, out: Path | None) -> int:
+    """The end of a standalone guard benchmark: one line per target, then the JSON to ``out`` (or stdout)."""
+    for t in res.get("targets", []):
+        print(f"{t['name']}: {t['target']}: {t['value']:.2f} {'PASS' if t['pass'] else 'SHORT'}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+    else:
+        print(json.dumps(res, indent=2))
+    return 0
+
+
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

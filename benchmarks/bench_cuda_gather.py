@@ -15,7 +15,6 @@ The first run builds the extension with nvcc (about a minute; cached after).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from _common import d2d_copy_ms, env_info, paired_replay_ms
+from _common import d2d_copy_ms, env_info, finish, paired_replay_ms
 from tripwire import Monitor, SiteRegistry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cuda_gather"
@@ -127,14 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the result JSON here")
     args = p.parse_args(argv)
     res = run(args.quick)
-    for t in res.get("targets", []):
-        print(f"{t['name']}: {t['target']}: {t['value']:.2f} {'PASS' if t['pass'] else 'SHORT'}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
-    else:
-        print(json.dumps(res, indent=2))
-    return 0
+    return finish(res, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from _common import d2d_copy_ms, env_info, paired_replay_ms
+from _common import d2d_copy_ms, env_info, finish, paired_replay_ms
 from tripwire import Monitor, SiteRegistry
 from tripwire.kernels import counters
 from tripwire.kernels import decode_attention as da
@@ -221,15 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the result JSON here")
     args = p.parse_args(argv)
     res = run(args.quick, sweep=not args.no_sweep)
-    for t in res.get("targets", []):
-        mark = "PASS" if t["pass"] else "SHORT"
-        print(f"{t['name']}: {t['target']}: {t['value']:.2f} {mark}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
-    else:
-        print(json.dumps(res, indent=2))
-    return 0
+    return finish(res, args.out)
 
 
 if __name__ == "__main__":

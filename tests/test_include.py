@@ -153,25 +153,7 @@ def sat(v: int) -> int:
     return max(layout.VALUE_MIN, min(layout.VALUE_MAX, v))
 
 
-def assert_row(words: list[int], hits: list[tuple[int, int]], *, first: tuple[int, int] | None = None) -> None:
-    """Exactly ``hits`` (saturated pairs): count, extremes, and a first pair that is one of them (``first``: that
-    one, when a single warp makes it deterministic)."""
-    hits = [(sat(r), sat(v)) for r, v in hits]
-    assert words[0] == len(hits)
-    if not hits:
-        assert words == [0] * 8
-        return
-    assert decode(words[1]) == max(r for r, _ in hits)
-    assert decode(words[2]) == max(v for _, v in hits)
-    assert decode_neg(words[3]) == min(v for _, v in hits)
-    pair = (decode(words[4]), decode(words[5]))
-    assert pair in set(hits)
-    if first is not None:
-        assert pair == first
-    assert words[6:] == [0, 0]
-
-
-def test_several_bad_lanes_in_one_warp(warp_sim):
+def test_several_bad_lanes_in_one_warp(warp_sim, guard_row):
     """A full warp with 5 bad lanes: count 5, one set of atomics; first = the lowest row, then its lowest value."""
     lanes = [(i, 0, 100 + i, i) for i in range(32)]
     for i, v in ((3, -7), (9, 500), (17, 2), (18, -1), (31, 40)):
@@ -179,18 +161,18 @@ def test_several_bad_lanes_in_one_warp(warp_sim):
     lanes[17] = (17, 1, 103, 2)  # the same row as lane 3, a higher value
     words, _ = warp_sim("hits", [lanes])
     hits = [(r, v) for _, b, r, v in lanes if b]
-    assert_row(words, hits, first=(103, -7))
+    guard_row(words, hits, first=(103, -7))
     # Control: the extremes are independent, not a pair: (max row, max value) was never one hit.
     assert (decode(words[1]), decode(words[2])) not in set(hits)
 
 
-def test_partial_warps_concurrently(warp_sim):
+def test_partial_warps_concurrently(warp_sim, guard_row):
     """Warps of 1, 4 and 32 lanes (lanes that exist: not 0..n-1 only), at once: exact counts across warps."""
     w1 = [(5, 1, 7, -2)]
     w2 = [(0, 0, 1, 1), (3, 1, 2, 9), (7, 1, 3, 9), (30, 0, 4, 4)]
     w3 = [(i, int(i % 3 == 0), 50 + i, i * 1000) for i in range(32)]
     words, _ = warp_sim("hits", [w1, w2, w3, []])
-    assert_row(words, [(r, v) for w in (w1, w2, w3) for _, b, r, v in w if b])
+    guard_row(words, [(r, v) for w in (w1, w2, w3) for _, b, r, v in w if b])
 
 
 def test_no_bad_lane_writes_nothing(warp_sim):
@@ -198,10 +180,10 @@ def test_no_bad_lane_writes_nothing(warp_sim):
     assert words == [0] * 8
 
 
-def test_junk_values_saturate(warp_sim):
+def test_junk_values_saturate(warp_sim, guard_row):
     lanes = [(0, 1, 0, INT64_MAX), (1, 1, 1, INT64_MIN), (2, 1, INT64_MAX, 2**62), (3, 0, 3, 3)]
     words, _ = warp_sim("hits", [lanes])
-    assert_row(words, [(r, v) for _, b, r, v in lanes if b], first=(0, layout.VALUE_MAX))
+    guard_row(words, [(r, v) for _, b, r, v in lanes if b], first=(0, layout.VALUE_MAX))
     assert (decode(words[2]), decode_neg(words[3]), decode(words[1])) == (
         layout.VALUE_MAX,
         layout.VALUE_MIN,
@@ -209,14 +191,14 @@ def test_junk_values_saturate(warp_sim):
     )
 
 
-def test_record_hit_counts_each_calling_thread(warp_sim):
+def test_record_hit_counts_each_calling_thread(warp_sim, guard_row):
     """record_hit under the kernel's `if (bad)`: the lanes that took the branch call it; each counts once."""
     callers = [(i, 0, i // 4, 1000 - i) for i in (2, 3, 11, 12, 29)]
     words, _ = warp_sim("hit", [callers, [(0, 0, 77, 5)]])
-    assert_row(words, [(r, v) for _, _, r, v in callers] + [(77, 5)])
+    guard_row(words, [(r, v) for _, _, r, v in callers] + [(77, 5)])
 
 
-def test_guard_index_clamps_masks_and_counts(warp_sim):
+def test_guard_index_clamps_masks_and_counts(warp_sim, guard_row):
     """Per lane: the clamped index and ok; out-of-range lanes count only where count is set (one lane per entry)."""
     lo, hi = -2, 10
     idx = [0, 9, 10, -2, -3, INT64_MAX, INT64_MIN, 5, 11, 11]
@@ -227,7 +209,7 @@ def test_guard_index_clamps_masks_and_counts(warp_sim):
         ok = lo <= x < hi
         assert got[(0, i)] == (min(max(x, lo), hi - 1), ok)
     hits = [(200 + i, x) for i, (x, c) in enumerate(zip(idx, count, strict=True)) if c and not lo <= x < hi]
-    assert_row(words, hits, first=(202, 10))
+    guard_row(words, hits, first=(202, 10))
 
 
 _lane = st.tuples(st.booleans(), st.integers(-(2**40), 2**40), st.integers(INT64_MIN, INT64_MAX))
@@ -235,13 +217,13 @@ _lane = st.tuples(st.booleans(), st.integers(-(2**40), 2**40), st.integers(INT64
 
 @settings(max_examples=25, deadline=None)
 @given(warps=st.lists(st.dictionaries(st.integers(0, 31), _lane, max_size=32), min_size=1, max_size=4))
-def test_property_against_reference(warp_sim, warps):
+def test_property_against_reference(warp_sim, warps, guard_row):
     """Random warps (random lanes present, random bad lanes, rows and junk values), all at once."""
     spec = [[(lane, int(b), r, v) for lane, (b, r, v) in sorted(w.items())] for w in warps]
     words, _ = warp_sim("hits", spec)
     hits = [(r, v) for w in spec for _, b, r, v in w if b]
     firsts = {min((sat(r), sat(v)) for _, b, r, v in w if b) for w in spec if any(b for _, b, _, _ in w)}
-    assert_row(words, hits)
+    guard_row(words, hits)
     if hits:  # the winner is some warp's own first pair (the lowest row, then value, of that warp)
         assert (decode(words[4]), decode(words[5])) in firsts
 
@@ -315,7 +297,7 @@ def _corrupt_gather(idx: torch.Tensor, n_src: int) -> list[tuple[int, int]]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_gpu_example_exact_counts_and_real_first_pair(example, monitor, idx_dtype):
+def test_gpu_example_exact_counts_and_real_first_pair(example, monitor, idx_dtype, guard_row):
     src, idx = _gather_case(idx_dtype=idx_dtype)
     hits = _corrupt_gather(idx, src.shape[0])
     monitor.prealloc("cuda")
@@ -324,7 +306,7 @@ def test_gpu_example_exact_counts_and_real_first_pair(example, monitor, idx_dtyp
     example.gather(src, idx, out, ctr=ctr)
     torch.cuda.synchronize()
     words = ctr.cpu().tolist()
-    assert_row(words, hits)
+    guard_row(words, hits)
     assert (decode(words[1]), decode(words[2])) not in set(hits)  # control: the extremes are not one hit
     bad = torch.tensor([i for i, _ in hits], device="cuda")
     assert out[bad].abs().sum() == 0  # masked rows read nothing and are zeros
@@ -334,20 +316,13 @@ def test_gpu_example_exact_counts_and_real_first_pair(example, monitor, idx_dtyp
 
 
 @pytest.mark.gpu
-def test_gpu_example_graph_replay_counts_n_times(example, monitor):
+def test_gpu_example_graph_replay_counts_n_times(example, monitor, captured):
     src, idx = _gather_case()
     hits = _corrupt_gather(idx, src.shape[0])
     monitor.prealloc("cuda")
     ctr = monitor.counter(monitor.registry.register(example.SITE.name, description=example.SITE.description), "cuda")
     out = torch.empty(idx.shape[0], src.shape[1], device="cuda", dtype=src.dtype)
-    example.gather(src, idx, out, ctr=ctr)  # load the module and warm up outside the capture
-    torch.cuda.synchronize()
-    monitor.reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        example.gather(src, idx, out, ctr=ctr)
-    torch.cuda.synchronize()
-    assert ctr.cpu()[0] == 0
+    graph = captured(lambda: example.gather(src, idx, out, ctr=ctr), monitor)
     n = 30
     for _ in range(n):
         graph.replay()

@@ -276,28 +276,14 @@ def _paged_expectations(table, lens, n_pages, bs, heads):
     return bad, lanes, out
 
 
-def _assert_row(ctr, hits):
-    d = decoded(ctr)
-    assert d["count"] == len(hits)
-    if hits:
-        assert (d["max_row"], d["max_value"], d["min_value"]) == (
-            max(r for r, _ in hits),
-            max(v for _, v in hits),
-            min(v for _, v in hits),
-        )
-        assert (d["first_row"], d["first_value"]) in set(hits)
-    else:
-        assert ctr.cpu().tolist() == [0] * 8
-
-
-def test_count_entries_not_lanes(kernel_device):
+def test_count_entries_not_lanes(kernel_device, guard_row):
     """One bad page id read by 4 token lanes and 3 head programs: count= makes it 1; the control (lanes) says 12."""
     table = [[0, 9, 1]]
     lens = [10]  # pages 0, 1 (bad: id 9), and 2 tokens of page 2
     ctr, out = _run_paged_tile(kernel_device, table, lens, 4, 4, 3, True)
     bad, lanes, ref = _paged_expectations(table, lens, 4, 4, 3)
     assert bad == [(1, 9)] and lanes == [12]
-    _assert_row(ctr, bad)
+    guard_row(ctr, bad)
     np.testing.assert_array_equal(out.cpu().numpy(), ref)  # ok still masks every lane of the bad page
     ctr, out = _run_paged_tile(kernel_device, table, lens, 4, 4, 3, False)
     assert decoded(ctr)["count"] == 12
@@ -306,7 +292,7 @@ def test_count_entries_not_lanes(kernel_device):
 
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
-def test_count_entries_property(data):
+def test_count_entries_property(guard_row, data):
     """Random corruptions of a page table read as 2-D tiles by several head programs: count= counts each bad entry
     of the used pages exactly once; the lane-counting control counts tokens x heads (more whenever either is > 1)."""
     dev = "cpu" if not torch.cuda.is_available() else "cuda"
@@ -320,7 +306,7 @@ def test_count_entries_property(data):
     lens = [data.draw(st.integers(0, W * bs)) for _ in range(B)]
     bad, lanes, ref = _paged_expectations(table, lens, n_pages, bs, heads)
     ctr, out = _run_paged_tile(dev, table, lens, n_pages, bs, heads, True)
-    _assert_row(ctr, bad)
+    guard_row(ctr, bad)
     np.testing.assert_array_equal(out.cpu().numpy(), ref)
     ctr, _ = _run_paged_tile(dev, table, lens, n_pages, bs, heads, False)
     assert decoded(ctr)["count"] == sum(lanes)
@@ -328,7 +314,7 @@ def test_count_entries_property(data):
         assert sum(lanes) > len(bad)
 
 
-def test_count_scalar_program_condition(kernel_device):
+def test_count_scalar_program_condition(kernel_device, guard_row):
     """count= a scalar (the program condition alone): a 1-D block of entries read by 4 programs counts once."""
 
     @triton.jit
@@ -341,10 +327,10 @@ def test_count_scalar_program_condition(kernel_device):
     x = torch.tensor([1, 8, -1, 3, 9], dtype=torch.int32, device=kernel_device)
     ctr = torch.zeros(8, dtype=torch.int64, device=kernel_device)
     k[(4,)](ctr, x, 5, BLOCK=8)
-    _assert_row(ctr, [(1, 8), (2, -1), (4, 9)])
+    guard_row(ctr, [(1, 8), (2, -1), (4, 9)])
 
 
-def test_record_hit_counts_once_per_program(kernel_device):
+def test_record_hit_counts_once_per_program(kernel_device, guard_row):
     """record_hit under a scalar `if`: once per program that reaches it (4 programs, 4 counts), not per thread;
     with the program condition in the `if`, once."""
 
@@ -364,4 +350,4 @@ def test_record_hit_counts_once_per_program(kernel_device):
     assert (d["count"], d["max_row"], d["min_value"]) == (4, 3, 11)
     ctr.zero_()
     k[(4,)](ctr, x, ONE=True)
-    _assert_row(ctr, [(0, 11)])
+    guard_row(ctr, [(0, 11)])
