@@ -14,8 +14,8 @@ demo:
 	$(PY) -m tripwire demo
 
 lint:
-	$(PY) -m ruff check src tests benchmarks scripts
-	$(PY) -m ruff format --check src tests benchmarks scripts
+	$(PY) -m ruff check src tests benchmarks scripts examples
+	$(PY) -m ruff format --check src tests benchmarks scripts examples
 	$(PY) -m mypy
 
 typecheck:

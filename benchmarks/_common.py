@@ -200,6 +200,18 @@ class Result:
         }
 
 
+def finish(res: dict, out: Path | None) -> int:
+    """The end of a standalone guard benchmark: one line per target, then the JSON to ``out`` (or stdout)."""
+    for t in res.get("targets", []):
+        print(f"{t['name']}: {t['target']}: {t['value']:.2f} {'PASS' if t['pass'] else 'SHORT'}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+    else:
+        print(json.dumps(res, indent=2))
+    return 0
+
+
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -252,6 +264,33 @@ def do_bench_ms(fn: Callable[[], Any], *, rep_ms: int = 100, warmup_ms: int = 25
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def d2d_copy_ms(n: int, repeats: int, rep_ms: int) -> list[float]:
+    """``repeats`` do_bench medians (ms) of a device-to-device copy of ``n`` bytes: the bandwidth reference (read
+    + write bytes per second) of the guard-cost benchmarks. Frees its buffers before returning."""
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = [do_bench_ms(lambda: dst.copy_(src), rep_ms=rep_ms) for _ in range(repeats)]
+    src = dst = None  # type: ignore[assignment]  # free the buffers before the kernels' cases
+    torch.cuda.empty_cache()
+    return times
+
+
+def paired_replay_ms(
+    bodies: dict[str, Callable[[], Any]], *, per_graph: int, repeats: int, rep_ms: int
+) -> dict[str, list[float]]:
+    """Per-call GPU time (ms) of each body, graph-replayed: each is captured ``per_graph`` times back to back in one
+    CUDA graph (so Python's launch overhead is not measured), then every repeat times every graph with do_bench,
+    in an order that alternates between repeats (drift -- clocks, temperature -- hits every body alike). Returns
+    ``repeats`` samples per body, each a median over do_bench's runs divided by ``per_graph``."""
+    graphs = {name: capture(body, warm=2, repeat=per_graph) for name, body in bodies.items()}
+    names = list(graphs)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            out[name].append(do_bench_ms(graphs[name].replay, rep_ms=rep_ms) / per_graph)
+    return out
 
 
 def calibrate_spin(target_us: float) -> Callable[[], list[int]]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from _common import Ctx, Result, do_bench_ms, single, stats
+from _common import Ctx, Result, d2d_copy_ms, do_bench_ms, single, stats
 from tripwire import Monitor, SiteRegistry
 
 
@@ -167,7 +167,7 @@ def run(ctx: Ctx) -> dict:
 
     # The reference: a device-to-device copy of 1 GiB (0.5 with --quick): read + write bytes per second.
     n = (1 << 30) // (2 if ctx.quick else 1)
-    copy_ms = _copy_ms(n, repeats, rep_ms)
+    copy_ms = d2d_copy_ms(n, repeats, rep_ms)
     copy_gbs = [2 * n / (t * 1e-3) / 1e9 for t in copy_ms]
     res.fig("d2d_copy_gbs", stats(copy_gbs, unit="GB/s", label="device-to-device copy (read+write)"))
     copy_bw = res.figures["d2d_copy_gbs"]["median"]
@@ -223,15 +223,6 @@ def run(ctx: Ctx) -> dict:
         res.note(f"guard hits on valid metadata: {int(hits.sum())} (a kernel or a case is wrong)")
     _numerics(res, ctx)
     return res.to_dict()
-
-
-def _copy_ms(n: int, repeats: int, rep_ms: int) -> list[float]:
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = [do_bench_ms(lambda: dst.copy_(src), rep_ms=rep_ms) for _ in range(repeats)]
-    src = dst = None  # type: ignore[assignment]  # free the 2 GiB before the kernels' cases
-    torch.cuda.empty_cache()
-    return times
 
 
 def _numerics(res: Result, ctx: Ctx) -> None:

@@ -12,6 +12,9 @@ past the end and the INT32 extremes, so the unguarded twin leaves its allocation
 
 Pass: every guarded run reports 0 errors and counts exactly the bad entries; every twin run reports errors (the
 control: the same input is really out of range). Exit status 1 otherwise.
+
+``cuda_gather`` is the CUDA C++ header's worked example (examples/cuda_gather): the driver builds it once, before
+the sanitizer runs, so its children load the cached build instead of running nvcc under the checker.
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ import shutil
 import subprocess
 import sys
 
-KERNELS = ("block_table", "slot_mapping", "kv_zero", "paged_gather", "state_copy", "rope")
+KERNELS = (
+    "block_table",
+    "slot_mapping",
+    "kv_zero",
+    "paged_gather",
+    "state_copy",
+    "rope",
+    "decode_attention",
+    "cuda_gather",
+)
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cuda_gather")
 # The metadata validator in front of kernels it cannot edit: torch's index_select / index_copy_ and an unguarded
 # gather (paged_gather's twin). "--guard 1" validates (mask) first, "--guard 0" is the consumer on the raw metadata.
 VALIDATED = ("validate.index_select", "validate.index_copy", "validate.gather")
@@ -150,6 +163,38 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         ctr = counters(m.SITES, dev, mon)
         m.rope(pos, q, k, cs, torch.empty_like(q), torch.empty_like(k), guard=guard, ctr=ctr)
         expect = [5]
+    elif kernel == "decode_attention":
+        from tripwire.kernels import decode_attention as m
+
+        B, Hq, Hkv, D, BS, W, N = 8, 8, 2, 128, 16, 8, 64
+        q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16)
+        kc = torch.randn(N, BS, Hkv, D, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn(N, BS, Hkv, D, device=dev, dtype=torch.bfloat16)
+        table = (torch.arange(B * W, dtype=i32, device=dev) % N).reshape(B, W)
+        lens = torch.full((B,), W * BS, dtype=i32, device=dev)
+        bad = {(0, 1): N, (1, 0): -1, (2, 3): N + FAR, (3, 7): INT32_MAX, (4, 2): INT32_MIN}
+        for (b, col), page in bad.items():
+            table[b, col] = page
+        lens[5] = W * BS + 1  # a bad length: the guard masks sequence 5 (its pages are fine)
+        ws = m.alloc_workspace(q, table, BS, Hkv, num_splits=2)
+        ctr = counters(m.SITES, dev, mon)
+        m.decode_attention(q, kc, vc, table, lens, torch.empty_like(q), workspace=ws, guard=guard, ctr=ctr)
+        expect = [5, 1]
+    elif kernel == "cuda_gather":
+        if dev == "cpu":
+            print("cuda_gather is a CUDA extension: it has no CPU run", file=sys.stderr)
+            return 2
+        sys.path.insert(0, EXAMPLE)
+        import cuda_gather as m
+
+        src = torch.randn(1024, 256, device=dev, dtype=torch.bfloat16)
+        idx = torch.randint(0, 1024, (512,), dtype=i32, device=dev)
+        # several bad lanes in the first warp, one in a later block
+        for i, v in {0: 1024, 3: -1, 4: 1024 + FAR, 30: INT32_MAX, 100: INT32_MIN}.items():
+            idx[i] = v
+        ctr = mon.counter(mon.registry.register(m.SITE.name, description=m.SITE.description), dev)
+        m.gather(src, idx, torch.empty(512, 256, device=dev, dtype=src.dtype), ctr=ctr, guard=guard)
+        expect = [5]
     else:
         print(f"unknown kernel {kernel!r}", file=sys.stderr)
         return 2
@@ -166,10 +211,28 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 
 
+def _prebuild_example() -> str | None:
+    """Build the CUDA extension example outside the sanitizer (nvcc under it would be slow and checked too)."""
+    try:
+        sys.path.insert(0, EXAMPLE)
+        import cuda_gather
+
+        cuda_gather.build()
+    except Exception as e:  # reported in the table as this kernel's failure; the others still run
+        return f"{type(e).__name__}: {str(e).splitlines()[-1][:300] if str(e) else ''}"
+    return None
+
+
 def _drive(sanitizer: str, kernels: list[str]) -> int:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     rows = []
     ok = True
+    if "cuda_gather" in kernels:
+        err = _prebuild_example()
+        if err is not None:
+            print(f"--- cuda_gather: the example extension did not build: {err}", file=sys.stderr)
+            ok = False
+            kernels = [k for k in kernels if k != "cuda_gather"]
     for kernel in kernels:
         res = {}
         for guard in (1, 0):

@@ -6,11 +6,21 @@ is set here, at collection, and only when CUDA is absent (on the H200 the same t
 Fixtures:
 * ``kernel_device``: where kernels run in this process: "cpu" under the interpreter, else "cuda".
 * ``registry``/``monitor``: a private SiteRegistry and a Monitor on it, so tests never share counts or rows.
+* ``guard_row``: ``guard_row(row, hits, first=None)`` checks a guard counter row (a tensor or its 8 words) against
+  the (row, value) hits a kernel should have recorded: the count, the extremes (values saturated like the kernels
+  do), a first-offender pair that is one of the hits (or exactly ``first``), the spare slots untouched.
+* ``captured``: ``captured(fn, monitor)`` runs ``fn`` once (compiles, loads), resets ``monitor``, captures ``fn`` in a
+  CUDA graph and checks the capture counted nothing; returns the graph.
+* ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
+  JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,3 +60,64 @@ def monitor(registry):
     m = Monitor(registry=registry, capacity=64, mode="warn", interval=0.01, report_every=10.0)
     yield m
     m.stop()
+
+
+@pytest.fixture
+def build_probe(tmp_path):
+    def run(source: str, timeout: float = 900) -> dict:
+        # A file (@triton.jit reads its function's source) run without TRITON_INTERPRET: compiling needs the real
+        # compiler, which the interpreter replaces in this process.
+        probe = tmp_path / "build_probe.py"
+        probe.write_text(source)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        p = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=timeout)
+        assert p.returncode == 0, p.stderr[-2000:]
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        if "error" in r:
+            pytest.skip(f"cannot compile for the GPU target here (no bundled ptxas?): {r['error']}")
+        return r
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def guard_row():
+    from tripwire.layout import VALUE_MAX, VALUE_MIN, decode, decode_neg
+
+    def sat(v: int) -> int:
+        return max(VALUE_MIN, min(VALUE_MAX, v))
+
+    def check(row, hits, *, first=None) -> None:  # type: ignore[no-untyped-def]
+        words = row.cpu().tolist() if isinstance(row, torch.Tensor) else list(row)
+        hits = [(sat(r), sat(v)) for r, v in hits]
+        assert words[0] == len(hits), f"count {words[0]} != {len(hits)} expected hits {hits}"
+        if not hits:
+            assert words == [0] * 8, words
+            return
+        assert decode(words[1]) == max(r for r, _ in hits)
+        assert decode(words[2]) == max(v for _, v in hits)
+        assert decode_neg(words[3]) == min(v for _, v in hits)
+        pair = (decode(words[4]), decode(words[5]))
+        assert pair in set(hits), (pair, hits)
+        if first is not None:
+            assert pair == first, (pair, first)
+        assert words[6:] == [0, 0]
+
+    return check
+
+
+@pytest.fixture
+def captured():
+    def capture(fn, monitor) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
+        fn()  # compile / load outside the capture
+        torch.cuda.synchronize()
+        monitor.reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        rows = monitor.read_rows("cuda")
+        assert int(rows[:, 0].sum()) == 0, "a capture does not execute: nothing may count"
+        return graph
+
+    return capture

@@ -458,3 +458,62 @@ def test_bench_numerics_merge_replaces_only_the_numerics_of_q1(tmp_path):
     assert [t["value"] for t in q1["targets"][1:]] == [12.5, 12.4]
     assert q1["notes"][0] == "guards measured" and len(q1["notes"]) == 3
     assert q1["notes"][-1].startswith("bench_numerics --merge: the fused FP8 and non-finite figures re-measured")
+
+
+# ---------------------------------------------------------------------------------------------- guard benchmarks
+def _fake_timers(module, monkeypatch):
+    """Replace a guard benchmark's GPU timers: every body still runs (twice), every time is 1 ms, so the harness's
+    plumbing (shapes, launches, byte counts, targets, JSON) runs on the CPU; no figure is real."""
+    calls: list[str] = []
+
+    def replay(bodies, *, per_graph, repeats, rep_ms):
+        for name, body in bodies.items():
+            body()
+            body()
+            calls.append(name)
+        return {name: [1.0] * repeats for name in bodies}
+
+    monkeypatch.setattr(module, "paired_replay_ms", replay)
+    monkeypatch.setattr(module, "d2d_copy_ms", lambda n, repeats, rep_ms: [1.0] * repeats)
+    return calls
+
+
+def test_bench_decode_attention_harness_on_cpu(monkeypatch, tmp_path):
+    import bench_decode_attention as bench
+
+    calls = _fake_timers(bench, monkeypatch)
+    shape = dict(batch=17, q_heads=4, kv_heads=2, head_dim=16, context=64, block_size=16)
+    res = bench.run(quick=True, device="cpu", shape=shape)
+    json.dumps(res)  # JSON-ready
+    assert res["default"]["outputs_equal"] and res["best"]["outputs_equal"]
+    assert res["default"]["overhead_pct"] == 0.0
+    assert len(res["sweep"]) == 4 and all("ms" in r for r in res["sweep"])
+    assert res["hits_on_valid_metadata"] == 0
+    assert res["faulting"]["bad_sequences"] == 2
+    names = {t["name"] for t in res["targets"]}
+    assert any("guard cost (default" in n for n in names) and any("KV bandwidth (best" in n for n in names)
+    assert calls.count("guarded") == 3 and calls.count("twin") == 6
+    kv, total = bench._bytes(bench._case(shape, "cpu"), 2)
+    assert kv == 17 * 64 * 2 * 16 * 2 * 2 and total > kv
+
+
+def test_bench_cuda_gather_harness_on_cpu(monkeypatch):
+    """The gather benchmark's plumbing with a torch stand-in for the extension (which needs nvcc and a GPU)."""
+    import types
+
+    import bench_cuda_gather as bench
+    import tripwire
+
+    calls = _fake_timers(bench, monkeypatch)
+
+    def gather(src, idx, out, *, ctr=None, guard=True):
+        assert (ctr is not None) == guard
+        out.copy_(src[idx.long()])
+
+    ext = types.SimpleNamespace(build=lambda: None, SITE=tripwire.register_site("bench.test.gather"), gather=gather)
+    res = bench.run(quick=True, device="cpu", shapes={"small": (64, 16, 40)}, ext=ext)
+    json.dumps(res)
+    r = res["shapes"]["small"]
+    assert r["outputs_equal"] and r["row_bytes"] == 32 and r["overhead_pct"] == 0.0
+    assert [t["pass"] for t in res["targets"]] == [True, True]
+    assert calls == ["guarded", "twin"]

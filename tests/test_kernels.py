@@ -495,7 +495,7 @@ def test_sites_registered_at_import():
     for s in kernels.ALL_SITES:
         assert s.name in names
     assert [s.name for s in kernels.ALL_SITES if s.fatal] == ["kernels.rope.position"]
-    assert len(kernels.ALL_SITES) == 11
+    assert len(kernels.ALL_SITES) == 13
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

@@ -814,24 +814,12 @@ print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"d
 """
 
 
-def test_ptx_divides_correctly_rounded(tmp_path):
+def test_ptx_divides_correctly_rounded(build_probe):
     """The kernel compiled for an H100/H200 (sm_90, ahead of time: no GPU needed) divides with div.rn.f32, what
     torch computes, never div.full/approx. Triton 3.6 ignores fdiv's ieee_rounding flag and emitted div.full.f32,
     found on the H200 as e5m2 bytes one step off. Control: a plain `/` compiles to the approximate division, so the
     check can see the difference. Runs in a subprocess: compiling needs TRITON_INTERPRET unset."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = tmp_path / "ptx_probe.py"  # a file: @triton.jit reads its function's source
-    probe.write_text(_PTX_PROBE)
-    p = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
-    if "error" in r:
-        pytest.skip(f"cannot compile for sm_90 here (no bundled ptxas?): {r['error']}")
+    r = build_probe(_PTX_PROBE, timeout=600)
     assert r["kernel"]["rn"] > 0 and r["kernel"]["approx"] == 0, r
     assert r["control"]["approx"] > 0, r
     # The inline-PTX build: thresholds by mul.rm (no float64), the packed running max; the portable build (what the

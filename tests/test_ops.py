@@ -9,6 +9,7 @@ import torch
 
 from tripwire.kernels import block_table as bt
 from tripwire.kernels import counters, ops
+from tripwire.kernels import decode_attention as da
 from tripwire.kernels import kv_zero as kz
 from tripwire.kernels import paged_gather as pg
 from tripwire.kernels import rope as rp
@@ -79,6 +80,22 @@ def _cases(dev: str, monitor):
                 True,
             ),
         ),
+        "decode_attention": (
+            T.decode_attention.default,
+            (
+                torch.randn(2, 4, 16, device=dev).to(torch.bfloat16),
+                torch.randn(5, 16, 2, 16, device=dev).to(torch.bfloat16),
+                torch.randn(5, 16, 2, 16, device=dev).to(torch.bfloat16),
+                t([[0, 5, 1], [2, -1, 9]], dtype=I32, device=dev),  # 2 bad used ids; 9 is past sequence 1
+                t([40, 20], dtype=I32, device=dev),
+                torch.zeros(2, 4, 16, device=dev).to(torch.bfloat16),
+                torch.zeros(2, 4, 2, 16, device=dev),
+                torch.zeros(2, 4, 2, device=dev),
+                counters(da.SITES, dev, monitor),
+                -1.0,
+                True,
+            ),
+        ),
         "rope": (
             T.rope.default,
             (
@@ -96,7 +113,7 @@ def _cases(dev: str, monitor):
 
 
 @pytest.mark.parametrize(
-    "name", ["block_table_gather", "slot_mapping", "kv_zero", "paged_gather", "state_copy", "rope"]
+    "name", ["block_table_gather", "slot_mapping", "kv_zero", "paged_gather", "state_copy", "rope", "decode_attention"]
 )
 def test_opcheck(kernel_device, monitor, name):
     op, args = _cases(kernel_device, monitor)[name]
@@ -113,6 +130,7 @@ def test_ops_count_like_the_launchers(kernel_device, monitor):
         "paged_gather": [2],
         "state_copy": [1, 0, 0],
         "rope": [1],
+        "decode_attention": [2, 0],
     }
     for name, (op, args) in _cases(kernel_device, monitor).items():
         ctr = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == I64 and a.shape[-1] == 8)
@@ -198,3 +216,48 @@ def test_compile_gpu_exact_counts_with_reader_at_1ms(mode):
         assert mon.armed is None  # warn mode, non-fatal sites: nothing arms, nothing broke
     finally:
         mon.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_decode_attention_gpu_exact_counts(mode):
+    """The decode attention op under torch.compile (fullgraph; reduce-overhead records it into CUDA graphs, with
+    the workspace and the counters as static inputs): N calls count N x the bad entries, the output equals the
+    eager launcher's."""
+    import tripwire
+
+    torch._dynamo.reset()
+    reg = tripwire.SiteRegistry(capacity=64)
+    mon = tripwire.Monitor(registry=reg, capacity=64, mode="warn")
+    dev = "cuda"
+    mon.prealloc(dev)
+    ctr = ops.static_counters(da.SITES, dev, mon)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(8, 8, 64, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(40, 16, 2, 64, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(40, 16, 2, 64, device=dev, generator=g).to(torch.bfloat16)
+    table = torch.randperm(40, device=dev, generator=g)[:32].reshape(8, 4).to(I32)
+    table[2, 1] = 40
+    table[6, 0] = -3
+    lens = torch.full((8,), 64, dtype=I32, device=dev)
+    lens[4] = 65  # past the table's 4 x 16 tokens
+    ws = da.alloc_workspace(q, table, 16, 2, num_splits=2)
+    torch._dynamo.mark_static_address(ws.out)
+    torch._dynamo.mark_static_address(ws.lse)
+    out = torch.zeros_like(q)
+
+    def step(q, k, v, table, lens, out, pout, plse):
+        T.decode_attention(q, k, v, table, lens, out, pout, plse, ctr, -1.0, True)
+        return out.float().sum()
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    n = 10
+    for _ in range(n):
+        compiled(q, k, v, table, lens, out, ws.out, ws.lse)
+    torch.cuda.synchronize()
+    assert ctr[:, 0].tolist() == [n * 2, n * 1]
+    eager = torch.zeros_like(q)
+    da.decode_attention(q, k, v, table, lens, eager, workspace=ws, ctr=counters(da.SITES, dev, mon))
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    mon.stop()

@@ -1,5 +1,6 @@
 """The record helpers, run in the interpreter on the CPU (CI) and compiled on the GPU: exact counts, extremes,
-first-offender pair, encodings near the limits, and a property test against a Python reference."""
+first-offender pair, encodings near the limits, a property test against a Python reference, and ``count=``: bad
+ENTRIES counted once in a 2-D tile read by several programs (with the lane-counting control that over-counts)."""
 
 from __future__ import annotations
 
@@ -208,3 +209,145 @@ def test_control_unsaturated_bias_wraps(kernel_device):
     ctr = torch.zeros(8, dtype=torch.int64, device=kernel_device)
     _unsaturated_max[(1,)](ctr, x, 1, BLOCK=2)
     assert decoded(ctr)["max_value"] is None
+
+
+# ---------------------------------------------------------------------------------------------- count=: entries, not lanes
+@triton.jit
+def _paged_tile_kernel(
+    ctr, table_ptr, lens_ptr, out_ptr, W, N, BS: tl.constexpr, BLOCK_P: tl.constexpr, H, COUNT: tl.constexpr
+):
+    """Program (b, h) reads sequence b's pages as a 2-D tile [pages, token lanes]: every token lane of a page holds
+    that page's id, and every head program h reads the same entries (the attention pattern)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(lens_ptr + b)
+    p = tl.arange(0, BLOCK_P)[:, None]
+    t = tl.arange(0, BS)[None, :]
+    tok = p * BS + t
+    live = tok < n
+    entry = b * W + p + t * 0  # the flat page-table entry each lane reads
+    page = tl.load(table_ptr + entry, mask=live, other=0)
+    if COUNT:
+        # One lane per entry (the page's first token lane) and one program (head 0) count it.
+        safe, ok = guard_index(page, 0, N, ctr, entry, mask=live, count=tl.where(h == 0, t == 0, False))
+    else:
+        safe, ok = guard_index(page, 0, N, ctr, entry, mask=live)  # the control: counts lanes
+    tl.store(out_ptr + (b * H + h) * (BLOCK_P * BS) + tok, tl.where(ok, safe, -1), mask=live)
+
+
+def _run_paged_tile(dev, table, lens, n_pages, bs, heads, count):
+    B, W = len(table), len(table[0])
+    block_p = triton.next_power_of_2(W)
+    out = torch.full((B, heads, block_p * bs), -7, dtype=torch.int32, device=dev)
+    ctr = torch.zeros(8, dtype=torch.int64, device=dev)
+    t = torch.tensor(table, dtype=torch.int32, device=dev)
+    _paged_tile_kernel[(B, heads)](
+        ctr,
+        t,
+        torch.tensor(lens, dtype=torch.int32, device=dev),
+        out,
+        W,
+        n_pages,
+        BS=bs,
+        BLOCK_P=block_p,
+        H=heads,
+        COUNT=count,
+    )
+    return ctr, out
+
+
+def _paged_expectations(table, lens, n_pages, bs, heads):
+    """(bad entries as (flat entry, id), lanes reading each bad entry, per-lane expected out)."""
+    B, W = len(table), len(table[0])
+    bad, lanes = [], []
+    block_p = triton.next_power_of_2(W)
+    out = np.full((B, heads, block_p * bs), -7, dtype=np.int64)
+    for b in range(B):
+        for tok in range(lens[b]):
+            p = tok // bs
+            v = table[b][p]
+            good = 0 <= v < n_pages
+            out[b, :, tok] = v if good else -1
+            if not good:
+                if tok % bs == 0:
+                    bad.append((b * W + p, v))
+                    lanes.append(0)
+                lanes[-1] += heads
+    return bad, lanes, out
+
+
+def test_count_entries_not_lanes(kernel_device, guard_row):
+    """One bad page id read by 4 token lanes and 3 head programs: count= makes it 1; the control (lanes) says 12."""
+    table = [[0, 9, 1]]
+    lens = [10]  # pages 0, 1 (bad: id 9), and 2 tokens of page 2
+    ctr, out = _run_paged_tile(kernel_device, table, lens, 4, 4, 3, True)
+    bad, lanes, ref = _paged_expectations(table, lens, 4, 4, 3)
+    assert bad == [(1, 9)] and lanes == [12]
+    guard_row(ctr, bad)
+    np.testing.assert_array_equal(out.cpu().numpy(), ref)  # ok still masks every lane of the bad page
+    ctr, out = _run_paged_tile(kernel_device, table, lens, 4, 4, 3, False)
+    assert decoded(ctr)["count"] == 12
+    np.testing.assert_array_equal(out.cpu().numpy(), ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_count_entries_property(guard_row, data):
+    """Random corruptions of a page table read as 2-D tiles by several head programs: count= counts each bad entry
+    of the used pages exactly once; the lane-counting control counts tokens x heads (more whenever either is > 1)."""
+    dev = "cpu" if not torch.cuda.is_available() else "cuda"
+    n_pages = data.draw(st.integers(1, 6))
+    bs = data.draw(st.sampled_from([2, 4]))
+    heads = data.draw(st.integers(1, 3))
+    B = data.draw(st.integers(1, 3))
+    W = data.draw(st.integers(1, 4))
+    entry = st.one_of(st.integers(0, n_pages - 1), st.integers(-(2**31), -1), st.integers(n_pages, 2**31 - 1))
+    table = [data.draw(st.lists(entry, min_size=W, max_size=W)) for _ in range(B)]
+    lens = [data.draw(st.integers(0, W * bs)) for _ in range(B)]
+    bad, lanes, ref = _paged_expectations(table, lens, n_pages, bs, heads)
+    ctr, out = _run_paged_tile(dev, table, lens, n_pages, bs, heads, True)
+    guard_row(ctr, bad)
+    np.testing.assert_array_equal(out.cpu().numpy(), ref)
+    ctr, _ = _run_paged_tile(dev, table, lens, n_pages, bs, heads, False)
+    assert decoded(ctr)["count"] == sum(lanes)
+    if any(n > 1 for n in lanes):  # the control over-counts exactly when an entry is read by several lanes
+        assert sum(lanes) > len(bad)
+
+
+def test_count_scalar_program_condition(kernel_device, guard_row):
+    """count= a scalar (the program condition alone): a 1-D block of entries read by 4 programs counts once."""
+
+    @triton.jit
+    def k(ctr, x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0)
+        guard_index(x, 0, 8, ctr, offs, mask=m, count=tl.program_id(0) == 0)
+
+    x = torch.tensor([1, 8, -1, 3, 9], dtype=torch.int32, device=kernel_device)
+    ctr = torch.zeros(8, dtype=torch.int64, device=kernel_device)
+    k[(4,)](ctr, x, 5, BLOCK=8)
+    guard_row(ctr, [(1, 8), (2, -1), (4, 9)])
+
+
+def test_record_hit_counts_once_per_program(kernel_device, guard_row):
+    """record_hit under a scalar `if`: once per program that reaches it (4 programs, 4 counts), not per thread;
+    with the program condition in the `if`, once."""
+
+    @triton.jit
+    def k(ctr, x_ptr, ONE: tl.constexpr):
+        x = tl.load(x_ptr)
+        bad = x >= 8
+        if ONE:
+            bad = bad & (tl.program_id(0) == 0)
+        if bad:
+            record_hit(ctr, tl.program_id(0), x)
+
+    x = torch.tensor([11], dtype=torch.int32, device=kernel_device)
+    ctr = torch.zeros(8, dtype=torch.int64, device=kernel_device)
+    k[(4,)](ctr, x, ONE=False)
+    d = decoded(ctr)
+    assert (d["count"], d["max_row"], d["min_value"]) == (4, 3, 11)
+    ctr.zero_()
+    k[(4,)](ctr, x, ONE=True)
+    guard_row(ctr, [(0, 11)])

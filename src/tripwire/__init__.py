@@ -3,9 +3,10 @@
 Importing tripwire reads no setting, initialises no CUDA context, starts no thread and allocates no device memory
 (``tests/test_import.py`` proves it). The default monitor is built on first use.
 
-Triton device helpers live in :mod:`tripwire.triton`; reference guarded kernels in :mod:`tripwire.kernels`; numeric
-instruments in :mod:`tripwire.numerics`; several ranks in :mod:`tripwire.distributed`; events and their sinks (JSON
-lines, Prometheus) in :mod:`tripwire.sinks`.
+Triton device helpers live in :mod:`tripwire.triton` (CUDA C++ ones in the header under :func:`include_dir`);
+reference guarded kernels in :mod:`tripwire.kernels`; numeric instruments in :mod:`tripwire.numerics`; several ranks
+in :mod:`tripwire.distributed`; events and their sinks (JSON lines, Prometheus) in :mod:`tripwire.sinks`; metadata
+validators in :mod:`tripwire.validate`; engine integrations in :mod:`tripwire.integrations`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ._default import (
     start,
     stop,
 )
+from ._include import include_dir
 from .config import MODES, Settings, load_settings
 from .errors import CaptureError, GuardTripped
 from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
@@ -69,6 +71,8 @@ __all__ = [
     # errors
     "GuardTripped",
     "CaptureError",
+    # CUDA C++ helpers (tripwire/guard.cuh)
+    "include_dir",
     # counter encoding
     "GUARD_BIAS",
     "SLOTS",

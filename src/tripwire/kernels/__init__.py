@@ -14,7 +14,7 @@ torch.compile: the same launchers as ``torch.ops.tripwire.*`` custom ops live in
 
 from __future__ import annotations
 
-from . import block_table, kv_zero, paged_gather, rope, slot_mapping, state_copy
+from . import block_table, decode_attention, kv_zero, paged_gather, rope, slot_mapping, state_copy
 from ._common import counters
 
 # Every site of the reference kernels, in registration order.
@@ -25,6 +25,7 @@ ALL_SITES = (
     *paged_gather.SITES,
     *state_copy.SITES,
     *rope.SITES,
+    *decode_attention.SITES,
 )
 
 # The launchers live in their modules, named like them (``tripwire.kernels.rope.rope``); the package keeps the
@@ -37,6 +38,7 @@ __all__ = [
     "paged_gather",  # paged_gather
     "state_copy",  # state_copy
     "rope",  # rope (fatal site)
+    "decode_attention",  # decode_attention (split-K paged attention; alloc_workspace, Config)
     # counters
     "ALL_SITES",
     "counters",

@@ -21,6 +21,8 @@ Ops (``ctr`` is the ``[8]`` or ``[n, 8]`` counter block of the module's SITES, i
 * ``tripwire::paged_gather(cache, page_table, out!, ctr!, guard)``
 * ``tripwire::state_copy(state!, block_table, rows, src_cols, dst_cols, ctr!, guard)``
 * ``tripwire::rope(positions, q, k, cos_sin, q_out!, k_out!, ctr!, guard)`` (outputs must not alias inputs here)
+* ``tripwire::decode_attention(q, k_cache, v_cache, block_table, seq_lens, out!, partial_out!?, partial_lse!?, ctr!,
+  scale, guard)`` (the workspace's two tensors, both or neither; ``scale < 0`` = ``1 / sqrt(D)``)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from ..monitor import Monitor
 from ..sites import Site
 from . import block_table as _bt
+from . import decode_attention as _da
 from . import kv_zero as _kz
 from . import paged_gather as _pg
 from . import rope as _rope
@@ -41,6 +44,7 @@ from ._common import counters
 
 __all__ = [
     "block_table_gather",
+    "decode_attention",
     "kv_zero",
     "paged_gather",
     "rope",
@@ -184,3 +188,48 @@ def _(positions, q, k, cos_sin, q_out, k_out, ctr, guard=True):  # type: ignore[
     if q_out.shape != q.shape or k_out.shape != k.shape:
         raise ValueError("q_out/k_out must have the shapes of q/k")
     _check_fake_ctr(ctr, len(_rope.SITES))
+
+
+# ---------------------------------------------------------------------------------------------- decode attention
+@torch.library.custom_op("tripwire::decode_attention", mutates_args=("out", "partial_out", "partial_lse", "ctr"))
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    partial_out: torch.Tensor | None,
+    partial_lse: torch.Tensor | None,
+    ctr: torch.Tensor,
+    scale: float = -1.0,
+    guard: bool = True,
+) -> None:
+    _da.decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        workspace=_workspace(partial_out, partial_lse),
+        scale=None if scale < 0 else scale,
+        guard=guard,
+        ctr=ctr,
+    )
+
+
+def _workspace(partial_out: torch.Tensor | None, partial_lse: torch.Tensor | None) -> _da.Workspace | None:
+    if (partial_out is None) != (partial_lse is None):
+        raise ValueError("partial_out and partial_lse are the workspace's two tensors: pass both or neither")
+    return None if partial_out is None else _da.Workspace(partial_out, partial_lse)  # type: ignore[arg-type]
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, out, partial_out, partial_lse, ctr, scale=-1.0, guard=True):  # type: ignore[no-untyped-def]
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {list(q.shape)}")
+    ws = _workspace(partial_out, partial_lse)
+    if ws is not None and (tuple(ws.out.shape[:2]) != tuple(q.shape[:2]) or ws.out.dtype != torch.float32):
+        raise ValueError(f"partial_out must be float32 [{q.shape[0]}, {q.shape[1]}, splits, {q.shape[2]}]")
+    _check_fake_ctr(ctr, len(_da.SITES))

@@ -3,12 +3,19 @@
 A kernel receives its site's row (``tripwire.counter(site, device)``, an int64 ``[8]`` view) as ``ctr_ptr`` and
 calls one of:
 
-* :func:`record_hit` ``(ctr_ptr, row, value)`` -- one hit; call it under the kernel's own ``if bad:``.
-* :func:`record_hits` ``(ctr_ptr, bad, rows, values)`` -- a block of lanes: one reduction and at most one set of
-  atomics per program (no atomics at all when no lane is bad, which is the hot path).
-* :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None)`` -> ``(safe_idx, ok)``: the index clamped into
-  ``[lo, hi)`` and the in-range mask; out-of-range lanes (within ``mask``) are recorded. Always use ``ok`` to mask
-  the access too: ``safe_idx`` is only in range when ``hi > lo``.
+* :func:`record_hit` ``(ctr_ptr, row, value)`` -- one hit per program that reaches it; call it under the kernel's
+  own ``if bad:``.
+* :func:`record_hits` ``(ctr_ptr, bad, rows, values)`` -- every true lane of a block: one reduction and at most one
+  set of atomics per program (no atomics at all when no lane is bad, which is the hot path).
+* :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None)`` -> ``(safe_idx, ok)``: the index
+  clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
+  recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
+
+Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
+``record_hits`` counts LANES. A count should mean bad ENTRIES: where one entry is held by several lanes (a page id
+broadcast over the token lanes of its page) or read by several programs (head or split programs of one sequence),
+restrict the counting to one lane and one program (``guard_index(..., count=...)``; docs/guarding.md shows the
+patterns). Masking is per lane regardless: every lane that reads through a bad entry must be masked.
 
 Write order: the count is bumped first and the extremes after it, so a reader copy that sees a new count may miss
 the extremes; the reader therefore reports from the *next* copy. The first offender is claimed with a
@@ -19,7 +26,8 @@ program wins the CAS.
 Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs. Values
 beyond the encodable range (|v| >= 2**62, e.g. junk int64 metadata) are recorded saturated at +-(2**62 - 1);
 reports mark them "saturated". Counts and masking are exact regardless.
-All of this runs unchanged under ``TRITON_INTERPRET=1``.
+All of this runs unchanged under ``TRITON_INTERPRET=1``. ``include/tripwire/guard.cuh`` is the same protocol for
+CUDA C++ kernels (``tripwire.include_dir()``).
 """
 
 from __future__ import annotations
@@ -49,27 +57,49 @@ def _saturate(x):
 
 
 @triton.jit
-def record_hit(ctr_ptr, row, value):
-    """Record one hit at (row, value). Call under the kernel's ``if bad:``; every lane that calls it counts once."""
-    r = _saturate(row.to(tl.int64)) + GUARD_BIAS
-    v64 = _saturate(value.to(tl.int64))
-    v = v64 + GUARD_BIAS
-    nv = GUARD_BIAS - v64
+def _fault(ctr_ptr, n, b, r, v):
+    """The fault path of every helper (the one place that writes a guard row): ``n`` (> 0) hits, the true lanes of
+    ``b``, at saturated rows ``r`` and values ``v`` (all three one block shape, at least 1-D)."""
+    rb = r + GUARD_BIAS
+    vb = v + GUARD_BIAS
     # Count first (see the module docstring for why the reader waits one copy for the rest).
-    tl.atomic_add(ctr_ptr + 0, tl.full([], 1, tl.int64))
-    tl.atomic_max(ctr_ptr + 1, r)
-    tl.atomic_max(ctr_ptr + 2, v)
-    tl.atomic_max(ctr_ptr + 3, nv)
+    tl.atomic_add(ctr_ptr + 0, n)
+    tl.atomic_max(ctr_ptr + 1, tl.max(tl.where(b, rb, 0), axis=None))
+    tl.atomic_max(ctr_ptr + 2, tl.max(tl.where(b, vb, 0), axis=None))
+    tl.atomic_max(ctr_ptr + 3, tl.max(tl.where(b, GUARD_BIAS - v, 0), axis=None))
+    # A real pair: the lowest bad row, and the lowest bad value within that row.
+    first_r = tl.min(tl.where(b, rb, _NO_ROW), axis=None)
+    first_v = tl.min(tl.where(b & (rb == first_r), vb, _NO_ROW), axis=None)
     # The comparand must be int64 like the slot (an int32 literal 0 is mis-typed by the interpreter).
-    old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(r), r)
+    old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(first_r), first_r)
     if old == 0:
-        tl.atomic_xchg(ctr_ptr + 5, v)
+        tl.atomic_xchg(ctr_ptr + 5, first_v)
+
+
+@triton.jit
+def record_hit(ctr_ptr, row, value):
+    """Record one hit at (``row``, ``value``), both scalars. Call it under the kernel's ``if bad:``.
+
+    Counts once per PROGRAM that reaches the call (scalar Triton code runs once per program, not per thread). When
+    several programs see the same bad entry (head or split programs of one sequence), each counts: put the program
+    condition into the kernel's ``if`` (``if bad & (pid_head == 0):``) so one of them records it.
+    """
+    one = tl.zeros([1], tl.int64)
+    r = _saturate(row.to(tl.int64)) + one
+    v = _saturate(value.to(tl.int64)) + one
+    _fault(ctr_ptr, tl.full([], 1, tl.int64), one == 0, r, v)
 
 
 @triton.jit
 def record_hits(ctr_ptr, bad, rows, values):
-    """Record every lane where ``bad`` is true. ``bad``, ``rows`` and ``values`` broadcast against each other
-    (a scalar row with a block of values is fine). One reduction; atomics only when some lane is bad."""
+    """Record every true lane of ``bad``. ``bad``, ``rows`` and ``values`` broadcast against each other (a scalar
+    row with a block of values is fine); the count is the number of true lanes AFTER broadcasting, in this program.
+
+    One reduction per call; atomics (one set, for all lanes together) only when some lane is bad. Each program
+    counts its own lanes: an entry held by several lanes or read by several programs counts once per lane and
+    program that passes it as bad, so restrict ``bad`` to one lane and one program per entry
+    (``guard_index(..., count=...)``).
+    """
     r = _saturate(rows.to(tl.int64))
     v = _saturate(values.to(tl.int64))
     b64 = (bad != 0).to(tl.int64)
@@ -80,29 +110,30 @@ def record_hits(ctr_ptr, bad, rows, values):
     b = (b64 + zero) != 0
     n = tl.sum(b.to(tl.int64), axis=None)
     if n > 0:
-        rb = r + GUARD_BIAS
-        vb = v + GUARD_BIAS
-        tl.atomic_add(ctr_ptr + 0, n)
-        tl.atomic_max(ctr_ptr + 1, tl.max(tl.where(b, rb, 0), axis=None))
-        tl.atomic_max(ctr_ptr + 2, tl.max(tl.where(b, vb, 0), axis=None))
-        tl.atomic_max(ctr_ptr + 3, tl.max(tl.where(b, GUARD_BIAS - v, 0), axis=None))
-        # A real pair: the lowest bad row, and the lowest bad value within that row.
-        first_r = tl.min(tl.where(b, rb, _NO_ROW), axis=None)
-        first_v = tl.min(tl.where(b & (rb == first_r), vb, _NO_ROW), axis=None)
-        old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(first_r), first_r)
-        if old == 0:
-            tl.atomic_xchg(ctr_ptr + 5, first_v)
+        _fault(ctr_ptr, n, b, r, v)
 
 
 @triton.jit
-def guard_index(idx, lo, hi, ctr_ptr, row, mask=None):
-    """``(safe_idx, ok)``: ``idx`` clamped into ``[lo, hi)`` and the in-range mask. Lanes out of range (and inside
-    ``mask``, when given) are recorded at ``(row, idx)``. Mask the guarded access with ``ok``."""
+def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None):
+    """``(safe_idx, ok)``: ``idx`` clamped into ``[lo, hi)`` and the in-range mask (within ``mask``, when given).
+
+    ``mask``: the lanes that exist (a tile's tail is not an access); ``ok`` is False outside it and nothing there
+    is recorded. ``count``: the lanes that COUNT (a block mask or a scalar, broadcast; default: ``mask``). A lane is
+    recorded, at ``(row, idx)``, when it is out of range, inside ``mask`` and inside ``count``; ``ok`` still masks
+    every out-of-range lane, counted or not. Pass ``count`` when one entry is held by several lanes or read by
+    several programs, so that each bad ENTRY counts once: ``count=(tok % block_size == 0)`` for the first token lane
+    of each page, ``count=(pid_head == 0)`` for one of the programs reading it (docs/guarding.md).
+
+    Mask the guarded access with ``ok``.
+    """
     ok = (idx >= lo) & (idx < hi)
     bad = ok == 0
+    # where(), not `&`: the interpreter mis-types a bool scalar & a bool block; where() takes either shape.
     if mask is not None:
-        bad = bad & mask
-        ok = ok & mask
+        bad = tl.where(mask, bad, False)
+        ok = tl.where(mask, ok, False)
+    if count is not None:
+        bad = tl.where(count, bad, False)
     record_hits(ctr_ptr, bad, row, idx)
     safe = tl.minimum(tl.maximum(idx, lo), hi - 1)
     return safe, ok

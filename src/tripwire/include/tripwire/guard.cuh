@@ -1,0 +1,146 @@
+// tripwire/guard.cuh: record masked faults into a tripwire counter row from CUDA C++ kernels.
+//
+// The same counter row, encoding and write protocol as the Triton helpers (tripwire.triton) and
+// src/tripwire/layout.py: a kernel gets its site's row (`tripwire.counter(site, device)`, an int64 [8] tensor) as
+// `int64_t* ctr` and calls
+//
+//   tripwire::record_hit(ctr, row, value)         one hit; call it under the kernel's own `if (bad)`; every
+//                                                 calling THREAD counts once
+//   tripwire::record_hits(ctr, bad, row, value)   call it from every thread of the code path (bad or not): the
+//                                                 warp votes, and one lane does one set of atomics for all the
+//                                                 warp's bad lanes; nothing at all when none is bad (the hot path)
+//   tripwire::guard_index(idx, lo, hi, ctr, row, count = true) -> {index, ok}
+//                                                 idx clamped into [lo, hi) and the in-range flag; an out-of-range
+//                                                 idx is recorded at (row, idx) when `count` is true
+//
+// A count should mean bad ENTRIES: when several threads (or blocks) read one entry, pass `count` true on one of
+// them only (`threadIdx.x == 0`, `blockIdx.y == 0`); `ok` must still mask every thread's access.
+//
+// Row slots: 0 count, 1 max row, 2 max value, 3 max of the negated value (the min), 4 first offender's row, 5 its
+// value; words are biased by GUARD_BIAS = 2**62 so that 0 means "nothing recorded" and atomicMax works for negative
+// values; values are saturated into [-(2**62 - 1), 2**62 - 1] first (junk int64 metadata must not wrap around the
+// bias). The count is bumped before the extremes (the reader reports from the copy after the one that saw the count
+// rise); the first offender is claimed by compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so
+// (slot 4, slot 5) is one real hit. Within a warp "first" is the lowest row, then the lowest value in that row.
+//
+// Build: add `tripwire.include_dir()` to the include path (torch.utils.cpp_extension's extra_include_paths) and
+// `#include <tripwire/guard.cuh>`. Needs sm_50+ (64-bit atomicMax) and CUDA 9+ (the *_sync warp intrinsics).
+// Outside nvcc only the constants and the encoding are defined (host tools, and a plain C++ syntax check).
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__) || defined(TRIPWIRE_CUDA_SHIM)
+#define TRIPWIRE_HAS_DEVICE 1
+#define TRIPWIRE_HD __host__ __device__ __forceinline__
+#define TRIPWIRE_DEVICE __device__ __forceinline__
+#else
+#define TRIPWIRE_HAS_DEVICE 0
+#define TRIPWIRE_HD inline
+#endif
+
+namespace tripwire {
+
+// The row layout (src/tripwire/layout.py; tests/test_cuda_header.py checks that both agree).
+constexpr int SLOTS = 8;
+constexpr int COUNT = 0, MAX_ROW = 1, MAX_VALUE = 2, NEG_MIN = 3, FIRST_ROW = 4, FIRST_VALUE = 5;
+constexpr long long GUARD_BIAS = 1LL << 62;
+constexpr long long VALUE_MIN = -GUARD_BIAS + 1;
+constexpr long long VALUE_MAX = GUARD_BIAS - 1;
+
+TRIPWIRE_HD constexpr long long saturate(long long v) {
+  return v < VALUE_MIN ? VALUE_MIN : (v > VALUE_MAX ? VALUE_MAX : v);
+}
+// The stored word of a row or value (slots 1, 2, 4, 5) and of the NEG_MIN slot (3).
+TRIPWIRE_HD constexpr long long encode(long long v) { return saturate(v) + GUARD_BIAS; }
+TRIPWIRE_HD constexpr long long encode_neg(long long v) { return GUARD_BIAS - saturate(v); }
+
+template <typename Index>
+struct Guarded {
+  Index index;  // clamped into [lo, hi) (only in range when hi > lo)
+  bool ok;      // lo <= idx < hi: mask the access with it
+};
+
+#if TRIPWIRE_HAS_DEVICE
+namespace detail {
+
+constexpr long long NO_ROW = 0x7fffffffffffffffLL;  // larger than any word: neutral for "lowest row"
+
+#ifndef TRIPWIRE_LANE_ID
+// The lane within the warp, whatever the block's shape (threadIdx.x % 32 is only right for 1-D blocks).
+// TRIPWIRE_LANE_ID lets a host shim (tests/cuda_host) supply its own.
+TRIPWIRE_DEVICE unsigned lane_id() {
+  unsigned lane;
+  asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+#define TRIPWIRE_LANE_ID() ::tripwire::detail::lane_id()
+#endif
+
+// The fault path of every helper, the one place that writes a guard row. Called by the lanes in `active` (all of
+// them, in step), with `bad` the warp's ballot (non-zero) and each lane's own saturated row and value. The lowest
+// bad lane gathers the bad lanes' pairs and does one set of atomics for the warp.
+TRIPWIRE_DEVICE void fault(long long* ctr, unsigned active, unsigned bad, long long row, long long value) {
+  const int leader = __ffs(bad) - 1;
+  long long max_row = 0, max_value = 0, neg_min = 0, first_row = NO_ROW, first_value = NO_ROW;
+  // Every active lane takes part in every shuffle (the bit loop is warp-uniform); a shuffle from a named active
+  // lane is defined whatever the rest of the warp is doing, unlike an xor butterfly over a partial warp.
+  for (unsigned rest = bad; rest != 0; rest &= rest - 1) {
+    const int src = __ffs(rest) - 1;
+    const long long r = __shfl_sync(active, row, src) + GUARD_BIAS;
+    const long long v = __shfl_sync(active, value, src);
+    const long long vw = v + GUARD_BIAS;
+    max_row = r > max_row ? r : max_row;
+    max_value = vw > max_value ? vw : max_value;
+    neg_min = GUARD_BIAS - v > neg_min ? GUARD_BIAS - v : neg_min;
+    if (r < first_row || (r == first_row && vw < first_value)) {
+      first_row = r;
+      first_value = vw;
+    }
+  }
+  if (static_cast<int>(TRIPWIRE_LANE_ID()) != leader) return;
+  unsigned long long* u = reinterpret_cast<unsigned long long*>(ctr);
+  // Count first (see the header comment for why the reader waits one copy for the rest).
+  atomicAdd(u + COUNT, static_cast<unsigned long long>(__popc(bad)));
+  __threadfence();
+  atomicMax(ctr + MAX_ROW, max_row);
+  atomicMax(ctr + MAX_VALUE, max_value);
+  atomicMax(ctr + NEG_MIN, neg_min);
+  if (atomicCAS(u + FIRST_ROW, 0ULL, static_cast<unsigned long long>(first_row)) == 0ULL) {
+    atomicExch(u + FIRST_VALUE, static_cast<unsigned long long>(first_value));
+  }
+}
+
+}  // namespace detail
+
+// Record every thread of the warp's current code path whose `bad` is true, at (row, value). Call it from all of
+// them, bad or not (the vote needs every converged lane); one ballot when none is bad. Lanes that diverged into
+// separate calls are counted by each call: counts stay exact, only the atomics are no longer one set per warp.
+TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long long value) {
+  const unsigned active = __activemask();
+  const unsigned ballot = __ballot_sync(active, bad);
+  if (ballot == 0u) return;
+  detail::fault(reinterpret_cast<long long*>(ctr), active, ballot, saturate(row), saturate(value));
+}
+
+// Record one hit at (row, value). Call it under the kernel's `if (bad)`: every calling thread counts once (the
+// threads of a warp that call it together share one set of atomics). When several threads or blocks see the same
+// bad entry, put the condition that picks one of them into the `if`.
+TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value) { record_hits(ctr, true, row, value); }
+
+// {idx clamped into [lo, hi), lo <= idx < hi}; an out-of-range idx is recorded at (row, idx) when `count` is true.
+// Call it from every thread of the code path (it votes like record_hits). `Index`: a signed integer (int32_t,
+// int64_t: the dtypes of engine metadata).
+template <typename Index>
+TRIPWIRE_DEVICE Guarded<Index> guard_index(Index idx, long long lo, long long hi, int64_t* ctr, long long row,
+                                           bool count = true) {
+  static_assert(static_cast<Index>(-1) < static_cast<Index>(0), "tripwire::guard_index needs a signed index type");
+  const long long v = static_cast<long long>(idx);
+  const bool ok = v >= lo && v < hi;
+  record_hits(ctr, !ok && count, row, v);
+  const long long safe = v < lo ? lo : (v >= hi ? hi - 1 : v);
+  return {static_cast<Index>(safe), ok};
+}
+#endif  // TRIPWIRE_HAS_DEVICE
+
+}  // namespace tripwire
