@@ -1,4 +1,5 @@
-"""The counter arena: one persistent, zero-initialised ``int64 [capacity, SLOTS]`` tensor per device.
+"""The counter arena: one persistent, zero-initialised ``int64 [capacity, SLOTS]`` tensor per device, followed in the
+same allocation by each row's offender block (:mod:`tripwire.layout`).
 
 Capture rule: allocate it BEFORE any capture (``prealloc``) and never free or move it. A captured graph bakes in
 the arena's address; if the tensor were freed, replaying that graph would fire its atomics into whatever the
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from .capture import is_capturing
 from .errors import CaptureError
-from .layout import SLOTS
+from .layout import OFF_ENTRY, OFF_HEADER, OFFENDERS, SLOTS, offender_block_words
 from .sites import Site, SiteRegistry
 
 __all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
@@ -62,11 +64,13 @@ def normalize_device(device: torch.device | str | int) -> torch.device:
 class Arena:
     """Per-device counter tensors for one registry. Thread-safe; allocation only outside capture."""
 
-    def __init__(self, registry: SiteRegistry, capacity: int) -> None:
+    def __init__(self, registry: SiteRegistry, capacity: int, offenders: int = 8) -> None:
         self.registry = registry
         self.capacity = capacity
+        self.offenders_per_row = offenders
         self._lock = threading.Lock()
         self._tensors: dict[torch.device, torch.Tensor] = {}
+        self._offenders: dict[torch.device, torch.Tensor] = {}
         # (id(site), raw device argument) -> (site, row view). The hot path of a launcher is one dict lookup.
         self.views: dict[tuple[int, object], tuple[Site, torch.Tensor]] = {}
 
@@ -83,10 +87,35 @@ class Arena:
                     f"tripwire: the counter arena for {dev} would be allocated inside a CUDA-graph capture; "
                     f"call tripwire.prealloc({str(dev)!r}) before capturing"
                 )
-            t = torch.zeros((self.capacity, SLOTS), dtype=torch.int64, device=dev)
+            cap, block = self.capacity, offender_block_words(self.offenders_per_row)
+            flat = torch.zeros(cap * SLOTS + cap * block, dtype=torch.int64, device=dev)
+            t = flat[: cap * SLOTS].view(cap, SLOTS)
+            off = flat[cap * SLOTS :].view(cap, block)
+            self._init_offenders(t, off)
+            _IMMORTAL.append(flat)
             _IMMORTAL.append(t)
             self._tensors[dev] = t
+            self._offenders[dev] = off
             return t
+
+    def _init_offenders(self, rows: torch.Tensor, off: torch.Tensor) -> None:
+        # Slot 7 of row i: the ADDRESS of row i's block (not an offset: a copy of a row, e.g. the one torch.compile's
+        # functionalization makes of a mutated counter argument, still reaches the arena's own block, whose words
+        # only the device writes). Header word 1: K. Kernels read both only on their fault path.
+        cap, block = self.capacity, off.shape[1]
+        i = torch.arange(cap, dtype=torch.int64)
+        rows[:, OFFENDERS].copy_(off.data_ptr() + i * block * off.element_size())
+        off[:, 1].fill_(self.offenders_per_row)
+        assert OFF_HEADER >= 2 and OFF_ENTRY == 4
+
+    def read_offenders(self, device: torch.device, n: int) -> np.ndarray | None:
+        """A synchronous copy of the first ``n`` rows' offender blocks (tools: it waits for the device)."""
+        off = self._offenders.get(device)
+        return None if off is None else off[:n].cpu().numpy()
+
+    def offenders(self, device: torch.device) -> torch.Tensor | None:
+        """``device``'s offender blocks, ``int64 [capacity, OFF_HEADER + K * OFF_ENTRY]`` (row ``i`` is site ``i``'s)."""
+        return self._offenders.get(device)
 
     def get(self, device: torch.device) -> torch.Tensor | None:
         return self._tensors.get(device)
@@ -131,6 +160,8 @@ class Arena:
         return view
 
     def zero_(self) -> None:
-        """Zero every arena (a tool's call: it enqueues a fill on each device's current stream)."""
-        for _, t in self.items():
-            t.zero_()
+        """Zero every arena's counters and offenders (a tool's call: it enqueues fills on each device's current
+        stream). Slot 7 and the offender headers are layout, not counts: they stay."""
+        for dev, t in self.items():
+            t[:, :OFFENDERS].zero_()
+            self._offenders[dev][:, OFF_HEADER:].zero_()

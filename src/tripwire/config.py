@@ -24,6 +24,7 @@ _ENV = {
     "idle_tail": ("TRIPWIRE_IDLE_TAIL", 2.0),
     "report_every": ("TRIPWIRE_REPORT_EVERY", 10.0),
     "capacity": ("TRIPWIRE_CAPACITY", 1024),
+    "offenders": ("TRIPWIRE_OFFENDERS", 8),
     "heartbeat": ("TRIPWIRE_HEARTBEAT", 60.0),
     "native_tick": ("TRIPWIRE_NATIVE_TICK", "auto"),
     "event_log": ("TRIPWIRE_EVENT_LOG", None),
@@ -71,9 +72,9 @@ def _parse_seconds(var: str, raw: Any) -> float:
     return value
 
 
-def _parse_capacity(var: str, raw: Any) -> int:
+def _parse_count(var: str, raw: Any, what: str, most: int, why: str) -> int:
     if isinstance(raw, bool):
-        raise ValueError(f"{var}={raw!r}: expected a positive whole number of rows, got a bool")
+        raise ValueError(f"{var}={raw!r}: expected a positive whole number of {what}, got a bool")
     if isinstance(raw, int):
         value = raw
     else:
@@ -81,12 +82,21 @@ def _parse_capacity(var: str, raw: Any) -> int:
         try:
             value = int(text)
         except (TypeError, ValueError):
-            raise ValueError(f"{var}={raw!r} is not a whole number of rows") from None
+            raise ValueError(f"{var}={raw!r} is not a whole number of {what}") from None
     if value <= 0:
-        raise ValueError(f"{var}={raw!r}: expected a whole number of rows > 0")
-    if value > 1 << 20:
-        raise ValueError(f"{var}={raw!r}: more than {1 << 20} rows is not a counter arena but a mistake")
+        raise ValueError(f"{var}={raw!r}: expected a whole number of {what} > 0")
+    if value > most:
+        raise ValueError(f"{var}={raw!r}: more than {most} {what} is {why}")
     return value
+
+
+def _parse_capacity(var: str, raw: Any) -> int:
+    return _parse_count(var, raw, "rows", 1 << 20, "not a counter arena but a mistake")
+
+
+def _parse_offenders(var: str, raw: Any) -> int:
+    # Each is kept per row on every device and read when a count rises: a handful, not a log.
+    return _parse_count(var, raw, "offenders", 256, "not a per-row list but a log (use a sink for that)")
 
 
 _PARSERS = {
@@ -96,6 +106,7 @@ _PARSERS = {
     "report_every": _parse_seconds,
     "heartbeat": _parse_seconds,
     "capacity": _parse_capacity,
+    "offenders": _parse_offenders,
     "native_tick": _parse_native_tick,
     "event_log": _parse_path,
     "store_poll": _parse_seconds,
@@ -106,16 +117,17 @@ _PARSERS = {
 class Settings:
     """Validated settings of one :class:`tripwire.Monitor`.
 
-    ``mode``: ``raise`` (any hit arms the stop), ``warn`` (report; fatal sites arm) or ``off`` (no reader at all).
-    ``interval``: seconds between reader ticks. ``idle_tail``: seconds without a ``check()`` after which the reader
-    stops copying. ``report_every``: the least seconds between two WARNING lines of one site. ``capacity``: rows per
-    device arena, fixed for the process. ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
-    ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
-    can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it cannot be
-    built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick). ``event_log``: a file that
-    gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None. ``store_poll``: seconds between
-    :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own thread (the reader's ticks stay
-    native): how late a peer's stop arrives, against the store's load (one request per rank per poll).
+        ``mode``: ``raise`` (any hit arms the stop), ``warn`` (report; fatal sites arm) or ``off`` (no reader at all).
+        ``interval``: seconds between reader ticks. ``idle_tail``: seconds without a ``check()`` after which the reader
+        stops copying. ``report_every``: the least seconds between two WARNING lines of one site. ``capacity``: rows per
+        device arena, fixed for the process. ``offenders``: distinct offenders kept per row on the device (row, value,
+    request), fixed with the arena. ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
+        ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
+        can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it cannot be
+        built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick). ``event_log``: a file that
+        gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None. ``store_poll``: seconds between
+        :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own thread (the reader's ticks stay
+        native): how late a peer's stop arrives, against the store's load (one request per rank per poll).
     """
 
     mode: str = "warn"
@@ -123,6 +135,7 @@ class Settings:
     idle_tail: float = 2.0
     report_every: float = 10.0
     capacity: int = 1024
+    offenders: int = 8
     heartbeat: float = 60.0
     native_tick: str = "auto"
     event_log: str | None = None

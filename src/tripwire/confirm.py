@@ -19,15 +19,15 @@ calls it under its lock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import COUNT, FIRST_ROW, FIRST_VALUE, SLOTS
+from .layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_ENTRY, OFF_HEADER, SLOTS
 from .sites import GUARD_KINDS, Site, SiteRegistry
 
-__all__ = ["CONFIRM_REPOLL_S", "MAX_EXTRA_CONFIRM_COPIES", "Confirmed", "Confirmer"]
+__all__ = ["CONFIRM_REPOLL_S", "MAX_EXTRA_CONFIRM_COPIES", "Confirmed", "Confirmer", "offenders_landed"]
 
 log = logging.getLogger("tripwire")
 
@@ -37,8 +37,16 @@ MAX_EXTRA_CONFIRM_COPIES = 3
 # reader loop each tick.
 CONFIRM_REPOLL_S = 0.001
 
-# A confirmed rise: the site and the row (this copy's) that confirms it.
+# A confirmed rise: the site and the row (this copy's) that confirms it; a guard row read with its offender block
+# carries the block after its SLOTS words (tripwire.report.Hit.from_row decodes it).
 Confirmed = tuple[Site, np.ndarray]
+
+
+def offenders_landed(block: np.ndarray) -> bool:
+    """Every claimed entry of an offender block has its owner's words (a key is claimed before they are written)."""
+    entries = block[OFF_HEADER:].reshape(-1, OFF_ENTRY)
+    claimed = entries[:, E_KEY] != 0
+    return bool(np.all(entries[claimed, E_ROW] != 0) and np.all(entries[claimed, E_VALUE] != 0))
 
 
 @dataclass
@@ -124,9 +132,14 @@ class Confirmer:
         return None if d is None or d.pending else d.latest
 
     # ------------------------------------------------------------------ changing it
-    def process(self, device: str, rows: np.ndarray, *, final: bool) -> list[Confirmed]:
+    def process(
+        self, device: str, rows: np.ndarray, *, final: bool, offenders: Mapping[int, np.ndarray] | None = None
+    ) -> list[Confirmed]:
         """Take one landed copy of ``device``'s rows; return the rises it confirms, in row order (pending ones first,
-        then, when ``final``, the new ones). With ``final`` (a complete, synchronous read) nothing waits."""
+        then, when ``final``, the new ones). With ``final`` (a complete, synchronous read) nothing waits.
+
+        ``offenders``: the offender blocks that came with this copy, by row (None where the arena keeps none). A
+        guard row then confirms only with its block, landed (:func:`offenders_landed`), which it carries."""
         self.decoded += 1
         n = rows.shape[0]
         d = self._devices.get(device)
@@ -153,18 +166,27 @@ class Confirmer:
             site = self.registry.by_id(rid)
             row = rows[rid]
             waited, seen = pending[rid]
-            not_landed = site.kind in GUARD_KINDS and (row[FIRST_ROW] == 0 or row[FIRST_VALUE] == 0)
+            guard = site.kind in GUARD_KINDS
+            not_landed = guard and (row[FIRST_ROW] == 0 or row[FIRST_VALUE] == 0)
+            block = None
+            if guard and offenders is not None:
+                # The blocks travel with the copy after the one that saw the rise (the reader is asked for them
+                # then): until they are here and landed, wait like for the first pair.
+                block = offenders.get(rid)
+                not_landed = not_landed or block is None or not offenders_landed(block)
             if not final and (not_landed or progress[rid] > seen) and waited < self.max_extra_copies:
                 pending[rid] = [waited + 1, int(progress[rid])]
                 continue
             del pending[rid]
             reported[rid] = progress[rid]
-            out.append((site, row))
+            out.append((site, row if block is None else np.concatenate([row, block])))
         # 2) New rises: pending now, confirmed from the next copy (or at once when this read is final).
         for rid in np.nonzero((progress > reported[:n]) & handled)[0].tolist():
             if final:
                 reported[rid] = progress[rid]
-                out.append((self.registry.by_id(rid), rows[rid]))
+                site = self.registry.by_id(rid)
+                block = offenders.get(rid) if offenders is not None and site.kind in GUARD_KINDS else None
+                out.append((site, rows[rid] if block is None else np.concatenate([rows[rid], block])))
             elif rid not in pending:
                 pending[rid] = [0, int(progress[rid])]
         return out

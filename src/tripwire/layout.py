@@ -9,7 +9,20 @@ Guard rows (sites):
     slot 3 ``NEG_MIN``     max of the negated offending value, biased (so min survives atomic_max on zeros)
     slot 4 ``FIRST_ROW``   first offender's row, biased, claimed by compare-and-swap from 0
     slot 5 ``FIRST_VALUE`` first offender's value, biased, written only by the CAS winner
-    slots 6, 7 spare
+    slot 6 spare
+    slot 7 ``OFFENDERS``   the address of the row's offender block (written when the arena is allocated, never
+                           zeroed; every arena row has one, whatever its kind; 0 in a counter that is not an arena
+                           row, which then keeps no offenders)
+
+Offender block (per row, in the same allocation as the rows, after them): ``OFF_HEADER`` header words, then ``K``
+entries of ``OFF_ENTRY`` words (``K``: ``TRIPWIRE_OFFENDERS``, fixed with the arena). Header word 0 is a scratch word
+that stays 0 (a lane that must not claim compares it against -1: a no-op), word 1 holds ``K``. An entry is
+``[KEY, ROW, VALUE, REQ]``: ``KEY`` is a non-zero 64-bit hash of (row, value, request), claimed by compare-and-swap
+from 0 (the first hit with that key owns the entry; a hit whose key is already there is a repeat and claims nothing);
+the owner then writes ``ROW``/``VALUE`` (biased like the slots) and ``REQ`` (the request id biased, 0 = not known).
+So the block holds the first ``K`` DISTINCT offenders in arrival order, and a reader that sees a claimed key waits
+(like for the first pair) until the owner's words have landed. Writing offenders is the fault path only: a row
+without hits is never touched.
 
 Encoding: a stored word is ``v + GUARD_BIAS`` with ``GUARD_BIAS = 2**62``. A zeroed buffer then means "nothing
 recorded" and atomic_max works for negative values too. The round-trip holds for ``-2**62 < v < 2**62``
@@ -21,6 +34,14 @@ different hits. Only slots 4/5 are one real observed pair.
 from __future__ import annotations
 
 __all__ = [
+    "OFFENDERS",
+    "OFF_ENTRY",
+    "OFF_HEADER",
+    "E_KEY",
+    "E_REQ",
+    "E_ROW",
+    "E_VALUE",
+    "offender_block_words",
     "COUNT",
     "FIRST_ROW",
     "FIRST_VALUE",
@@ -39,6 +60,9 @@ __all__ = [
 
 SLOTS = 8
 COUNT, MAX_ROW, MAX_VALUE, NEG_MIN, FIRST_ROW, FIRST_VALUE = 0, 1, 2, 3, 4, 5
+OFFENDERS = 7
+OFF_HEADER, OFF_ENTRY = 4, 4
+E_KEY, E_ROW, E_VALUE, E_REQ = 0, 1, 2, 3
 GUARD_BIAS = 1 << 62
 # Exclusive bounds of what round-trips: v + BIAS must be in (0, 2**63) and BIAS - v as well.
 VALUE_MIN = -GUARD_BIAS + 1
@@ -67,3 +91,8 @@ def decode(word: int) -> int | None:
 def decode_neg(word: int) -> int | None:
     """The minimum from the NEG_MIN slot, or None when nothing was recorded."""
     return None if word == 0 else GUARD_BIAS - int(word)
+
+
+def offender_block_words(k: int) -> int:
+    """Words of one row's offender block for ``k`` offenders."""
+    return OFF_HEADER + k * OFF_ENTRY

@@ -44,7 +44,7 @@ class Monitor:
     """Holds the reported state of every row, the armed stop and the reader thread.
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
-    ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``), validated exactly like the ``TRIPWIRE_*``
+    ``offenders``, ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``), validated exactly like the ``TRIPWIRE_*``
     variable it overrides, and readable as a read-only attribute (``monitor.mode``). A fresh Monitor has its own
     arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
     """
@@ -54,6 +54,7 @@ class Monitor:
     idle_tail = SettingView()
     report_every = SettingView()
     capacity = SettingView()
+    offenders = SettingView()
     heartbeat = SettingView()
     event_log = SettingView()
     store_poll = SettingView()
@@ -63,7 +64,7 @@ class Monitor:
     ) -> None:
         self.settings: Settings = load_settings(env, **settings)
         self.registry = registry if registry is not None else default_registry()
-        self.arena = Arena(self.registry, self.settings.capacity)
+        self.arena = Arena(self.registry, self.settings.capacity, self.settings.offenders)
         self._lock = threading.RLock()
         self.devices = Readers()
         # The armed stop. check() reads only this attribute (and sets _act).
@@ -124,7 +125,7 @@ class Monitor:
             t = self.arena.prealloc(dev)
             if dev not in self.devices:
                 self.native.pause()  # the native tick reads a fixed set of readers: re-engage with this one too
-                self.devices.add(dev, t)
+                self.devices.add(dev, t, self.arena.offenders(dev))
             return t
 
     def counter(self, site: Site, device: torch.device | str | int) -> torch.Tensor:
@@ -366,7 +367,7 @@ class Monitor:
                     elif rows is None:
                         self.native.python[2] += 1
                     else:
-                        self.pipeline.process(reader.name, rows, now, final=False)
+                        self.pipeline.process_read(reader, rows, now, final=False)
             self.pipeline.tick(now)
         self._deliver()
         self._tick_hooks.call(self)
@@ -410,8 +411,8 @@ class Monitor:
                 if isinstance(rows, BaseException):
                     self._lose(reader, rows)
                     continue
-                self.pipeline.process(reader.name, rows, now, final=True)
-                snap.update(self.pipeline.decode(reader.name, rows))
+                self.pipeline.process_read(reader, rows, now, final=True)
+                snap.update(self.pipeline.decode(reader.name, rows, reader.landed_offenders))
             self.pipeline.window.flush_due(now, force=True)
         self._deliver()
         return snap
@@ -423,8 +424,9 @@ class Monitor:
         thread, or while no capture runs (a synchronous copy from another thread invalidates a global-mode
         capture)."""
         out: dict[tuple[str, str], Hit] = {}
+        n = min(len(self.registry), self.settings.capacity)
         for dev in self.arena.devices():
-            out.update(self.pipeline.decode(str(dev), self.read_rows(dev)))
+            out.update(self.pipeline.decode(str(dev), self.read_rows(dev), self.arena.read_offenders(dev, n)))
         return out
 
     def read_rows(self, device: torch.device | str | int) -> np.ndarray:

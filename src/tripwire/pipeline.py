@@ -21,6 +21,7 @@ from .sinks import Event, Log, SinkSet
 
 if TYPE_CHECKING:
     from .monitor import Monitor
+    from .reader import DeviceReader
 
 __all__ = ["Callbacks", "Pipeline"]
 
@@ -65,13 +66,21 @@ class Pipeline:
         self.sinks = SinkSet(lambda: monitor.settings.report_every)
         self._events: list[Event] = []
 
-    def process(self, device: str, rows: np.ndarray, now: float, *, final: bool) -> None:
-        """A landed copy of ``device``'s rows (every row complete when ``final``): confirm, report."""
-        confirmed = self.confirmer.process(device, rows, final=final)
+    def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
+        """A landed copy of ``device``'s rows (every row complete when ``final``): confirm, report. ``offenders``:
+        the offender blocks that came with it, by row (None where the arena keeps none)."""
+        confirmed = self.confirmer.process(device, rows, final=final, offenders=offenders)
         for kind in self.confirmer.kinds:
             # Reporters are made lazily and reset() drops them; heartbeats tick only those that exist.
             self.reporters.make(kind)
         self._confirm(device, confirmed, now)
+
+    def process_read(self, reader: DeviceReader, rows: np.ndarray, now: float, *, final: bool) -> None:
+        """:meth:`process` a copy ``reader`` landed, with the offender blocks it brought; then ask the reader for the
+        blocks of the rows still pending, so that its next copy brings them (a quiet tick copies no block)."""
+        blocks = reader.landed_offenders if reader.offenders is not None else None
+        self.process(reader.name, rows, now, final=final, offenders=blocks)
+        reader.want_offenders(self.confirmer.pending(reader.name))
 
     def lose(self, device: str, now: float) -> None:
         """``device``'s reader is lost: report what it had seen rising (nobody polls it again)."""
@@ -110,8 +119,8 @@ class Pipeline:
         events, self._events = self._events, []
         return events
 
-    def decode(self, device: str, rows: np.ndarray) -> dict[tuple[str, str], Hit]:
-        return decode_rows(self.monitor.registry, self.reporters, device, rows)
+    def decode(self, device: str, rows: np.ndarray, offenders: Any = None) -> dict[tuple[str, str], Hit]:
+        return decode_rows(self.monitor.registry, self.reporters, device, rows, offenders)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per device, each site's count as confirmed so far (what was reported)."""

@@ -124,10 +124,16 @@ def _ok(rc: int, what: str) -> None:
 class DeviceReader:
     """Reads one arena. Not thread-safe by itself: the Monitor serialises calls under its lock."""
 
-    def __init__(self, device: torch.device, arena: torch.Tensor) -> None:
+    def __init__(self, device: torch.device, arena: torch.Tensor, offenders: torch.Tensor | None = None) -> None:
         self.device = device
         self.name = str(device)
         self.arena = arena
+        # The rows' offender blocks (tripwire.layout), copied only for rows a confirmation asks for: a quiet tick
+        # copies the rows alone.
+        self.offenders = offenders
+        self._want: tuple[int, ...] = ()  # rows whose blocks the next copy takes too
+        self._pending_off: tuple[int, ...] = ()  # rows whose blocks are in the copy in flight
+        self.landed_offenders: dict[int, np.ndarray] = {}  # the blocks the last landed copy brought
         self._copies = 0  # copies started (CUDA) or reads made (CPU), by Python
         self._bytes = 0
         # The native ticker's row for this reader while it is engaged (it owns the copy state then), else None.
@@ -147,6 +153,11 @@ class DeviceReader:
                 )
             with torch.cuda.device(device):
                 self.mirror = torch.zeros(arena.shape, dtype=arena.dtype, pin_memory=True)
+                self._off_mirror = (
+                    torch.zeros(offenders.shape, dtype=offenders.dtype, pin_memory=True)
+                    if offenders is not None
+                    else None
+                )
                 self.stream = torch.cuda.Stream(device)
                 self.event = torch.cuda.Event()
                 self.event.record(self.stream)  # materialise the event handle now, outside any capture
@@ -164,6 +175,7 @@ class DeviceReader:
                 self._src = self.arena.data_ptr()
                 self._dst = self.mirror.data_ptr()
                 self._row_bytes = arena.shape[1] * arena.element_size()
+            self._off_mirror_np = self._off_mirror.numpy() if self._off_mirror is not None else None
 
     def status(self) -> dict[str, Any]:
         """``lost`` (why this reader was lost, or None) and ``reads`` (copies made), as plain JSON types."""
@@ -229,7 +241,12 @@ class DeviceReader:
     def take_pending(self) -> int:
         """Hand the copy in flight (its row count) to the native tick, which owns it until :meth:`give_back`."""
         rows, self._pending_rows = self._pending_rows, 0
+        self._pending_off = ()  # the native tick engages only while nothing waits for offenders
         return rows
+
+    def want_offenders(self, rows: tuple[int, ...]) -> None:
+        """Copy these rows' offender blocks with the next copy (a confirmation waits for them)."""
+        self._want = rows if self.offenders is not None else ()
 
     def give_back(self, pending: int, copies: int, nbytes: int) -> None:
         """Take the copy state back from the native tick: its copy in flight (a CUDA copy that may have landed and
@@ -250,12 +267,18 @@ class DeviceReader:
         if not self.is_cuda:
             self._copies += 1
             self._bytes += n_rows * self.arena.shape[1] * 8
+            if self._want:
+                assert self.offenders is not None
+                self.landed_offenders = {r: self.offenders[r].numpy().copy() for r in self._want}
             return _same_or_copy(self.arena[:n_rows].numpy(), same_as)
         rows = None
         if self._pending_rows:
             if not self._landed():  # an event query: returns at once, never waits
                 return None
             rows = _same_or_copy(self._mirror_np[: self._pending_rows], same_as)
+            if self._pending_off:
+                assert self._off_mirror_np is not None
+                self.landed_offenders = {r: self._off_mirror_np[r].copy() for r in self._pending_off}
             self._pending_rows = 0
         self._start(n_rows)
         return rows
@@ -279,15 +302,28 @@ class DeviceReader:
         if drv is None:
             with torch.cuda.stream(self.stream):
                 self.mirror[:n_rows].copy_(self.arena[:n_rows], non_blocking=True)
+                for r in self._want:
+                    assert self.offenders is not None and self._off_mirror is not None
+                    self._off_mirror[r].copy_(self.offenders[r], non_blocking=True)
                 self.event.record(self.stream)
         else:
             _ok(drv.ctx_push(self._ctx), "cuCtxPushCurrent")
             try:
                 nbytes = n_rows * self._row_bytes
                 _ok(drv.memcpy_dtoh_async(self._dst, self._src, nbytes, self._stream_h), "cuMemcpyDtoHAsync")
+                for r in self._want:  # only while a confirmation waits: a few small copies, same stream and event
+                    assert self.offenders is not None and self._off_mirror is not None
+                    b = self.offenders.shape[1] * 8
+                    _ok(
+                        drv.memcpy_dtoh_async(
+                            self._off_mirror.data_ptr() + r * b, self.offenders.data_ptr() + r * b, b, self._stream_h
+                        ),
+                        "cuMemcpyDtoHAsync",
+                    )
                 _ok(drv.event_record(self._event_h, self._stream_h), "cuEventRecord")
             finally:
                 drv.ctx_pop(ctypes.byref(ctypes.c_void_p()))
+        self._pending_off, self._want = self._want, ()
         self._pending_rows = n_rows
         self._copies += 1
         self._bytes += n_rows * self.arena.shape[1] * 8
@@ -297,18 +333,34 @@ class DeviceReader:
         if self.is_cuda and self._pending_rows:
             self.event.synchronize()  # same handle as the driver path records into
         self._pending_rows = 0
+        self._pending_off, self.landed_offenders = (), {}
 
     def read_now(self, n_rows: int) -> np.ndarray:
         """A complete, blocking read: synchronise the device (so every kernel enqueued so far has run), then copy
-        through the mirror. For drain only, never the step path."""
+        through the mirror. For drain only, never the step path. The offender blocks of the rows with a count come
+        with it (:attr:`landed_offenders`)."""
         if not self.is_cuda:
-            return self.arena[:n_rows].numpy().copy()
+            rows = self.arena[:n_rows].numpy().copy()
+            if self.offenders is not None:
+                self.landed_offenders = {
+                    r: self.offenders[r].numpy().copy() for r in np.nonzero(rows[:, 0])[0].tolist()
+                }
+            return rows
         self.discard()
         torch.cuda.synchronize(self.device)
         self._start(n_rows)
         self.stream.synchronize()
         rows = self._mirror_np[:n_rows].copy()
         self._pending_rows = 0
+        if self.offenders is not None:
+            hit = np.nonzero(rows[:, 0])[0].tolist()  # host rows (numpy): no device read
+            if hit:
+                self._want = tuple(hit)
+                self._start(n_rows)
+                self.stream.synchronize()
+                assert self._off_mirror_np is not None
+                self.landed_offenders = {r: self._off_mirror_np[r].copy() for r in hit}
+                self._pending_rows, self._pending_off = 0, ()
         return rows
 
 
@@ -328,8 +380,8 @@ class Readers:
     def __contains__(self, device: torch.device) -> bool:
         return device in self._by_device
 
-    def add(self, device: torch.device, arena: torch.Tensor) -> DeviceReader:
-        reader = self._by_device[device] = DeviceReader(device, arena)
+    def add(self, device: torch.device, arena: torch.Tensor, offenders: torch.Tensor | None = None) -> DeviceReader:
+        reader = self._by_device[device] = DeviceReader(device, arena, offenders)
         return reader
 
     def all(self) -> list[DeviceReader]:

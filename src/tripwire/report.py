@@ -22,7 +22,25 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from .errors import GuardTripped
-from .layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, VALUE_MAX, VALUE_MIN, decode, decode_neg
+from .layout import (
+    COUNT,
+    E_KEY,
+    E_REQ,
+    E_ROW,
+    E_VALUE,
+    FIRST_ROW,
+    FIRST_VALUE,
+    MAX_ROW,
+    MAX_VALUE,
+    NEG_MIN,
+    OFF_ENTRY,
+    OFF_HEADER,
+    SLOTS,
+    VALUE_MAX,
+    VALUE_MIN,
+    decode,
+    decode_neg,
+)
 from .sinks import LINE_LIMIT, Event, Offender
 from .sites import GUARD_KINDS, Site, SiteRegistry
 
@@ -37,6 +55,7 @@ __all__ = [
     "Reporters",
     "RowReporter",
     "Wording",
+    "decode_offenders",
     "decode_rows",
     "guard_event",
     "guard_message",
@@ -54,8 +73,9 @@ class Hit:
 
     ``kind``: the row's kind (``"guard"``, ``"nonfinite"``: the guard layout; ``"clip"``: ``count`` is the K plus V
     elements clipped, and the other fields are None: ``ClipCounter.totals()`` has the split and the maxima).
-    ``offenders``: the first distinct offenders kept on the device (empty while the arena keeps only the first
-    pair)."""
+    ``offenders``: the first K distinct offenders kept on the device (``TRIPWIRE_OFFENDERS``), in arrival order:
+    :class:`tripwire.sinks.Offender` (row, value, request: None where the kernel had no row-to-request map). More
+    than K distinct offenders keep the first K; the count stays exact."""
 
     count: int
     first_row: int | None
@@ -68,7 +88,8 @@ class Hit:
 
     @classmethod
     def from_row(cls, row: np.ndarray, kind: str = "guard") -> Hit:
-        """Decode a guard-layout row (the one place a row becomes a Hit: offenders read with it go here)."""
+        """Decode a guard-layout row (the one place a row becomes a Hit). A row read with its offender block carries
+        the block after its ``SLOTS`` words."""
         return cls(
             count=int(row[COUNT]),
             first_row=decode(int(row[FIRST_ROW])),
@@ -76,8 +97,23 @@ class Hit:
             max_row=decode(int(row[MAX_ROW])),
             max_value=decode(int(row[MAX_VALUE])),
             min_value=decode_neg(int(row[NEG_MIN])),
+            offenders=decode_offenders(row[SLOTS:]) if row.shape[0] > SLOTS else (),
             kind=kind,
         )
+
+
+def decode_offenders(block: np.ndarray) -> tuple[Offender, ...]:
+    """The offenders of a row's offender block (tripwire.layout), in arrival order: the claimed entries whose owner's
+    words have landed (a claimed entry still being written is left out)."""
+    out = []
+    for entry in block[OFF_HEADER:].reshape(-1, OFF_ENTRY):
+        if entry[E_KEY] == 0:
+            break  # entries are claimed in order: the first free one ends the list
+        row, value = decode(int(entry[E_ROW])), decode(int(entry[E_VALUE]))
+        if row is None or value is None:
+            continue
+        out.append(Offender(row, value, decode(int(entry[E_REQ]))))
+    return tuple(out)
 
 
 class Wording(NamedTuple):
@@ -287,11 +323,16 @@ def tripped_for(site: Site, device: str, hit: Hit, message: Callable[..., str] =
 
 
 def decode_rows(
-    registry: SiteRegistry, reporters: Reporters, device: str, rows: np.ndarray
+    registry: SiteRegistry,
+    reporters: Reporters,
+    device: str,
+    rows: np.ndarray,
+    offenders: Any = None,
 ) -> dict[tuple[str, str], Hit]:
     """``{(device, site name): Hit}`` for every row of ``rows`` with a non-zero count (the sum of its kind's count
-    slots): guard-layout rows decoded in full, other layouts (clip) with the count only. Reporters are looked up,
-    not made, so it is safe outside the monitor's lock."""
+    slots): guard-layout rows decoded in full (with their offender blocks when ``offenders`` has them: a mapping
+    or an array by row), other layouts (clip) with the count only. Reporters are looked up, not made, so it is safe
+    outside the monitor's lock."""
     out: dict[tuple[str, str], Hit] = {}
     sites = registry.all()
     for rid in np.nonzero(rows.any(axis=1))[0].tolist():
@@ -301,7 +342,9 @@ def decode_rows(
         if count == 0:
             continue
         if site.kind in GUARD_KINDS:
-            out[(device, site.name)] = Hit.from_row(rows[rid], site.kind)
+            block = None if offenders is None else (offenders.get(rid) if hasattr(offenders, "get") else offenders[rid])
+            row = rows[rid] if block is None else np.concatenate([rows[rid], block])
+            out[(device, site.name)] = Hit.from_row(row, site.kind)
         else:
             out[(device, site.name)] = Hit(count, None, None, None, None, None, kind=site.kind)
     return out

@@ -3,11 +3,11 @@
 A kernel receives its site's row (``tripwire.counter(site, device)``, an int64 ``[8]`` view) as ``ctr_ptr`` and
 calls one of:
 
-* :func:`record_hit` ``(ctr_ptr, row, value)`` -- one hit per program that reaches it; call it under the kernel's
-  own ``if bad:``.
-* :func:`record_hits` ``(ctr_ptr, bad, rows, values)`` -- every true lane of a block: one reduction and at most one
-  set of atomics per program (no atomics at all when no lane is bad, which is the hot path).
-* :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None)`` -> ``(safe_idx, ok)``: the index
+* :func:`record_hit` ``(ctr_ptr, row, value, req=None)`` -- one hit per program that reaches it; call it under the
+  kernel's own ``if bad:``.
+* :func:`record_hits` ``(ctr_ptr, bad, rows, values, reqs=None)`` -- every true lane of a block: one reduction and
+  at most one set of atomics per program (no atomics at all when no lane is bad, which is the hot path).
+* :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None)`` -> ``(safe_idx, ok)``: the index
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
 
@@ -23,6 +23,12 @@ compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so (slot 4,
 "First" within a program means the lowest row, then the lowest value in that row; across programs, whichever
 program wins the CAS.
 
+Offenders: the fault path also keeps the row's first K distinct (row, value, request) offenders in the row's
+offender block (:mod:`tripwire.layout`), in arrival order; ``req``/``reqs`` name the request of each hit (a
+row-to-request map the kernel loads; omit it when the kernel has none). Distinct means a distinct 64-bit key of the
+three: a repeat of an offender already kept claims nothing. A kept offender, like the first pair, is written after
+the count, so the reader waits for it the same way.
+
 Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs. Values
 beyond the encodable range (|v| >= 2**62, e.g. junk int64 metadata) are recorded saturated at +-(2**62 - 1);
 reports mark them "saturated". Counts and masking are exact regardless.
@@ -35,7 +41,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..layout import E_REQ as _E_REQ
+from ..layout import E_ROW as _E_ROW
+from ..layout import E_VALUE as _E_VALUE
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
+from ..layout import OFF_ENTRY as _OFF_ENTRY
+from ..layout import OFF_HEADER as _OFF_HEADER
+from ..layout import OFFENDERS as _OFFENDERS
 from ..layout import VALUE_MAX as _VALUE_MAX
 from ..layout import VALUE_MIN as _VALUE_MIN
 
@@ -49,6 +61,18 @@ _NO_ROW = tl.constexpr((1 << 63) - 1)
 # a pointer-sized junk value) must not wrap around the bias and be reported as something else, or as nothing.
 _VMIN = tl.constexpr(_VALUE_MIN)
 _VMAX = tl.constexpr(_VALUE_MAX)
+# The offender block (tripwire.layout): where slot 7 points, its header and entry shape.
+_OFF_SLOT = tl.constexpr(_OFFENDERS)
+_HEADER = tl.constexpr(_OFF_HEADER)
+_ENTRY = tl.constexpr(_OFF_ENTRY)
+_EROW = tl.constexpr(_E_ROW)
+_EVALUE = tl.constexpr(_E_VALUE)
+_EREQ = tl.constexpr(_E_REQ)
+# Odd multipliers of the offender key's mix (the key only tells offenders apart; include/tripwire/guard.cuh computes
+# the same one).
+_K1 = tl.constexpr(0x2545F4914F6CDD1D)
+_K2 = tl.constexpr(0x1F3D5B79A1C3E5F7)
+_K3 = tl.constexpr(0x3C6EF372FE94F82B)
 
 
 @triton.jit
@@ -57,9 +81,47 @@ def _saturate(x):
 
 
 @triton.jit
-def _fault(ctr_ptr, n, b, r, v):
+def _offender_key(rb, vb, qb):
+    """A non-zero 64-bit mix of an offender's biased row, value and request words (wrapping int64 arithmetic)."""
+    h = rb * _K1 + vb * _K2 + qb * _K3
+    h = h ^ ((h >> 29) & 0x7FFFFFFFF)
+    return h | 1
+
+
+@triton.jit
+def _record_offenders(ctr_ptr, b, rb, vb, qb):
+    """Keep the true lanes of ``b`` among the row's first K distinct offenders (tripwire.layout): per entry slot, the
+    still-unplaced lanes compare-and-swap their key into it; the one that finds it empty owns it and writes its words,
+    those that find their own key there are repeats. Lanes that must not claim aim at the block's scratch word with a
+    comparand (-1) it never holds. A full block is read once and left alone: a fault storm costs one load."""
+    addr = tl.load(ctr_ptr + _OFF_SLOT)
+    # 0: a counter row that is not an arena's (a caller's own [8] tensor) has no offender block.
+    if addr != 0:
+        _claim_offenders(addr.to(tl.pointer_type(tl.int64)), b, rb, vb, qb)
+
+
+@triton.jit
+def _claim_offenders(blk, b, rb, vb, qb):
+    k = tl.load(blk + 1)
+    if tl.load(blk + _HEADER + (k - 1) * _ENTRY) == 0:
+        key = _offender_key(rb, vb, qb)
+        active = b
+        for j in range(0, k):
+            if tl.sum(active.to(tl.int32), axis=None) > 0:
+                slot = blk + _HEADER + j * _ENTRY
+                old = tl.atomic_cas(tl.where(active, slot, blk), tl.where(active, 0, -1).to(tl.int64), key)
+                won = active & (old == 0)
+                tl.store(slot + _EROW + rb * 0, rb, mask=won)
+                tl.store(slot + _EVALUE + rb * 0, vb, mask=won)
+                tl.store(slot + _EREQ + rb * 0, qb, mask=won)
+                active = active & (old != 0) & (old != key)
+
+
+@triton.jit
+def _fault(ctr_ptr, n, b, r, v, qb):
     """The fault path of every helper (the one place that writes a guard row): ``n`` (> 0) hits, the true lanes of
-    ``b``, at saturated rows ``r`` and values ``v`` (all three one block shape, at least 1-D)."""
+    ``b``, at saturated rows ``r`` and values ``v``, requests ``qb`` (biased words, 0 = not known); all one block
+    shape, at least 1-D."""
     rb = r + GUARD_BIAS
     vb = v + GUARD_BIAS
     # Count first (see the module docstring for why the reader waits one copy for the rest).
@@ -74,11 +136,21 @@ def _fault(ctr_ptr, n, b, r, v):
     old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(first_r), first_r)
     if old == 0:
         tl.atomic_xchg(ctr_ptr + 5, first_v)
+    _record_offenders(ctr_ptr, b, rb, vb, qb)
 
 
 @triton.jit
-def record_hit(ctr_ptr, row, value):
-    """Record one hit at (``row``, ``value``), both scalars. Call it under the kernel's ``if bad:``.
+def _req_words(reqs, like):
+    """Biased request words of ``reqs`` broadcast to ``like``'s shape (0 = not known, when ``reqs`` is None)."""
+    if reqs is None:
+        return like * 0
+    return _saturate(reqs.to(tl.int64)) + GUARD_BIAS + like * 0
+
+
+@triton.jit
+def record_hit(ctr_ptr, row, value, req=None):
+    """Record one hit at (``row``, ``value``), both scalars; ``req``: the request it belongs to (a scalar), kept with
+    the offender. Call it under the kernel's ``if bad:``.
 
     Counts once per PROGRAM that reaches the call (scalar Triton code runs once per program, not per thread). When
     several programs see the same bad entry (head or split programs of one sequence), each counts: put the program
@@ -87,13 +159,14 @@ def record_hit(ctr_ptr, row, value):
     one = tl.zeros([1], tl.int64)
     r = _saturate(row.to(tl.int64)) + one
     v = _saturate(value.to(tl.int64)) + one
-    _fault(ctr_ptr, tl.full([], 1, tl.int64), one == 0, r, v)
+    _fault(ctr_ptr, tl.full([], 1, tl.int64), one == 0, r, v, _req_words(req, one))
 
 
 @triton.jit
-def record_hits(ctr_ptr, bad, rows, values):
-    """Record every true lane of ``bad``. ``bad``, ``rows`` and ``values`` broadcast against each other (a scalar
-    row with a block of values is fine); the count is the number of true lanes AFTER broadcasting, in this program.
+def record_hits(ctr_ptr, bad, rows, values, reqs=None):
+    """Record every true lane of ``bad``. ``bad``, ``rows`` and ``values`` (and ``reqs``, the request of each lane,
+    when given) broadcast against each other (a scalar row with a block of values is fine); the count is the number
+    of true lanes AFTER broadcasting, in this program.
 
     One reduction per call; atomics (one set, for all lanes together) only when some lane is bad. Each program
     counts its own lanes: an entry held by several lanes or read by several programs counts once per lane and
@@ -110,11 +183,11 @@ def record_hits(ctr_ptr, bad, rows, values):
     b = (b64 + zero) != 0
     n = tl.sum(b.to(tl.int64), axis=None)
     if n > 0:
-        _fault(ctr_ptr, n, b, r, v)
+        _fault(ctr_ptr, n, b, r, v, _req_words(reqs, zero))
 
 
 @triton.jit
-def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None):
+def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None):
     """``(safe_idx, ok)``: ``idx`` clamped into ``[lo, hi)`` and the in-range mask (within ``mask``, when given).
 
     ``mask``: the lanes that exist (a tile's tail is not an access); ``ok`` is False outside it and nothing there
@@ -122,7 +195,8 @@ def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None):
     recorded, at ``(row, idx)``, when it is out of range, inside ``mask`` and inside ``count``; ``ok`` still masks
     every out-of-range lane, counted or not. Pass ``count`` when one entry is held by several lanes or read by
     several programs, so that each bad ENTRY counts once: ``count=(tok % block_size == 0)`` for the first token lane
-    of each page, ``count=(pid_head == 0)`` for one of the programs reading it (docs/guarding.md).
+    of each page, ``count=(pid_head == 0)`` for one of the programs reading it (docs/guarding.md). ``req``: the
+    request of each lane (or of the program), kept with its offender.
 
     Mask the guarded access with ``ok``.
     """
@@ -134,6 +208,6 @@ def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None):
         ok = tl.where(mask, ok, False)
     if count is not None:
         bad = tl.where(count, bad, False)
-    record_hits(ctr_ptr, bad, row, idx)
+    record_hits(ctr_ptr, bad, row, idx, req)
     safe = tl.minimum(tl.maximum(idx, lo), hi - 1)
     return safe, ok
