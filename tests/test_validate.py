@@ -448,3 +448,104 @@ def test_compiled_reduce_overhead_counts():
         step(slots, x)
     torch.cuda.synchronize()
     assert m.snapshot()[("cuda:0", "ro.slots")].count == 2 * 5
+
+
+# ---------------------------------------------------------------------------------------------- attribution
+def ref_segment(pos, offsets):
+    """The segment b with offsets[b] <= pos < offsets[b + 1], or None."""
+    for b in range(len(offsets) - 1):
+        if offsets[b] <= pos < offsets[b + 1]:
+            return b
+    return None
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lens=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    extra=st.integers(0, 3),
+    bad=st.lists(st.integers(0, 40), max_size=6, unique=True),
+    data=st.data(),
+)
+def test_requests_by_segments_match_reference(lens, extra, bad, data, mon, kernel_device):
+    """Tokens of a batch (segments = cu_seq_lens) carry their request; padding tokens past the last segment carry
+    none. Offenders (K = 8 here) are the distinct bad entries in order, each with the reference's request."""
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    total = offsets[-1] + extra  # `extra` padding tokens after the last request
+    bad = sorted(b for b in bad if b < total)[:8]
+    req_ids = data.draw(st.lists(st.integers(0, 1000), min_size=len(lens), max_size=len(lens)))
+    slots = list(range(total))
+    for b in bad:
+        slots[b] = 500 + b
+    v = Validator("seg", kernel_device, policy="flag", monitor=mon)
+    v.index("slots", hi=100, padding=-1, requests="req", segments="cu")
+    mon.reset()
+    v(
+        slots=torch.tensor(slots, dtype=torch.int64, device=kernel_device),
+        req=torch.tensor(req_ids, dtype=torch.int64, device=kernel_device),
+        cu=torch.tensor(offsets, dtype=torch.int32, device=kernel_device),
+    )
+    hit = mon.snapshot().get((str(v.device), "seg.slots"))
+    if not bad:
+        assert hit is None
+        return
+    want = []
+    for b in bad:
+        seg = ref_segment(b, offsets)
+        want.append((b, 500 + b, None if seg is None else req_ids[seg]))
+    assert hit.count == len(bad)
+    assert sorted(hit.offenders) == sorted(want)
+
+
+def test_requests_per_row_and_csr(mon, kernel_device):
+    dev = kernel_device
+    v = Validator("att", dev, monitor=mon)
+    v.index("table", hi=50, safe=0, requests="row_req")
+    v.csr("kv", indptr="kv_ptr", hi=30, safe=0, requests="seq_req")
+    v(
+        table=torch.tensor([[1, 2], [60, 3], [4, -9]], dtype=torch.int32, device=dev),
+        row_req=torch.tensor([80, 81, -1], device=dev),  # a negative id: not known
+        kv=torch.tensor([0, 1, 2, 40, 4, 5], dtype=torch.int32, device=dev),
+        kv_ptr=torch.tensor([0, 2, 4, 6], device=dev),
+        seq_req=torch.tensor([90, 91, 92], dtype=torch.int32, device=dev),
+    )
+    snap = mon.snapshot()
+    assert sorted(snap[(str(v.device), "att.table")].offenders) == [(1, 60, 81), (2, -9, None)]
+    assert snap[(str(v.device), "att.kv")].offenders == ((3, 40, 91),)
+
+
+def test_offenders_keep_the_first_k_distinct(kernel_device):
+    """K = 4: twelve bad entries with six distinct values in one program keep the first four distinct ones in entry
+    order (one program: lanes claim in order); the count stays exact; repeats in a later call add nothing."""
+    m = Monitor(registry=SiteRegistry(capacity=16), capacity=16, offenders=4)
+    v = Validator("k", kernel_device, policy="flag", monitor=m)
+    v.index("x", hi=10)
+    vals = [1, 11, 12, 11, 13, 12, 14, 15, 16, 11, 2, 17, 18, 13, 3, 16]
+    x = torch.tensor(vals, device=kernel_device)
+    v(x=x)
+    hit = m.snapshot()[(str(v.device), "k.x")]
+    assert hit.count == sum(1 for a in vals if a >= 10)
+    assert [(o.row, o.value) for o in hit.offenders] == [(1, 11), (2, 12), (3, 11), (4, 13)]
+    v(x=x)  # the same offenders again: claimed already
+    hit = m.snapshot()[(str(v.device), "k.x")]
+    assert hit.count == 2 * sum(1 for a in vals if a >= 10) and len(hit.offenders) == 4
+    # Control: with room for all, every distinct (row, value) is kept (the limit above was K, not the kernel).
+    m2 = Monitor(registry=SiteRegistry(capacity=16), capacity=16, offenders=32)
+    w = Validator("k", kernel_device, policy="flag", monitor=m2)
+    w.index("x", hi=10)
+    w(x=x)
+    assert len(m2.snapshot()[(str(w.device), "k.x")].offenders) == sum(1 for a in vals if a >= 10)
+
+
+def test_bad_attribution_declarations(mon, kernel_device):
+    v = Validator("attr", kernel_device, monitor=mon)
+    with pytest.raises(ValueError, match="give both"):
+        v.index("a", hi=4, safe=0, segments="cu")
+    with pytest.raises(ValueError, match="requests= must name a tensor"):
+        v.index("a", hi=4, safe=0, requests="not id")
+    v.index("t", hi=4, safe=0, lengths="n")
+    with pytest.raises(ValueError, match="already declared as a lengths"):
+        v.index("u", hi=4, safe=0, requests="n")
+    with pytest.raises(ValueError, match="already declared as a requests"):
+        v.index("u", hi=4, safe=0, requests="r", segments="r")

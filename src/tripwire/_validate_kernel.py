@@ -45,6 +45,44 @@ def _max_combine(a, b):
 
 
 @triton.jit
+def _segment_of(pos, sg_ptr, sgn, want):
+    """For each lane of ``want``: the segment ``b`` with ``sg[b] <= pos < sg[b + 1]`` of an offsets tensor of ``sgn``
+    entries (cu_seq_lens, an indptr), or -1 outside them. A bisection of fixed depth (fault path only); an offsets
+    tensor that is not sorted gives a wrong segment, never an out-of-range load."""
+    lo = tl.zeros_like(pos)
+    hi = tl.zeros_like(pos) + (sgn - 1)
+    for _ in range(0, 40):
+        live = want & (lo < hi)
+        mid = (lo + hi + 1) // 2
+        go = tl.load(sg_ptr + mid, mask=live, other=0).to(tl.int64) <= pos
+        lo = tl.where(live & go, mid, lo)
+        hi = tl.where(live & (go == 0), mid - 1, hi)
+    first = tl.load(sg_ptr + lo * 0, mask=want, other=0).to(tl.int64)
+    last = tl.load(sg_ptr + lo * 0 + (sgn - 1), mask=want, other=0).to(tl.int64)
+    return tl.where(want & (pos >= first) & (pos < last) & (lo < sgn - 1), lo, -1)
+
+
+@triton.jit
+def _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
+    """The request of each bad lane (-1: not known). ``REQ``: 1 = ``requests[row]``; 2 = ``requests[segment of row]``
+    (the segments tensor, or a CSR rule's indptr)."""
+    if REQ == 1:
+        idx = rows
+    else:
+        idx = _segment_of(rows, sg_ptr, sgn, bad)
+    ok = bad & (idx >= 0) & (idx < rqn)
+    return tl.where(ok, tl.load(rq_ptr + tl.where(ok, idx, 0), mask=ok, other=-1).to(tl.int64), -1)
+
+
+@triton.jit
+def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
+    if REQ == 0:
+        record_hits(ctr_ptr, bad, rows, v)
+    elif tl.sum(bad.to(tl.int32), axis=0) > 0:  # the request lookups are fault-path work
+        record_hits(ctr_ptr, bad, rows, v, _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ))
+
+
+@triton.jit
 def _index_block(
     ctr_ptr,
     t_ptr,
@@ -56,8 +94,13 @@ def _index_block(
     hi,
     pad,
     safe,
+    rq_ptr,
+    rqn,
+    sg_ptr,
+    sgn,
     HAS_PAD: tl.constexpr,
     HAS_LEN: tl.constexpr,
+    REQ: tl.constexpr,
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -72,7 +115,7 @@ def _index_block(
     bad = m & ((v < lo) | (v >= hi))
     if HAS_PAD:
         bad = bad & (v != pad)
-    record_hits(ctr_ptr, bad, row, v)
+    _record(ctr_ptr, bad, row, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
     if MASK:
         tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
 
@@ -101,7 +144,10 @@ def _csr_block(
     hi,
     pad,
     safe,
+    rq_ptr,
+    rqn,
     HAS_PAD: tl.constexpr,
+    REQ: tl.constexpr,
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     ABLOCK: tl.constexpr,
@@ -113,7 +159,8 @@ def _csr_block(
     bad = m & ((v < lo) | (v >= hi))
     if HAS_PAD:
         bad = bad & (v != pad)
-    record_hits(ctr_ptr, bad, offs, v)
+    # A CSR rule's requests are per row of its layout: the segments are its own indptr.
+    _record(ctr_ptr, bad, offs, v, rq_ptr, rqn, a_ptr, an, REQ)
     if MASK:
         tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
 
@@ -159,18 +206,23 @@ def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constex
         carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
 
 
-@triton.jit(do_not_specialize=["N", "W", "AN"], do_not_specialize_on_alignment=["T", "A"])
+@triton.jit(do_not_specialize=["N", "W", "AN", "RQN", "SGN"], do_not_specialize_on_alignment=["T", "A", "RQ", "SG"])
 def _validate(
     ctr_ptr,
     T,
     A,
+    RQ,
+    SG,
     N,
     W,
     AN,
+    RQN,
+    SGN,
     KIND: tl.constexpr,
     HAS_PAD: tl.constexpr,
     HAS_LEN: tl.constexpr,
     OWN_AUX: tl.constexpr,
+    REQ: tl.constexpr,
     LO: tl.constexpr,
     HI: tl.constexpr,
     PAD: tl.constexpr,
@@ -201,8 +253,13 @@ def _validate(
                     HI[i],
                     PAD[i],
                     SAFE[i],
+                    RQ[i],
+                    RQN[i],
+                    SG[i],
+                    SGN[i],
                     HAS_PAD[i],
                     HAS_LEN[i],
+                    REQ[i],
                     MASK,
                     BLOCK,
                 )
@@ -218,7 +275,10 @@ def _validate(
                     HI[i],
                     PAD[i],
                     SAFE[i],
+                    RQ[i],
+                    RQN[i],
                     HAS_PAD[i],
+                    REQ[i],
                     MASK,
                     BLOCK,
                     ABLOCK,
@@ -250,6 +310,11 @@ class Rules:
     aux_row: tuple[int, ...]
     tensor: tuple[int, ...]
     aux: tuple[int, ...]
+    # Attribution: 0 none, 1 requests[row], 2 requests[segment of row] (a CSR rule: its indptr's rows); which call
+    # tensors hold the requests and the segments (the rule's own tensor where unused).
+    req: tuple[int, ...]
+    requests: tuple[int, ...]
+    segments: tuple[int, ...]
 
 
 def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *, mask: bool) -> None:
@@ -265,6 +330,8 @@ def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *
         return
     main = tuple(tensors[i] for i in rules.tensor)
     aux = tuple(tensors[i] for i in rules.aux)
+    rq = tuple(tensors[i] for i in rules.requests)
+    sg = tuple(tensors[i] for i in rules.segments)
     n = tuple(t.numel() for t in main)
     total = sum(triton.cdiv(x, BLOCK) for x in n) + sum(rules.own_aux)
     if total == 0:
@@ -274,13 +341,18 @@ def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *
         arena,
         main,
         aux,
+        rq,
+        sg,
         n,
         tuple(t.shape[1] if t.dim() == 2 else 1 for t in main),
         tuple(t.numel() for t in aux),
+        tuple(t.numel() for t in rq),
+        tuple(t.numel() for t in sg),
         KIND=rules.kind,
         HAS_PAD=rules.has_pad,
         HAS_LEN=rules.has_len,
         OWN_AUX=rules.own_aux,
+        REQ=rules.req,
         LO=rules.lo,
         HI=rules.hi,
         PAD=rules.pad,

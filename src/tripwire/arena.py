@@ -16,7 +16,7 @@ import torch
 
 from .capture import is_capturing
 from .errors import CaptureError
-from .layout import OFF_ENTRY, OFF_HEADER, OFFENDERS, SLOTS, offender_block_words
+from .layout import OFF_DONE, OFF_ENTRY, OFF_HEADER, OFFENDERS, SLOTS, offender_block_words
 from .sites import Site, SiteRegistry
 
 __all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
@@ -106,7 +106,7 @@ class Arena:
         i = torch.arange(cap, dtype=torch.int64)
         rows[:, OFFENDERS].copy_(off.data_ptr() + i * block * off.element_size())
         off[:, 1].fill_(self.offenders_per_row)
-        assert OFF_HEADER >= 2 and OFF_ENTRY == 4
+        assert OFF_HEADER > OFF_DONE >= 2 and OFF_ENTRY == 4
 
     def read_offenders(self, device: torch.device, n: int) -> np.ndarray | None:
         """A synchronous copy of the first ``n`` rows' offender blocks (tools: it waits for the device)."""
@@ -164,4 +164,4 @@ class Arena:
         stream). Slot 7 and the offender headers are layout, not counts: they stay."""
         for dev, t in self.items():
             t[:, :OFFENDERS].zero_()
-            self._offenders[dev][:, OFF_HEADER:].zero_()
+            self._offenders[dev][:, OFF_DONE:].zero_()  # the recorded-hits count and the entries; not K

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_ENTRY, OFF_HEADER, SLOTS
+from .layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_DONE, OFF_ENTRY, OFF_HEADER, SLOTS
 from .sites import GUARD_KINDS, Site, SiteRegistry
 
 __all__ = ["CONFIRM_REPOLL_S", "MAX_EXTRA_CONFIRM_COPIES", "Confirmed", "Confirmer", "offenders_landed"]
@@ -42,11 +42,16 @@ CONFIRM_REPOLL_S = 0.001
 Confirmed = tuple[Site, np.ndarray]
 
 
-def offenders_landed(block: np.ndarray) -> bool:
-    """Every claimed entry of an offender block has its owner's words (a key is claimed before they are written)."""
+def offenders_landed(block: np.ndarray, count: int) -> bool:
+    """The offenders of a row's ``count`` hits are all in ``block``: its recorded-hits word has reached the count, and
+    every claimed entry has its owner's words (a key is claimed before they are written)."""
     entries = block[OFF_HEADER:].reshape(-1, OFF_ENTRY)
     claimed = entries[:, E_KEY] != 0
-    return bool(np.all(entries[claimed, E_ROW] != 0) and np.all(entries[claimed, E_VALUE] != 0))
+    return bool(
+        int(block[OFF_DONE]) >= count
+        and np.all(entries[claimed, E_ROW] != 0)
+        and np.all(entries[claimed, E_VALUE] != 0)
+    )
 
 
 @dataclass
@@ -173,7 +178,7 @@ class Confirmer:
                 # The blocks travel with the copy after the one that saw the rise (the reader is asked for them
                 # then): until they are here and landed, wait like for the first pair.
                 block = offenders.get(rid)
-                not_landed = not_landed or block is None or not offenders_landed(block)
+                not_landed = not_landed or block is None or not offenders_landed(block, int(row[COUNT]))
             if not final and (not_landed or progress[rid] > seen) and waited < self.max_extra_copies:
                 pending[rid] = [waited + 1, int(progress[rid])]
                 continue

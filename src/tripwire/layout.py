@@ -16,7 +16,10 @@ Guard rows (sites):
 
 Offender block (per row, in the same allocation as the rows, after them): ``OFF_HEADER`` header words, then ``K``
 entries of ``OFF_ENTRY`` words (``K``: ``TRIPWIRE_OFFENDERS``, fixed with the arena). Header word 0 is a scratch word
-that stays 0 (a lane that must not claim compares it against -1: a no-op), word 1 holds ``K``. An entry is
+that stays 0 (a lane that must not claim compares it against -1: a no-op), word 1 holds ``K``, word 2 (``OFF_DONE``)
+counts the hits whose offenders have been recorded: the fault path adds its hits there AFTER its claims and words,
+so a reader that sees ``OFF_DONE`` equal the row's count has every offender of those hits (the count itself is
+bumped first, as for the extremes). An entry is
 ``[KEY, ROW, VALUE, REQ]``: ``KEY`` is a non-zero 64-bit hash of (row, value, request), claimed by compare-and-swap
 from 0 (the first hit with that key owns the entry; a hit whose key is already there is a repeat and claims nothing);
 the owner then writes ``ROW``/``VALUE`` (biased like the slots) and ``REQ`` (the request id biased, 0 = not known).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 __all__ = [
     "OFFENDERS",
+    "OFF_DONE",
     "OFF_ENTRY",
     "OFF_HEADER",
     "E_KEY",
@@ -62,6 +66,7 @@ SLOTS = 8
 COUNT, MAX_ROW, MAX_VALUE, NEG_MIN, FIRST_ROW, FIRST_VALUE = 0, 1, 2, 3, 4, 5
 OFFENDERS = 7
 OFF_HEADER, OFF_ENTRY = 4, 4
+OFF_DONE = 2
 E_KEY, E_ROW, E_VALUE, E_REQ = 0, 1, 2, 3
 GUARD_BIAS = 1 << 62
 # Exclusive bounds of what round-trips: v + BIAS must be in (0, 2**63) and BIAS - v as well.

@@ -28,6 +28,7 @@ from ._native.engage import Engagement
 from .arena import Arena, normalize_device, unindexed_cuda
 from .capture import PostCaptureHooks, is_capturing
 from .config import Settings, SettingView, check_timeout, load_settings
+from .contain import Taint
 from .errors import CaptureError, GuardTripped
 from .pipeline import Callbacks, Pipeline
 from .reader import DeviceReader, Readers
@@ -458,6 +459,12 @@ class Monitor:
             self._tripped = None
             self._sync_due = True
         self._deliver()
+
+    def take_tainted(self) -> list[Taint]:
+        """The requests masked faults at non-fatal sites hit since the last call (:mod:`tripwire.contain`), for the
+        engine to fail one by one; the first call turns containment on (attributed rises no longer arm the stop in
+        raise mode). A ``request`` of None: a hit naming no request (fail everything). Never touches the GPU."""
+        return self.pipeline.containment.take()
 
     def readers(self) -> dict[str, DeviceReader]:
         return {r.name: r for r in self.devices.all()}

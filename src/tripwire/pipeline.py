@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .confirm import Confirmed, Confirmer
+from .contain import Containment
 from .report import Hit, Report, Reporters, ReportWindow, decode_rows
 from .sinks import Event, Log, SinkSet
 
@@ -64,6 +65,7 @@ class Pipeline:
         self.window = ReportWindow(lambda: monitor.settings.report_every, self._release)
         self.log = Log()
         self.sinks = SinkSet(lambda: monitor.settings.report_every)
+        self.containment = Containment(monitor.settings.offenders)
         self._events: list[Event] = []
 
     def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
@@ -138,3 +140,4 @@ class Pipeline:
         self.confirmer.clear()
         self.window.clear()
         self.reporters.clear()
+        self.containment.clear()

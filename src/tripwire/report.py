@@ -298,7 +298,11 @@ class GuardReporter:
             return Report((guard_event(site, device, hit, delta),), wording(site, device, hit, delta=delta), site.name)
 
         monitor.emit((device, site.id), hit.count, now, render)
-        if monitor.settings.mode == "raise" or site.fatal:
+        contain = monitor.pipeline.containment
+        # With containment on, a rise whose every new hit names a request taints those requests instead of arming
+        # (tripwire.contain); a fatal site, or a rise it cannot attribute, arms exactly as without it.
+        contained = contain.enabled and contain.note(site, device, hit)
+        if site.fatal or (monitor.settings.mode == "raise" and not contained):
             monitor.arm(tripped_for(site, device, hit, lambda *a, **k: str(wording(*a, **k))))
 
     def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None:

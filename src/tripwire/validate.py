@@ -57,7 +57,8 @@ _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 @dataclass(frozen=True)
 class Rule:
     """A declared rule. ``kind`` is ``"index"`` or ``"csr"``; ``aux`` names its lengths (index) or indptr (csr)
-    tensor, or is None; ``site``/``aux_site`` are where its bad entries (and bad aux entries) count."""
+    tensor, or is None; ``site``/``aux_site`` are where its bad entries (and bad aux entries) count; ``requests``/
+    ``segments`` name its attribution tensors (None: its offenders carry no request)."""
 
     kind: str
     name: str
@@ -68,6 +69,8 @@ class Rule:
     aux: str | None
     site: Site
     aux_site: Site | None
+    requests: str | None = None
+    segments: str | None = None
 
 
 def _int_arg(what: str, v: object) -> int:
@@ -119,8 +122,9 @@ class Validator:
         # Static for torch.compile(mode="reduce-overhead"): the op writes it in place, where the reader looks.
         torch._dynamo.mark_static_address(self._arena)
         self._rules: dict[str, Rule] = {}
-        self._aux_owner: dict[str, str] = {}  # aux tensor name -> the first rule that uses it (it checks it)
-        self._aux_kind: dict[str, str] = {}  # aux tensor name -> "lengths" or "indptr"
+        self._aux_owner: dict[str, str] = {}  # lengths/indptr name -> the first rule that uses it (it checks it)
+        # Every tensor of a call that is not a rule's: name -> "lengths", "indptr", "requests" or "segments".
+        self._aux_kind: dict[str, str] = {}
         self._plan: _Plan | None = None
 
     # ------------------------------------------------------------------ declaring
@@ -130,8 +134,8 @@ class Validator:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Every tensor name a call must pass: the rules', then their lengths/indptr tensors'."""
-        return (*self._rules, *self._aux_owner)
+        """Every tensor name a call must pass: the rules', then their lengths/indptr/requests/segments tensors'."""
+        return (*self._rules, *self._aux_kind)
 
     def index(
         self,
@@ -145,13 +149,22 @@ class Validator:
         fatal: bool = False,
         description: str = "",
         site: str | None = None,
+        requests: str | None = None,
+        segments: str | None = None,
     ) -> Site:
         """Declare an index rule: an entry of tensor ``name`` (1-D, or 2-D) is bad when it is not ``padding`` and
         not in ``[lo, hi)``. For a 2-D table, ``lengths`` names a per-row count passed in the same call: entries past
         a row's count are not checked, and a count outside ``[0, width]`` is itself counted at
         ``"<validator>.<lengths>"`` (clamped into the range under mask). ``site`` overrides the site name (rules of
-        several groups of one engine can share one site). Returns the rule's site."""
-        return self._declare("index", name, hi, lo, padding, safe, lengths, fatal, description, site)
+        several groups of one engine can share one site). Returns the rule's site.
+
+        Attribution: ``requests`` names a tensor of request ids (int, negative = none) that the rule's offenders
+        carry: ``requests[row]`` for the row of each bad entry, or, with ``segments`` (an offsets tensor like
+        ``cu_seq_lens``: row ``r`` is in segment ``b`` when ``segments[b] <= r < segments[b + 1]``),
+        ``requests[b]``. Looked up on the fault path only."""
+        return self._declare(
+            "index", name, hi, lo, padding, safe, lengths, fatal, description, site, requests, segments
+        )
 
     def csr(
         self,
@@ -165,15 +178,17 @@ class Validator:
         fatal: bool = False,
         description: str = "",
         site: str | None = None,
+        requests: str | None = None,
     ) -> Site:
         """Declare a CSR rule (FlashInfer's paged layout, paged prefill): 1-D indices ``name`` whose rows are
         ``[indptr[b], indptr[b+1])``. Only used entries are checked (up to the last row's end). A broken indptr (not
         non-decreasing from 0, or past the indices' length) counts at ``"<validator>.<indptr>"``, one count per bad
         indptr entry (row = its position); under mask each bad entry is replaced by the last good one before it, which
-        empties the row that ends there and keeps every row in range. Indices count at ``"<validator>.<name>"``."""
+        empties the row that ends there and keeps every row in range. Indices count at ``"<validator>.<name>"``.
+        ``requests``: the request id of each CSR row (``requests[b]`` for a bad entry of row ``b``)."""
         if not isinstance(indptr, str):
             raise TypeError(f"indptr must name the indptr tensor (a str), got {type(indptr).__name__}")
-        return self._declare("csr", name, hi, lo, padding, safe, indptr, fatal, description, site)
+        return self._declare("csr", name, hi, lo, padding, safe, indptr, fatal, description, site, requests, None)
 
     def _declare(
         self,
@@ -187,6 +202,8 @@ class Validator:
         fatal: bool,
         description: str,
         site: str | None,
+        requests: str | None,
+        segments: str | None,
     ) -> Site:
         what = f"validator {self.name!r}, rule {name!r}"
         if not isinstance(name, str) or not name.isidentifier():
@@ -194,7 +211,7 @@ class Validator:
                 f"validator {self.name!r}: a rule name must be a Python identifier (it is a keyword of "
                 f"the call), got {name!r}"
             )
-        if name in self._rules or name in self._aux_owner:
+        if name in self._rules or name in self._aux_kind:
             raise ValueError(f"{what}: the name {name!r} is already declared in this validator")
         hi_i, lo_i = _int_arg(f"{what}: hi", hi), _int_arg(f"{what}: lo", lo)
         if hi_i <= lo_i:
@@ -212,14 +229,18 @@ class Validator:
                     f"{what}: safe={fill} is outside [{lo_i}, {hi_i}) and is not the padding value: masking to it "
                     f"would not make the access safe"
                 )
-        if aux is not None:
-            aux_kind = "lengths" if kind == "index" else "indptr"
-            if not isinstance(aux, str) or not aux.isidentifier():
-                raise ValueError(f"{what}: {aux_kind}= must name a tensor of the call (an identifier), got {aux!r}")
-            if aux == name or aux in self._rules:
-                raise ValueError(f"{what}: {aux_kind}={aux!r} is already the name of a rule")
-            if self._aux_kind.get(aux, aux_kind) != aux_kind:
-                raise ValueError(f"{what}: {aux!r} is already declared as a {self._aux_kind[aux]} tensor")
+        extras = {"lengths" if kind == "index" else "indptr": aux, "requests": requests, "segments": segments}
+        if segments is not None and requests is None:
+            raise ValueError(f"{what}: segments={segments!r} maps rows to segments of a requests= tensor: give both")
+        for role, extra in extras.items():
+            if extra is None:
+                continue
+            if not isinstance(extra, str) or not extra.isidentifier():
+                raise ValueError(f"{what}: {role}= must name a tensor of the call (an identifier), got {extra!r}")
+            if extra == name or extra in self._rules:
+                raise ValueError(f"{what}: {role}={extra!r} is already the name of a rule")
+            if self._aux_kind.get(extra, role) != role or sum(e == extra for e in extras.values()) > 1:
+                raise ValueError(f"{what}: {extra!r} is already declared as a {self._aux_kind.get(extra, role)} tensor")
         site_name = site if site is not None else f"{self.name}.{name}"
         if not isinstance(site_name, str) or not site_name.strip():
             raise ValueError(f"{what}: site must be a non-empty string, got {site!r}")
@@ -245,10 +266,12 @@ class Validator:
                     f"{what}: site {s.name!r} holds row {s.id} but the arena has {self.monitor.settings.capacity} "
                     f"rows (raise TRIPWIRE_CAPACITY)"
                 )
-        self._rules[name] = Rule(kind, name, lo_i, hi_i, pad_i, fill, aux, main_site, aux_site)
+        self._rules[name] = Rule(kind, name, lo_i, hi_i, pad_i, fill, aux, main_site, aux_site, requests, segments)
         if aux is not None:
             self._aux_owner.setdefault(aux, name)
-            self._aux_kind[aux] = "lengths" if kind == "index" else "indptr"
+        for role, extra in extras.items():
+            if extra is not None:
+                self._aux_kind[extra] = role
         self._plan = None
         return main_site
 
@@ -296,6 +319,9 @@ class Validator:
                 ("aux_row", r.aux_site.id if r.aux_site is not None else r.site.id),
                 ("tensor", pos[name]),
                 ("aux", pos[r.aux] if r.aux is not None else pos[name]),
+                ("req", 0 if r.requests is None else (1 if r.kind == "index" and r.segments is None else 2)),
+                ("requests", pos[r.requests] if r.requests is not None else pos[name]),
+                ("segments", pos[r.segments] if r.segments is not None else pos[name]),
             )
             for field_name, value in row:
                 cols[field_name].append(value)
@@ -378,7 +404,7 @@ def _rules_from_spec(spec: list[int] | tuple[int, ...]) -> _k.Rules:
     n, rest = divmod(len(spec), len(_FIELDS))
     if rest:
         raise ValueError(f"tripwire::validate: a spec of {len(spec)} ints is not {len(_FIELDS)} fields per rule")
-    flags = ("has_pad", "has_len", "own_aux")
+    flags = ("has_pad", "has_len", "own_aux")  # the rest are ints
     cols: dict[str, tuple] = {
         f: tuple(bool(x) if f in flags else int(x) for x in spec[k * n : (k + 1) * n]) for k, f in enumerate(_FIELDS)
     }

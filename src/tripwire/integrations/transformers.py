@@ -39,41 +39,41 @@ path is validated wherever the engine takes it (the decode fast path needs flash
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from .._default import default_monitor
+from ..contain import Taint
+from ..errors import GuardTripped
 from ..monitor import Monitor
-from ..validate import POLICIES, Validator
+from ..validate import POLICIES
+from ._transformers_cache import (
+    SITE_BLOCK_TABLE,
+    SITE_READ_INDEX,
+    SITE_WRITE_INDEX,
+    SUPPORTED,
+    CacheValidators,
+    cache_groups,
+)
 
-__all__ = ["SITE_BLOCK_TABLE", "SITE_READ_INDEX", "SITE_WRITE_INDEX", "SUPPORTED", "Handle", "install"]
+__all__ = [
+    "SITE_BLOCK_TABLE",
+    "SITE_READ_INDEX",
+    "SITE_WRITE_INDEX",
+    "SUPPORTED",
+    "ContainedFault",
+    "Handle",
+    "install",
+]
 
 log = logging.getLogger("tripwire")
-
-# [lowest, first unsupported): the versions whose cache layout this module reads (see _cache_groups).
-SUPPORTED = ("5.17", "5.25")
-SITE_WRITE_INDEX = "transformers.write_index"
-SITE_READ_INDEX = "transformers.read_index"
-SITE_BLOCK_TABLE = "transformers.block_table"
-# One description per site for every attention group (a site's attributes are fixed at its first registration).
-_DESC_WRITE = (
-    "transformers continuous batching: a KV-cache write index vs the cache's rows (row = the token in the step); "
-    "masked to the write-trash slot, so that token's K/V are missing from the cache"
-)
-_DESC_READ = (
-    "transformers continuous batching: a KV-cache read index vs the cache's rows (row = the position in the step's "
-    "read index); masked to the zeroed read-trash slot"
-)
-_DESC_TABLE = (
-    "transformers continuous batching: a block-table page vs the cache's pages (row = the request's batch row); "
-    "masked to the write-trash page"
-)
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -100,117 +100,16 @@ def check_version(version: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------- the cache's bounds
-@dataclass(frozen=True)
-class _Group:
-    """One attention group's cache bounds: ``rows`` bounds its write/read indices (the shortest per-layer view the
-    engine indexes), the trash slots are the mask targets; ``pages``/``page_safe`` bound its block table."""
-
-    rows: int
-    write_trash: int
-    read_trash: int
-    pages: int | None
-    page_safe: int | None
-
-
-def _cache_groups(cache: Any) -> list[_Group]:
-    allocators = getattr(cache, "cache_allocators", None)
-    if allocators is not None:
-        # 5.18+: one flat tensor; each group's allocator indexes per-layer shifted views of it.
-        groups = []
-        for a in allocators.values():
-            rows = min(int(t.shape[0]) for kv in a._kv_token_views.values() for t in kv)
-            pages_views = getattr(a, "_kv_page_views", None) or {}
-            pages = min((int(t.shape[0]) for kv in pages_views.values() for t in kv), default=None)
-            page_safe = a.write_trash_index // a.tokens_per_page if pages is not None else None
-            groups.append(_Group(rows, int(a.write_trash_index), int(a.read_trash_index), pages, page_safe))
-        return groups
-    key_cache = getattr(cache, "key_cache", None)
-    if key_cache is not None:
-        # 5.17: per-layer-in-group tensors [(num_blocks + 2) * block_size, heads, dim], trash slots shared.
-        rows = min(int(t.shape[0]) for t in (*key_cache, *cache.value_cache))
-        bs = int(cache.block_size)
-        return [
-            _Group(
-                rows,
-                int(cache.write_trash_index),
-                int(cache.read_trash_index),
-                rows // bs,
-                int(cache.write_trash_index) // bs,
-            )
-            for _ in cache.group_cache_managers
-        ]
-    raise RuntimeError(
-        f"tripwire.integrations.transformers: {type(cache).__name__} has neither cache_allocators nor key_cache; "
-        f"this transformers version's cache layout is not one this module knows"
-    )
-
-
-def _suffix(g: int) -> str:
-    return "" if g == 0 else f"_{g}"
-
-
-class _CacheValidators:
-    """The validators of one engine cache: write/read indices per group, and the block table where the engine has
-    one. Built at the engine's first forward with that cache (its bounds are only known then); Python only."""
-
-    def __init__(self, cache: Any, device: torch.device, policy: str, monitor: Monitor) -> None:
-        self.cache_ref = weakref.ref(cache)
-        self.groups = _cache_groups(cache)
-        self.indices = Validator("transformers", device, policy=policy, monitor=monitor)
-        self.table: Validator | None = None
-        for g, grp in enumerate(self.groups):
-            sfx = _suffix(g)
-            self.indices.index(
-                f"write_index{sfx}",
-                hi=grp.rows,
-                safe=grp.write_trash,
-                fatal=True,
-                site=SITE_WRITE_INDEX,
-                description=_DESC_WRITE,
-            )
-            self.indices.index(
-                f"read_index{sfx}", hi=grp.rows, safe=grp.read_trash, site=SITE_READ_INDEX, description=_DESC_READ
-            )
-        if self.groups and all(grp.pages is not None for grp in self.groups):
-            self.table = Validator("transformers", device, policy=policy, monitor=monitor)
-            for g, grp in enumerate(self.groups):
-                assert grp.pages is not None and grp.page_safe is not None
-                self.table.index(
-                    f"block_table{_suffix(g)}",
-                    hi=grp.pages,
-                    padding=-1,
-                    safe=grp.page_safe,
-                    site=SITE_BLOCK_TABLE,
-                    description=_DESC_TABLE,
-                )
-
-    def __call__(self, kwargs: dict[str, Any]) -> None:
-        table = kwargs.get("block_table")
-        if table is not None:
-            # Decode fast path: the attention kernel reads and writes through the table; the index lists are stale.
-            if self.table is None:
-                raise RuntimeError("tripwire: the engine passed a block table but its cache has no page views")
-            self.table(**{f"block_table{_suffix(g)}": table[g] for g in range(len(self.groups))})
-            return
-        writes, reads = kwargs["write_index"], kwargs["read_index"]
-        if len(writes) != len(self.groups) or len(reads) != len(self.groups):
-            raise RuntimeError(
-                f"tripwire: the engine passed {len(writes)} write and {len(reads)} read index tensors for a cache of "
-                f"{len(self.groups)} attention groups"
-            )
-        args = {}
-        for g in range(len(self.groups)):
-            args[f"write_index{_suffix(g)}"] = writes[g]
-            args[f"read_index{_suffix(g)}"] = reads[g]
-        self.indices(**args)
-
-
 # ---------------------------------------------------------------------------------------------- the engine's hooks
 _lock = threading.Lock()
 _handles: weakref.WeakKeyDictionary[torch.nn.Module, Handle] = weakref.WeakKeyDictionary()
+# The batch processors whose steps a handle has seen (containment runs before their next batch is prepared).
+_processors: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
 # (class, attribute) -> the original function, restored exactly when the last handle is uninstalled.
 _originals: dict[tuple[type, str], Any] = {}
+# Request numbers one step can hold (the device table of the step's requests is allocated at install, before any
+# capture, at this size; an engine configured for more requests per batch is refused at its first forward).
+MAX_REQUESTS = 4096
 
 
 def _engine_classes() -> tuple[type, type]:
@@ -222,13 +121,21 @@ def _engine_classes() -> tuple[type, type]:
 def _patch_engine() -> None:
     processor_cls, manager_cls = _engine_classes()
     step = processor_cls.__dict__["_generation_step"]
+    prepare = processor_cls.__dict__["prepare_next_batch"]
     loop = manager_cls.__dict__["_run_generation_loop"]
+
+    @functools.wraps(prepare)
+    def prepare_next_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = _processors.get(self)
+        if handle is not None:
+            handle._contain(self)  # fail tainted requests before the batch that would include them is built
+        return prepare(self, *args, **kwargs)
 
     @functools.wraps(step)
     def _generation_step(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         handle = _handles.get(model)
         if handle is not None:
-            handle._before_step()  # raises GuardTripped: the engine fails the step through its own error path
+            handle._before_step(self)  # raises GuardTripped: the engine fails the step through its own error path
         return step(self, model, *args, **kwargs)
 
     @functools.wraps(loop)
@@ -240,10 +147,13 @@ def _patch_engine() -> None:
             if handle is not None:
                 handle._after_loop()
 
-    _originals[(processor_cls, "_generation_step")] = step
-    _originals[(manager_cls, "_run_generation_loop")] = loop
-    processor_cls._generation_step = _generation_step  # type: ignore[attr-defined]
-    manager_cls._run_generation_loop = _run_generation_loop  # type: ignore[attr-defined]
+    for cls, name, fn in (
+        (processor_cls, "_generation_step", _generation_step),
+        (processor_cls, "prepare_next_batch", prepare_next_batch),
+        (manager_cls, "_run_generation_loop", _run_generation_loop),
+    ):
+        _originals[(cls, name)] = cls.__dict__[name]
+        setattr(cls, name, fn)
 
 
 def _unpatch_engine() -> None:
@@ -252,18 +162,76 @@ def _unpatch_engine() -> None:
     _originals.clear()
 
 
+class ContainedFault(RuntimeError):
+    """The error a contained request fails with: the site and the offending entry (``taint``)."""
+
+    def __init__(self, taint: Taint, request_id: str) -> None:
+        super().__init__(taint.message())
+        self.taint = taint
+        self.request_id = request_id
+
+
+class _RequestTable:
+    """The step's request numbers on the device, in batch order, for the validators' attribution: filled before each
+    step from a pinned ring (the engine's next step may be enqueued before this one's copy ran, in async batching),
+    with a non-blocking copy on the engine's compute stream, so the step's kernels (replayed graphs included) read
+    this step's numbers. Numbers map back to the engine's request ids (a bounded map of the recent ones)."""
+
+    RING = 4
+    KEEP = 1 << 16
+
+    def __init__(self, device: torch.device) -> None:
+        # Allocated at install, before the engine captures anything: the validators' graphs hold its address.
+        self.device = torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self._host = [torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(self.RING)]
+        self._np = [h.numpy() for h in self._host]
+        self._turn = 0
+        self._numbers: dict[str, int] = {}
+        self.ids: OrderedDict[int, str] = OrderedDict()
+        self._next = 0
+
+    def number(self, request_id: str) -> int:
+        n = self._numbers.get(request_id)
+        if n is None:
+            n = self._numbers[request_id] = self._next
+            self._next += 1
+            self.ids[n] = request_id
+            while len(self.ids) > self.KEEP:  # the oldest requests finished long ago
+                _, old = self.ids.popitem(last=False)
+                self._numbers.pop(old, None)
+        return n
+
+    def fill(self, request_ids: list[str], stream: Any) -> None:
+        k = len(request_ids)
+        if k > MAX_REQUESTS:
+            raise RuntimeError(f"tripwire: a step of {k} requests exceeds the request table ({MAX_REQUESTS})")
+        host, buf = self._host[self._turn], self._np[self._turn]
+        self._turn = (self._turn + 1) % self.RING
+        buf[:k] = [self.number(r) for r in request_ids]  # numpy assignment into pinned memory: no torch allocation
+        if self.device.device.type == "cuda":
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.device[:k].copy_(host[:k], non_blocking=True)
+        else:
+            self.device[:k].copy_(host[:k])
+
+
 class Handle:
     """An installed integration. ``uninstall()`` removes the pre-hook and, with the last handle, restores the
-    engine's methods exactly. ``sites`` names the sites it counts at."""
+    engine's methods exactly. ``sites`` names the sites it counts at. ``contained`` lists the requests containment
+    failed (their engine ids, with the taint), newest last."""
 
     sites = (SITE_WRITE_INDEX, SITE_READ_INDEX, SITE_BLOCK_TABLE)
 
-    def __init__(self, model: torch.nn.Module, policy: str, monitor: Monitor) -> None:
+    def __init__(self, model: torch.nn.Module, policy: str, monitor: Monitor, contain: bool, attribute: bool) -> None:
         self.model_ref = weakref.ref(model)
         self.policy = policy
         self.monitor = monitor
+        self.contain = contain
         self.device = torch.device(model.device)  # type: ignore[call-overload]  # a PreTrainedModel attribute
-        self._validators: _CacheValidators | None = None
+        self.requests = _RequestTable(self.device) if attribute else None
+        self.contained: list[tuple[str, Taint]] = []
+        self._validators: CacheValidators | None = None
         self._started = False
         self._hook: torch.utils.hooks.RemovableHandle | None = None
 
@@ -278,16 +246,55 @@ class Handle:
         v = self._validators
         if v is None or v.cache_ref() is not cache:
             # Once per engine cache (its first forward is the engine's eager warm-up, before any capture).
-            v = self._validators = _CacheValidators(cache, self.device, self.policy, self.monitor)
+            table = None if self.requests is None else self.requests.device
+            v = self._validators = CacheValidators(cache, self.device, self.policy, self.monitor, table)
         v(kwargs)
         return None
 
-    def _before_step(self) -> None:
+    def _before_step(self, processor: Any) -> None:
         if not self._started:
             # The first step comes after the engine's warm-up and first captures.
             self._started = True
             self.monitor.start()
         self.monitor.check()
+        _processors[processor] = self
+        if self.requests is not None:
+            io = processor.inputs_and_outputs
+            host = io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
+            self.requests.fill([fs.state.request_id for fs in host.requests_in_batch], io.compute_stream)
+
+    def _contain(self, processor: Any) -> None:
+        """Fail the requests masked faults hit since the last step (containment on), before the next batch is
+        built; a hit that names no request stops the engine (fail closed)."""
+        if not self.contain:
+            return
+        for taint in self.monitor.take_tainted():
+            rid = None if taint.request is None or self.requests is None else self.requests.ids.get(int(taint.request))
+            if rid is None:
+                raise GuardTripped(
+                    f"tripwire: a masked fault at site {taint.site!r} on {taint.device} (row {taint.row}, value "
+                    f"{taint.value}) could not be attributed to a request, so containment cannot fail only the "
+                    f"requests it hit; the engine is stopped",
+                    site=taint.site,
+                    device=taint.device,
+                    count=0,
+                    first_row=taint.row,
+                    first_value=taint.value,
+                )
+            state = processor.scheduler.active_requests.get(rid)
+            if state is None:
+                log.warning(
+                    "tripwire: request %s hit at %s had finished before containment could fail it", rid, taint.site
+                )
+                continue
+            processor._handle_request_error(ContainedFault(taint, rid), state)
+            try:  # 5.18+: keep its blocks out of the prefix cache (their KV came from a masked computation)
+                processor.cache.free_blocks(rid, no_cache=True)
+            except TypeError:
+                pass  # 5.17 has no such switch: finish_request frees them as usual
+            processor.scheduler.finish_request(rid)
+            self.contained.append((rid, taint))
+            log.warning("tripwire: %s", taint.message().replace("this request", f"request {rid}"))
 
     def _after_loop(self) -> None:
         try:
@@ -309,10 +316,22 @@ class Handle:
                 _unpatch_engine()
 
 
-def install(model: torch.nn.Module, *, policy: str = "mask", monitor: Monitor | None = None) -> Handle:
+def install(
+    model: torch.nn.Module,
+    *,
+    policy: str = "mask",
+    monitor: Monitor | None = None,
+    contain: bool = False,
+    attribute: bool | None = None,
+) -> Handle:
     """Install tripwire into ``model``'s continuous batching (see the module docstring). Call it before
     ``generate_batch``/``init_continuous_batching``. ``monitor`` defaults to the default monitor; its arena for the
-    model's device is allocated here."""
+    model's device is allocated here.
+
+    ``contain``: a masked fault at a non-fatal site fails the requests it hit (each with a :class:`ContainedFault`
+    naming the site and the entry, its blocks kept out of the prefix cache) and the rest of the batch goes on; a
+    fatal site, or a hit that names no request, still stops the engine. ``attribute`` (default: ``contain``): the
+    offenders carry the engine's request (a small per-step copy of the batch's request numbers to the device)."""
     check_version(_installed_version())
     if not isinstance(model, torch.nn.Module) or not all(
         callable(getattr(model, a, None)) for a in ("generate_batch", "init_continuous_batching")
@@ -323,6 +342,9 @@ def install(model: torch.nn.Module, *, policy: str = "mask", monitor: Monitor | 
         )
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not a validator policy; expected one of {', '.join(POLICIES)}")
+    attribute = contain if attribute is None else attribute
+    if contain and not attribute:
+        raise ValueError("contain=True needs attribute=True: containment fails the requests the offenders name")
     mon = monitor if monitor is not None else default_monitor()
     with _lock:
         if model in _handles:
@@ -330,10 +352,15 @@ def install(model: torch.nn.Module, *, policy: str = "mask", monitor: Monitor | 
                 f"tripwire is already installed on this {type(model).__name__}; uninstall the first handle before "
                 f"installing again"
             )
-        handle = Handle(model, policy, mon)
+        handle = Handle(model, policy, mon, contain, attribute)
         mon.prealloc(handle.device)  # before the engine's warm-up captures anything
+        if contain:
+            mon.pipeline.containment.enabled = True
         if not _handles:
             _patch_engine()
         handle._hook = model.register_forward_pre_hook(handle._pre_forward, with_kwargs=True)
         _handles[model] = handle
     return handle
+
+
+_cache_groups = cache_groups  # the demo's fault injector and the tests read the engine cache's bounds through it

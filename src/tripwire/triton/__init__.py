@@ -25,7 +25,7 @@ program wins the CAS.
 
 Offenders: the fault path also keeps the row's first K distinct (row, value, request) offenders in the row's
 offender block (:mod:`tripwire.layout`), in arrival order; ``req``/``reqs`` name the request of each hit (a
-row-to-request map the kernel loads; omit it when the kernel has none). Distinct means a distinct 64-bit key of the
+row-to-request map the kernel loads; omit it when the kernel has none; a negative id means not known). Distinct means a distinct 64-bit key of the
 three: a repeat of an offender already kept claims nothing. A kept offender, like the first pair, is written after
 the count, so the reader waits for it the same way.
 
@@ -45,6 +45,7 @@ from ..layout import E_REQ as _E_REQ
 from ..layout import E_ROW as _E_ROW
 from ..layout import E_VALUE as _E_VALUE
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
+from ..layout import OFF_DONE as _OFF_DONE
 from ..layout import OFF_ENTRY as _OFF_ENTRY
 from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
@@ -64,6 +65,7 @@ _VMAX = tl.constexpr(_VALUE_MAX)
 # The offender block (tripwire.layout): where slot 7 points, its header and entry shape.
 _OFF_SLOT = tl.constexpr(_OFFENDERS)
 _HEADER = tl.constexpr(_OFF_HEADER)
+_DONE = tl.constexpr(_OFF_DONE)
 _ENTRY = tl.constexpr(_OFF_ENTRY)
 _EROW = tl.constexpr(_E_ROW)
 _EVALUE = tl.constexpr(_E_VALUE)
@@ -89,15 +91,19 @@ def _offender_key(rb, vb, qb):
 
 
 @triton.jit
-def _record_offenders(ctr_ptr, b, rb, vb, qb):
+def _record_offenders(ctr_ptr, n, b, rb, vb, qb):
     """Keep the true lanes of ``b`` among the row's first K distinct offenders (tripwire.layout): per entry slot, the
     still-unplaced lanes compare-and-swap their key into it; the one that finds it empty owns it and writes its words,
     those that find their own key there are repeats. Lanes that must not claim aim at the block's scratch word with a
-    comparand (-1) it never holds. A full block is read once and left alone: a fault storm costs one load."""
+    comparand (-1) it never holds. A full block is read once and left alone: a fault storm costs one load. Then the
+    block's OFF_DONE count takes the ``n`` hits (the reader's sign that their offenders are all in)."""
     addr = tl.load(ctr_ptr + _OFF_SLOT)
     # 0: a counter row that is not an arena's (a caller's own [8] tensor) has no offender block.
     if addr != 0:
-        _claim_offenders(addr.to(tl.pointer_type(tl.int64)), b, rb, vb, qb)
+        blk = addr.to(tl.pointer_type(tl.int64))
+        _claim_offenders(blk, b, rb, vb, qb)
+        # Last, after the claims and their words (an atomic: ordered after them): these hits' offenders are in.
+        tl.atomic_add(blk + _DONE, n)
 
 
 @triton.jit
@@ -136,15 +142,17 @@ def _fault(ctr_ptr, n, b, r, v, qb):
     old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(first_r), first_r)
     if old == 0:
         tl.atomic_xchg(ctr_ptr + 5, first_v)
-    _record_offenders(ctr_ptr, b, rb, vb, qb)
+    _record_offenders(ctr_ptr, n, b, rb, vb, qb)
 
 
 @triton.jit
 def _req_words(reqs, like):
-    """Biased request words of ``reqs`` broadcast to ``like``'s shape (0 = not known, when ``reqs`` is None)."""
+    """Biased request words of ``reqs`` broadcast to ``like``'s shape; 0 (not known) when ``reqs`` is None and for
+    negative request ids (the convention for "this lane has no request": padding, a lookup that found none)."""
     if reqs is None:
         return like * 0
-    return _saturate(reqs.to(tl.int64)) + GUARD_BIAS + like * 0
+    q = reqs.to(tl.int64) + like * 0
+    return tl.where(q < 0, 0, _saturate(q) + GUARD_BIAS)
 
 
 @triton.jit
