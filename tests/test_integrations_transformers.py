@@ -229,6 +229,93 @@ class TestServing:
         mon.reset()
 
 
+# ---------------------------------------------------------------------------------------------- containment
+@pytest.fixture(scope="class", params=_configs())
+def contained(request):
+    """Like ``engine``, installed with ``contain=True`` on a monitor in ``raise`` mode (any uncontained hit stops)."""
+    graphs = request.param
+    device = "cuda" if HAS_CUDA else "cpu"
+    model = tiny_llama(device)
+    ref_engine = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    ref = ref_engine.run(PROMPTS, tag="ref")
+    ref_engine.close()
+    mon = Monitor(interval=0.005, report_every=0.5, mode="raise")
+    handle = tw.install(model, monitor=mon, contain=True)
+    eng = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    yield model, ref, eng, mon, handle
+    eng.close()
+    handle.uninstall()
+    mon.stop()
+
+
+def _assert_contained(out, ref, victim, handle, site, tag):
+    """Exactly the victim failed, with containment's error naming the site; every other request is the clean run's.
+    Containment acts about two reader intervals after the fault (tripwire.contain): a victim that finished sooner
+    completed with the masked result, and its offender still names it."""
+    rid = f"{tag}-{victim}"
+    for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+        if i == victim:
+            continue
+        assert o.error is None, (i, o.error)
+        assert o.generated_tokens == r.generated_tokens, f"request {i} changed"
+    named = [t for r, t in handle.contained if r == rid]
+    if out[victim].error is not None:
+        assert "tripwire contained a masked fault" in out[victim].error and site in out[victim].error
+        assert len(named) == 1 and named[0].site == site
+    else:
+        assert len(out[victim].generated_tokens) == TOKENS  # it finished before the taint was confirmed
+
+
+class TestContainment:
+    @pytest.mark.parametrize("value_kind", ["end", "far", "negative"])
+    def test_a_read_fault_fails_only_its_request(self, contained, value_kind):
+        model, ref, eng, mon, handle = contained
+        victim, tag = 3, f"cr-{value_kind}"
+        out, inj = _serve(eng, mon, [Injection("read", 3, f"{tag}-{victim}", value_kind, offset=1)], tag)
+        assert len(inj.injected) == 1
+        assert _count(mon, tw.SITE_READ_INDEX) == 1
+        assert mon.armed is None, "an attributed hit must not arm the stop (raise mode)"
+        _assert_contained(out, ref, victim, handle, tw.SITE_READ_INDEX, tag)
+        (offender,) = mon.snapshot()[(str(model.device), tw.SITE_READ_INDEX)].offenders
+        assert handle.requests.ids[offender.request] == f"{tag}-{victim}"
+        assert _healthy(model.device)
+
+    def test_a_write_fault_still_stops(self, contained):
+        model, _ref, eng, mon, _handle = contained
+        out, inj = _serve(eng, mon, [Injection("write", 2, "cw-4", "far")], "cw")
+        assert len(inj.injected) == 1
+        _assert_stopped(eng, mon, out, "cw")
+        assert _healthy(model.device)
+
+    def test_fuzz_with_containment(self, contained):
+        """Random kind, step, request, value: every read fault fails exactly its request (or the request finished
+        first), every write fault stops cleanly, no other request changes, the device stays healthy."""
+        model, ref, eng, mon, handle = contained
+        rng = random.Random(99)
+        for run in range(24):
+            kind = "write" if rng.random() < 0.25 else "read"
+            victim = rng.randrange(len(PROMPTS))
+            tag = f"cf{run}"
+            inj = Injection(
+                kind,
+                rng.randrange(2, TOKENS // 2),
+                f"{tag}-{victim}",
+                rng.choice(["end", "far", "negative"]),
+                rng.randrange(64),
+            )
+            out, fi = _serve(eng, mon, [inj], tag)
+            assert len(fi.injected) == 1, (run, inj)
+            site = tw.SITE_READ_INDEX if kind == "read" else tw.SITE_WRITE_INDEX
+            assert _count(mon, site) == 1, (run, inj)
+            if kind == "read":
+                assert mon.armed is None, (run, inj)
+                _assert_contained(out, ref, victim, handle, site, tag)
+            else:
+                _assert_stopped(eng, mon, out, tag)
+            assert _healthy(model.device), (run, inj)
+        mon.reset()
+
+
 # ---------------------------------------------------------------------------------------------- controls
 _CONTROL = textwrap.dedent(
     """

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tripwire
+from conftest import offenders_recorded
 from tripwire import GuardTripped, Monitor
 from tripwire.arena import is_kept
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
@@ -26,11 +27,13 @@ def write_extremes(ctr: torch.Tensor, row: int, value: int) -> None:
     if int(ctr[FIRST_ROW]) == 0:
         ctr[FIRST_ROW] = encode(row)
         ctr[FIRST_VALUE] = encode(value)
+    offenders_recorded(ctr, 1)  # the hit's fault path ends with its offender (tripwire.layout)
 
 
 def hit(ctr: torch.Tensor, row: int, value: int, n: int = 1) -> None:
     write_count(ctr, n)
     write_extremes(ctr, row, value)
+    offenders_recorded(ctr, n - 1)
 
 
 def warnings(caplog) -> list[str]:

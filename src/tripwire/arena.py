@@ -31,8 +31,8 @@ def arenas_made() -> int:
 
 
 def is_kept(t: torch.Tensor) -> bool:
-    """``t`` is one of the arenas kept alive for the process's lifetime."""
-    return any(a is t for a in _IMMORTAL)
+    """``t`` is one of the arenas kept alive for the process's lifetime (the allocation, or its rows)."""
+    return any(a is t or a is t._base for a in _IMMORTAL)
 
 
 def unindexed_cuda(device: object) -> bool:
@@ -93,7 +93,6 @@ class Arena:
             off = flat[cap * SLOTS :].view(cap, block)
             self._init_offenders(t, off)
             _IMMORTAL.append(flat)
-            _IMMORTAL.append(t)
             self._tensors[dev] = t
             self._offenders[dev] = off
             return t
