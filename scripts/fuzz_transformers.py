@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write-share", type=float, default=0.3, help="the share of runs with a write fault")
+    p.add_argument("--contain", action="store_true", help="install with contain=True: a read fault fails its request")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
@@ -45,11 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     ref = ref_eng.run(PROMPTS, tag="ref")
     ref_eng.close()
     mon = tripwire.Monitor(interval=0.005, report_every=60.0)
-    handle = tw.install(model, monitor=mon)
+    handle = tw.install(model, monitor=mon, contain=a.contain)
     eng = PersistentEngine(model, a.tokens, cb_config(cuda_graphs=a.cuda_graphs))
     rng = random.Random(a.seed)
     failures: list[str] = []
-    tally = {"read": 0, "write": 0, "late_stops": 0, "deaths": 0, "poisoned": 0, "uncounted": 0, "changed_others": 0}
+    tally = {
+        "read": 0,
+        "write": 0,
+        "late_stops": 0,
+        "contained": 0,
+        "finished_first": 0,
+        "deaths": 0,
+        "poisoned": 0,
+        "uncounted": 0,
+        "changed_others": 0,
+    }
     t0 = time.time()
     for run in range(a.runs):
         kind = "write" if rng.random() < a.write_share else "read"
@@ -88,7 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             tally["poisoned"] += 1
         errors = [o.error if o is not None else "missing" for o in out]
         if kind == "read":
-            if any(errors):
+            failed = [i for i, e in enumerate(errors) if e]
+            if a.contain:
+                # Exactly the victim may fail, with containment's error (it may also have finished first).
+                if any(i != victim for i in failed) or (failed and "contained" not in str(errors[victim])):
+                    tally["deaths"] += 1
+                    problems.append(f"containment failed other requests: {failed}")
+                elif failed:
+                    tally["contained"] += 1
+                else:
+                    tally["finished_first"] += 1
+            elif failed:
                 tally["deaths"] += 1
                 problems.append(f"a masked read failed requests: {[e for e in errors if e][:1]}")
             changed = [
@@ -122,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": a.runs,
         "device": device,
         "cuda_graphs": a.cuda_graphs,
+        "contain": a.contain,
         "transformers": __import__("transformers").__version__,
         "torch": torch.__version__,
         "seconds": round(time.time() - t0, 1),

@@ -12,6 +12,7 @@ import tripwire
 from conftest import offenders_recorded
 from tripwire import GuardTripped, Monitor
 from tripwire.arena import is_kept
+from tripwire.confirm import OFFENDERS_WAIT_S
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
 
 
@@ -75,10 +76,14 @@ def test_confirmation_waits_for_first_offender_pair(registry, monitor, caplog):
 
 
 def test_confirmation_does_not_wait_forever(registry, monitor, caplog):
+    """A counter whose kernel writes neither the pair nor offenders: confirmed after a few copies and
+    OFFENDERS_WAIT_S, with what there is."""
     s = registry.register("k.site")
     write_count(monitor.counter(s, "cpu"))
     for _ in range(6):
         monitor.poll()
+    time.sleep(OFFENDERS_WAIT_S)
+    monitor.poll()
     (line,) = warnings(caplog)
     assert "row -, value -" in line  # reported, with what there is
 
@@ -565,6 +570,7 @@ def test_control_the_probe_sees_the_lock_held(registry):
 
 def test_control_confirming_at_once_loses_the_late_extremes(registry, monitor, caplog, monkeypatch):
     monitor.confirmer.max_extra_copies = 0
+    monitor.confirmer.offenders_wait_s = 0.0  # no wait of any kind
     s = registry.register("k.site")
     ctr = monitor.counter(s, "cpu")
     hit(ctr, 1, 5)

@@ -19,6 +19,7 @@ calls it under its lock.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -27,12 +28,23 @@ import numpy as np
 from .layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_DONE, OFF_ENTRY, OFF_HEADER, SLOTS
 from .sites import GUARD_KINDS, Site, SiteRegistry
 
-__all__ = ["CONFIRM_REPOLL_S", "MAX_EXTRA_CONFIRM_COPIES", "Confirmed", "Confirmer", "offenders_landed"]
+__all__ = [
+    "CONFIRM_REPOLL_S",
+    "MAX_EXTRA_CONFIRM_COPIES",
+    "OFFENDERS_WAIT_S",
+    "Confirmed",
+    "Confirmer",
+    "offenders_landed",
+]
 
 log = logging.getLogger("tripwire")
 
 # A confirmation waits at most this many extra copies for a first-offender pair that has not landed yet.
 MAX_EXTRA_CONFIRM_COPIES = 3
+# ... and, for a row's offenders (which the fault path writes after the pair: a longer path, and a slow one in the
+# Triton interpreter), at least this many seconds since the rise was seen. Only a counter whose kernel records no
+# offenders waits this long (its report then comes without them).
+OFFENDERS_WAIT_S = 0.25
 # Re-poll delay while a confirmation is pending (a D2H copy of the arena lands in tens of microseconds), read by the
 # reader loop each tick.
 CONFIRM_REPOLL_S = 0.001
@@ -57,8 +69,8 @@ def offenders_landed(block: np.ndarray, count: int) -> bool:
 @dataclass
 class _Device:
     reported: np.ndarray  # per row: the progress already reported
-    # Rows seen rising and not yet confirmed: row -> [extra copies waited, progress in the newest copy].
-    pending: dict[int, list[int]] = field(default_factory=dict)
+    # Rows seen rising and not yet confirmed: row -> [extra copies waited, progress in the newest copy, time seen].
+    pending: dict[int, list] = field(default_factory=dict)
     latest: np.ndarray | None = None  # the rows processed last
 
 
@@ -67,7 +79,8 @@ class Confirmer:
 
     ``count_slots(kind)``: the slots whose sum is a row's progress for rows of ``kind``, or None when no reporter
     handles that kind (its rows are then never confirmed). ``max_extra_copies`` bounds the wait for a first
-    offender that has not landed (default :data:`MAX_EXTRA_CONFIRM_COPIES`).
+    offender that has not landed (default :data:`MAX_EXTRA_CONFIRM_COPIES`); ``offenders_wait_s`` the wait for a
+    row's offenders (default :data:`OFFENDERS_WAIT_S`).
     """
 
     def __init__(
@@ -81,6 +94,7 @@ class Confirmer:
         self.registry = registry
         self.capacity = capacity
         self.max_extra_copies = max_extra_copies
+        self.offenders_wait_s = OFFENDERS_WAIT_S
         self._count_slots = count_slots
         self._devices: dict[str, _Device] = {}
         # Per registry size: the kinds present, the rows a reporter handles, and the progress plan (slot, 0/1 mask
@@ -138,13 +152,21 @@ class Confirmer:
 
     # ------------------------------------------------------------------ changing it
     def process(
-        self, device: str, rows: np.ndarray, *, final: bool, offenders: Mapping[int, np.ndarray] | None = None
+        self,
+        device: str,
+        rows: np.ndarray,
+        *,
+        final: bool,
+        offenders: Mapping[int, np.ndarray] | None = None,
+        now: float | None = None,
     ) -> list[Confirmed]:
         """Take one landed copy of ``device``'s rows; return the rises it confirms, in row order (pending ones first,
         then, when ``final``, the new ones). With ``final`` (a complete, synchronous read) nothing waits.
 
         ``offenders``: the offender blocks that came with this copy, by row (None where the arena keeps none). A
-        guard row then confirms only with its block, landed (:func:`offenders_landed`), which it carries."""
+        guard row then confirms only with its block, landed (:func:`offenders_landed`), which it carries. ``now``
+        (monotonic seconds, default: the clock) times the wait for offenders."""
+        now = time.monotonic() if now is None else now
         self.decoded += 1
         n = rows.shape[0]
         d = self._devices.get(device)
@@ -170,17 +192,19 @@ class Confirmer:
         for rid in sorted(pending):
             site = self.registry.by_id(rid)
             row = rows[rid]
-            waited, seen = pending[rid]
+            waited, seen, since = pending[rid]
             guard = site.kind in GUARD_KINDS
             not_landed = guard and (row[FIRST_ROW] == 0 or row[FIRST_VALUE] == 0)
+            wait_offenders = False
             block = None
             if guard and offenders is not None:
                 # The blocks travel with the copy after the one that saw the rise (the reader is asked for them
-                # then): until they are here and landed, wait like for the first pair.
+                # then): until they are here and landed, wait (a few copies, and some time: see OFFENDERS_WAIT_S).
                 block = offenders.get(rid)
-                not_landed = not_landed or block is None or not offenders_landed(block, int(row[COUNT]))
-            if not final and (not_landed or progress[rid] > seen) and waited < self.max_extra_copies:
-                pending[rid] = [waited + 1, int(progress[rid])]
+                wait_offenders = block is None or not offenders_landed(block, int(row[COUNT]))
+            more = waited < self.max_extra_copies or (wait_offenders and now - since < self.offenders_wait_s)
+            if not final and (not_landed or wait_offenders or progress[rid] > seen) and more:
+                pending[rid] = [waited + 1, int(progress[rid]), since]
                 continue
             del pending[rid]
             reported[rid] = progress[rid]
@@ -193,7 +217,7 @@ class Confirmer:
                 block = offenders.get(rid) if offenders is not None and site.kind in GUARD_KINDS else None
                 out.append((site, rows[rid] if block is None else np.concatenate([rows[rid], block])))
             elif rid not in pending:
-                pending[rid] = [0, int(progress[rid])]
+                pending[rid] = [0, int(progress[rid]), now]
         return out
 
     def lose(self, device: str) -> list[Confirmed]:

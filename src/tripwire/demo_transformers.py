@@ -118,6 +118,11 @@ class PersistentEngine:
 
     def run(self, prompts: list[list[int]], *, tag: str = "run", timeout: float = 120.0) -> list[Any]:
         """Serve ``prompts`` as requests ``"<tag>-<i>"`` (so a test can name the request to corrupt)."""
+        if self.manager is not None and not self.manager.is_running():
+            # The loop ended since the last run (a stop armed after that run's requests had finished).
+            self.manager.stop(block=True, timeout=60)
+            self.manager = None
+            self.rebuilds += 1
         if self.manager is None:
             self.manager = self._new_manager()
         manager = self.manager
@@ -135,8 +140,9 @@ class PersistentEngine:
             elif out is None and not manager.is_running():
                 break  # the loop ended (a stop) after delivering every request it failed
         out = [results.get(i) for i in ids]
-        if any(o is None or o.error is not None for o in out):
-            # Wait for the ended loop (its final drain included); the next run gets a new manager.
+        if any(o is None for o in out) or (any(o.error is not None for o in out) and not manager.is_running()):
+            # The loop ended (a stop): wait for it (its final drain included); the next run gets a new manager. A
+            # request failed alone (containment) leaves the loop running.
             manager.stop(block=True, timeout=60)
             self.manager = None
             self.rebuilds += 1

@@ -71,7 +71,7 @@ class Pipeline:
     def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
         """A landed copy of ``device``'s rows (every row complete when ``final``): confirm, report. ``offenders``:
         the offender blocks that came with it, by row (None where the arena keeps none)."""
-        confirmed = self.confirmer.process(device, rows, final=final, offenders=offenders)
+        confirmed = self.confirmer.process(device, rows, final=final, offenders=offenders, now=now)
         for kind in self.confirmer.kinds:
             # Reporters are made lazily and reset() drops them; heartbeats tick only those that exist.
             self.reporters.make(kind)
