@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The H200 jobs of a release, in two device calls of under ten minutes each (logs and JSON land in $OUT):
+# The H200 jobs of a release, in device calls of under ten minutes each (logs and JSON land in $OUT):
 #   bash scripts/gpu_release.sh checks   # the GPU tests of every module, the memory checker, the engine demo, the fuzz
-#   bash scripts/gpu_release.sh bench    # the validator, the engine end to end, decode attention, the CUDA gather, q3
+#   bash scripts/gpu_release.sh bench    # the validator, the engine end to end, decode attention, the CUDA gather
+#   bash scripts/gpu_release.sh reader   # the reader's step-loop cost with coordinate() on (q3), the tick scaling (q5)
 # Each step has its own time limit, so one that hangs cannot eat the call; the summary at the end says what passed.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -32,6 +33,10 @@ case "${1:-checks}" in
     step bench_decode 120 python3 benchmarks/bench_decode_attention.py --no-sweep --out "$OUT/decode_attention.json"
     step bench_gather 60 python3 benchmarks/bench_cuda_gather.py --out "$OUT/cuda_gather.json"
     ;;
-  *) echo "usage: $0 checks|bench" >&2; exit 2 ;;
+  reader)
+    step q3_coordinate 330 python3 -m tripwire bench --only q3 --coordinate --out "$OUT/q3c"
+    step q5 150 python3 -m tripwire bench --only q5 --out "$OUT/q5"
+    ;;
+  *) echo "usage: $0 checks|bench|reader" >&2; exit 2 ;;
 esac
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
