@@ -29,6 +29,7 @@ from ._default import (
 )
 from ._include import include_dir
 from .config import MODES, Settings, load_settings
+from .contain import Taint
 from .errors import CaptureError, GuardTripped
 from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
 from .monitor import Hit, Monitor
@@ -58,9 +59,10 @@ __all__ = [
     "poll",
     "health",
     "Hit",
-    # events (tripwire.sinks has the sinks)
+    # events (tripwire.sinks has the sinks), offenders and containment (Monitor.take_tainted)
     "Event",
     "Offender",
+    "Taint",
     # monitor and settings
     "Monitor",
     "default_monitor",
