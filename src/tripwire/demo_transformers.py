@@ -4,7 +4,8 @@ A small random-initialised Llama (no download) serves a batch of prompts through
 run without tripwire (the reference), then with :func:`tripwire.integrations.transformers.install`: a clean run
 (identical tokens), a read index corrupted at one step (masked, counted once, the other requests' tokens identical),
 a write index corrupted at one step (the FATAL site: the stop arms and the engine fails the batch through its own
-error path, the process and the device stay healthy), and a clean run after ``reset()`` (identical again). A summary
+error path, the process and the device stay healthy), a clean run after ``reset()`` (identical again), and, installed
+with ``contain=True``, a read fault that fails only the request it hit. A summary
 table closes the run; the exit status is 0 when every expectation held. CPU by default (the validator runs in the
 Triton interpreter); on a GPU the engine runs with CUDA graphs.
 
@@ -331,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = sorted(ref)
     rng = random.Random(args.seed)
 
-    def scenario(name: str, inj: Injection | None, site: str, expected: int, *, expect_stop: bool) -> None:
+    def scenario(
+        name: str, inj: Injection | None, site: str, expected: int, *, expect_stop: bool, contained: bool = False
+    ) -> None:
         monitor.reset()
         injector = FaultInjector([inj] if inj else [])
         with injector.active():
@@ -346,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
         engine = ("stopped by tripwire" if stopped else "served") + ("" if healthy else ", DEVICE BROKEN")
         if expect_stop:
             passed = healthy and count == expected and stopped
+        elif contained:
+            # Only the victim may fail, with containment's error (a fast engine may finish it first).
+            assert inj is not None
+            victim_ok = failed == 0 or (failed == 1 and "contained" in (out[inj.request].error or ""))
+            engine = "served, 1 request failed" if failed == 1 else engine
+            passed = healthy and count == expected and victim_ok and changed <= 1
         else:
             passed = healthy and count == expected and failed == 0 and changed <= (1 if inj else 0)
         what = f"{inj.kind} index of {inj.request} at step {inj.step}" if inj else "-"
@@ -370,18 +379,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     scenario("clean after reset", None, "", 0, expect_stop=False)
     handle.uninstall()
+    # Containment: the same kind of read fault fails only the request it hit; the batch goes on.
+    handle = tw.install(model, policy="mask", monitor=monitor, contain=True)
+    scenario(
+        "contained read",
+        Injection("read", 3, ids[rng.randrange(len(ids))], "far"),
+        tw.SITE_READ_INDEX,
+        1,
+        expect_stop=False,
+        contained=True,
+    )
+    handle.uninstall()
     monitor.stop()
 
     print()
     head = (
-        f"{'scenario':18s} {'injected':34s} {'site':26s} {'count':>5s} {'engine':20s} {'ok':>3s} {'failed':>6s} "
+        f"{'scenario':18s} {'injected':34s} {'site':26s} {'count':>5s} {'engine':26s} {'ok':>3s} {'failed':>6s} "
         f"{'changed':>7s}  result"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r.name:18s} {r.injected:34s} {r.site:26s} {r.count:>5d} {r.engine:20s} {r.ok_requests:>3d} "
+            f"{r.name:18s} {r.injected:34s} {r.site:26s} {r.count:>5d} {r.engine:26s} {r.ok_requests:>3d} "
             f"{r.failed:>6d} {r.changed:>7d}  {'PASS' if r.passed else 'FAIL (expected count ' + str(r.expected) + ')'}"
         )
     ok = all(r.passed for r in rows)
