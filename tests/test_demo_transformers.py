@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tripwire.cli import main  # noqa: E402
+from tripwire.cli import main
 
 
 def test_engine_demo_passes_every_scenario(capsys):
