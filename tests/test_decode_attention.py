@@ -287,8 +287,12 @@ def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warp
     return {"regs": regs, "smem": smem, "occupancy": occupancy,
             "cp_async": c.asm["ptx"].count("cp.async.cg.shared.global")}
 
+from triton.compiler.errors import CompilationError
+
 try:
     out = {"twin": build(False, 16), "guarded": build(True, da._FAULT_BLOCK_N), "control": build(True, 64)}
+except CompilationError:
+    raise  # the kernel does not compile: a failure, never a skip
 except Exception as e:
     out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 print(json.dumps(out))

@@ -19,9 +19,16 @@ entries of ``OFF_ENTRY`` words (``K``: ``TRIPWIRE_OFFENDERS``, fixed with the ar
 that stays 0 (a lane that must not claim compares it against -1: a no-op), word 1 holds ``K``. An entry is
 ``[KEY, ROW, VALUE, REQ]``: ``KEY`` is a non-zero 64-bit hash of (row, value, request), claimed by compare-and-swap
 from 0 (the first hit with that key owns the entry; a hit whose key is already there is a repeat and claims nothing);
-the owner then writes ``ROW``/``VALUE`` (biased like the slots) and ``REQ`` (the request id biased, 0 = not known).
-So the block holds the first ``K`` DISTINCT offenders in arrival order, and a reader that sees a claimed key waits
-(like for the first pair) until the owner's words have landed. Writing offenders is the fault path only: a row
+the owner then writes ``REQ`` (the request id biased, 0 = not known) and ``VALUE`` (biased like the slots), and
+``ROW`` (biased) LAST, with release ordering: ``REQ`` may legally be 0, so only ``ROW`` (never 0 once written) can
+tell a reader that the entry is complete. So the block holds the first ``K`` DISTINCT offenders in arrival order,
+and a reader that sees a claimed key waits (like for the first pair) until its ``ROW`` and ``VALUE`` have landed.
+The key mix (:func:`offender_key`; the Triton helpers and ``guard.cuh`` compute it bit for bit the same)::
+
+    h = rb * 0x2545F4914F6CDD1D + vb * 0x1F3D5B79A1C3E5F7 + qb * 0x3C6EF372FE94F82B   (mod 2**64)
+    key = (h ^ (h >> 29)) | 1                                                        (logical shift)
+
+of the biased row, value and request words. Writing offenders is the fault path only: a row
 without hits is never touched.
 
 Encoding: a stored word is ``v + GUARD_BIAS`` with ``GUARD_BIAS = 2**62``. A zeroed buffer then means "nothing
@@ -41,7 +48,9 @@ __all__ = [
     "E_REQ",
     "E_ROW",
     "E_VALUE",
+    "KEY_MULTIPLIERS",
     "offender_block_words",
+    "offender_key",
     "COUNT",
     "FIRST_ROW",
     "FIRST_VALUE",
@@ -63,6 +72,8 @@ COUNT, MAX_ROW, MAX_VALUE, NEG_MIN, FIRST_ROW, FIRST_VALUE = 0, 1, 2, 3, 4, 5
 OFFENDERS = 7
 OFF_HEADER, OFF_ENTRY = 4, 4
 E_KEY, E_ROW, E_VALUE, E_REQ = 0, 1, 2, 3
+# Odd multipliers of the offender key's mix, for the row, value and request words.
+KEY_MULTIPLIERS = (0x2545F4914F6CDD1D, 0x1F3D5B79A1C3E5F7, 0x3C6EF372FE94F82B)
 GUARD_BIAS = 1 << 62
 # Exclusive bounds of what round-trips: v + BIAS must be in (0, 2**63) and BIAS - v as well.
 VALUE_MIN = -GUARD_BIAS + 1
@@ -96,3 +107,13 @@ def decode_neg(word: int) -> int | None:
 def offender_block_words(k: int) -> int:
     """Words of one row's offender block for ``k`` offenders."""
     return OFF_HEADER + k * OFF_ENTRY
+
+
+def offender_key(rb: int, vb: int, qb: int) -> int:
+    """The offender key of biased row, value and request words (``qb`` 0 = request not known), as the stored int64
+    word: the mix of the module docstring in wrapping 64-bit arithmetic, never 0."""
+    m = (1 << 64) - 1
+    k1, k2, k3 = KEY_MULTIPLIERS
+    h = (rb * k1 + vb * k2 + qb * k3) & m
+    h = (h ^ (h >> 29)) | 1
+    return h - (1 << 64) if h >> 63 else h

@@ -45,6 +45,7 @@ from ..layout import E_REQ as _E_REQ
 from ..layout import E_ROW as _E_ROW
 from ..layout import E_VALUE as _E_VALUE
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
+from ..layout import KEY_MULTIPLIERS as _KEY_MULTIPLIERS
 from ..layout import OFF_ENTRY as _OFF_ENTRY
 from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
@@ -68,11 +69,10 @@ _ENTRY = tl.constexpr(_OFF_ENTRY)
 _EROW = tl.constexpr(_E_ROW)
 _EVALUE = tl.constexpr(_E_VALUE)
 _EREQ = tl.constexpr(_E_REQ)
-# Odd multipliers of the offender key's mix (the key only tells offenders apart; include/tripwire/guard.cuh computes
-# the same one).
-_K1 = tl.constexpr(0x2545F4914F6CDD1D)
-_K2 = tl.constexpr(0x1F3D5B79A1C3E5F7)
-_K3 = tl.constexpr(0x3C6EF372FE94F82B)
+# The offender key's odd multipliers (tripwire.layout.offender_key; include/tripwire/guard.cuh computes the same key).
+_K1 = tl.constexpr(_KEY_MULTIPLIERS[0])
+_K2 = tl.constexpr(_KEY_MULTIPLIERS[1])
+_K3 = tl.constexpr(_KEY_MULTIPLIERS[2])
 
 
 @triton.jit
@@ -82,8 +82,10 @@ def _saturate(x):
 
 @triton.jit
 def _offender_key(rb, vb, qb):
-    """A non-zero 64-bit mix of an offender's biased row, value and request words (wrapping int64 arithmetic)."""
+    """A non-zero 64-bit mix of an offender's biased row, value and request words (wrapping int64 arithmetic;
+    tripwire.layout.offender_key)."""
     h = rb * _K1 + vb * _K2 + qb * _K3
+    # `>>` is arithmetic on int64: masking the 35 bits that remain makes it the logical shift of the mix.
     h = h ^ ((h >> 29) & 0x7FFFFFFFF)
     return h | 1
 
@@ -111,9 +113,11 @@ def _claim_offenders(blk, b, rb, vb, qb):
                 slot = blk + _HEADER + j * _ENTRY
                 old = tl.atomic_cas(tl.where(active, slot, blk), tl.where(active, 0, -1).to(tl.int64), key)
                 won = active & (old == 0)
-                tl.store(slot + _EROW + rb * 0, rb, mask=won)
-                tl.store(slot + _EVALUE + rb * 0, vb, mask=won)
+                # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word ("not
+                # known"), so it cannot tell a reader that it landed; ROW (never 0 once written) tells for all three.
                 tl.store(slot + _EREQ + rb * 0, qb, mask=won)
+                tl.store(slot + _EVALUE + rb * 0, vb, mask=won)
+                tl.atomic_xchg(slot + _EROW + rb * 0, rb, mask=won, sem="release", scope="sys")
                 active = active & (old != 0) & (old != key)
 
 
@@ -142,9 +146,13 @@ def _fault(ctr_ptr, n, b, r, v, qb):
 @triton.jit
 def _req_words(reqs, like):
     """Biased request words of ``reqs`` broadcast to ``like``'s shape (0 = not known, when ``reqs`` is None)."""
+    # if/else, not an early return: the compiler (unlike the interpreter) goes on past a `return` inside a static
+    # `if` and would then call .to() on None.
     if reqs is None:
-        return like * 0
-    return _saturate(reqs.to(tl.int64)) + GUARD_BIAS + like * 0
+        q = like * 0
+    else:
+        q = _saturate(reqs.to(tl.int64)) + GUARD_BIAS + like * 0
+    return q
 
 
 @triton.jit
