@@ -23,12 +23,15 @@ the owner then writes ``REQ`` (the request id biased, 0 = not known) and ``VALUE
 ``ROW`` (biased) LAST, with release ordering: ``REQ`` may legally be 0, so only ``ROW`` (never 0 once written) can
 tell a reader that the entry is complete. So the block holds the first ``K`` DISTINCT offenders in arrival order,
 and a reader that sees a claimed key waits (like for the first pair) until its ``ROW`` and ``VALUE`` have landed.
-The key mix (:func:`offender_key`; the Triton helpers and ``guard.cuh`` compute it bit for bit the same)::
+The key (:func:`offender_key`; the Triton helpers and ``guard.cuh`` compute it bit for bit the same) chains
+MurmurHash3's 64-bit finalizer ``fmix`` (a bijection: xor-shifts by 33, multiplies by ``KEY_MIX``, mod 2**64) over
+the biased row, value and request words::
 
-    h = rb * 0x2545F4914F6CDD1D + vb * 0x1F3D5B79A1C3E5F7 + qb * 0x3C6EF372FE94F82B   (mod 2**64)
-    key = (h ^ (h >> 29)) | 1                                                        (logical shift)
+    key = fmix(fmix(fmix(rb) ^ vb) ^ qb) | 1
 
-of the biased row, value and request words. Writing offenders is the fault path only: a row
+Not a linear mix: the encoding's special words (the bias 2**62 of a known request against 0 for "not known", the
+saturated values +-(2**62 - 1)) differ in their top bits, and a linear combination of them collides outright (two
+distinct offenders would share one entry, and one request would go unreported). Writing offenders is the fault path only: a row
 without hits is never touched.
 
 Encoding: a stored word is ``v + GUARD_BIAS`` with ``GUARD_BIAS = 2**62``. A zeroed buffer then means "nothing
@@ -48,7 +51,7 @@ __all__ = [
     "E_REQ",
     "E_ROW",
     "E_VALUE",
-    "KEY_MULTIPLIERS",
+    "KEY_MIX",
     "offender_block_words",
     "offender_key",
     "COUNT",
@@ -72,8 +75,8 @@ COUNT, MAX_ROW, MAX_VALUE, NEG_MIN, FIRST_ROW, FIRST_VALUE = 0, 1, 2, 3, 4, 5
 OFFENDERS = 7
 OFF_HEADER, OFF_ENTRY = 4, 4
 E_KEY, E_ROW, E_VALUE, E_REQ = 0, 1, 2, 3
-# Odd multipliers of the offender key's mix, for the row, value and request words.
-KEY_MULTIPLIERS = (0x2545F4914F6CDD1D, 0x1F3D5B79A1C3E5F7, 0x3C6EF372FE94F82B)
+# The multipliers of the offender key's finalizer (MurmurHash3's fmix64), as unsigned 64-bit numbers.
+KEY_MIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
 GUARD_BIAS = 1 << 62
 # Exclusive bounds of what round-trips: v + BIAS must be in (0, 2**63) and BIAS - v as well.
 VALUE_MIN = -GUARD_BIAS + 1
@@ -109,11 +112,18 @@ def offender_block_words(k: int) -> int:
     return OFF_HEADER + k * OFF_ENTRY
 
 
+def _fmix(h: int) -> int:
+    m = (1 << 64) - 1
+    h ^= h >> 33
+    h = (h * KEY_MIX[0]) & m
+    h ^= h >> 33
+    h = (h * KEY_MIX[1]) & m
+    return h ^ (h >> 33)
+
+
 def offender_key(rb: int, vb: int, qb: int) -> int:
     """The offender key of biased row, value and request words (``qb`` 0 = request not known), as the stored int64
-    word: the mix of the module docstring in wrapping 64-bit arithmetic, never 0."""
+    word (never 0): see the module docstring."""
     m = (1 << 64) - 1
-    k1, k2, k3 = KEY_MULTIPLIERS
-    h = (rb * k1 + vb * k2 + qb * k3) & m
-    h = (h ^ (h >> 29)) | 1
+    h = _fmix(_fmix(_fmix(rb & m) ^ (vb & m)) ^ (qb & m)) | 1
     return h - (1 << 64) if h >> 63 else h

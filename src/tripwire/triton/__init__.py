@@ -45,7 +45,7 @@ from ..layout import E_REQ as _E_REQ
 from ..layout import E_ROW as _E_ROW
 from ..layout import E_VALUE as _E_VALUE
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
-from ..layout import KEY_MULTIPLIERS as _KEY_MULTIPLIERS
+from ..layout import KEY_MIX as _KEY_MIX
 from ..layout import OFF_ENTRY as _OFF_ENTRY
 from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
@@ -69,10 +69,10 @@ _ENTRY = tl.constexpr(_OFF_ENTRY)
 _EROW = tl.constexpr(_E_ROW)
 _EVALUE = tl.constexpr(_E_VALUE)
 _EREQ = tl.constexpr(_E_REQ)
-# The offender key's odd multipliers (tripwire.layout.offender_key; include/tripwire/guard.cuh computes the same key).
-_K1 = tl.constexpr(_KEY_MULTIPLIERS[0])
-_K2 = tl.constexpr(_KEY_MULTIPLIERS[1])
-_K3 = tl.constexpr(_KEY_MULTIPLIERS[2])
+# The offender key's finalizer multipliers (tripwire.layout.offender_key; include/tripwire/guard.cuh computes the same
+# key), as the int64 numbers with their bits: int64 multiplication wraps like the unsigned one.
+_M1 = tl.constexpr(_KEY_MIX[0] - (1 << 64))
+_M2 = tl.constexpr(_KEY_MIX[1] - (1 << 64))
 
 
 @triton.jit
@@ -81,13 +81,20 @@ def _saturate(x):
 
 
 @triton.jit
+def _fmix(h):
+    # `>>` is arithmetic on int64: masking the 31 bits that remain makes it the logical shift.
+    h = h ^ ((h >> 33) & 0x7FFFFFFF)
+    h = h * _M1
+    h = h ^ ((h >> 33) & 0x7FFFFFFF)
+    h = h * _M2
+    return h ^ ((h >> 33) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _offender_key(rb, vb, qb):
-    """A non-zero 64-bit mix of an offender's biased row, value and request words (wrapping int64 arithmetic;
-    tripwire.layout.offender_key)."""
-    h = rb * _K1 + vb * _K2 + qb * _K3
-    # `>>` is arithmetic on int64: masking the 35 bits that remain makes it the logical shift of the mix.
-    h = h ^ ((h >> 29) & 0x7FFFFFFFF)
-    return h | 1
+    """A non-zero 64-bit key of an offender's biased row, value and request words (tripwire.layout.offender_key:
+    chained finalizers in wrapping int64 arithmetic, not a linear mix, whose collisions the bias would hit)."""
+    return _fmix(_fmix(_fmix(rb) ^ vb) ^ qb) | 1
 
 
 @triton.jit
