@@ -4,6 +4,7 @@ ENTRIES counted once in a 2-D tile read by several programs (with the lane-count
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -570,6 +571,13 @@ def test_plain_counter_counts_and_keeps_no_offenders(make_monitor, hit_of, kerne
 
 
 # ---------------------------------------------------------------------------------------------- sm_90 build
+# The control: an early return inside a static `if`. A module of its own, so that the interpreter (here) and the
+# compiler (the probe) run the same source (@triton.jit reads its function's source from a file).
+_EARLY_RETURN = """
+import triton
+import triton.language as tl
+
+
 @triton.jit
 def _early_return(reqs, like):
     if reqs is None:
@@ -578,10 +586,10 @@ def _early_return(reqs, like):
 
 
 @triton.jit
-def _early_return_kernel(out_ptr, BLOCK: tl.constexpr):
+def control(out_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, _early_return(None, offs.to(tl.int64)))
-
+"""
 
 _HELPERS_PROBE = r"""
 import json
@@ -609,16 +617,7 @@ def uses(ctr, x_ptr, req_ptr, n, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr):
             r = tl.load(req_ptr + tl.program_id(0))
         record_hit(ctr + 16, tl.program_id(0), y, r)
 
-@triton.jit
-def _early(reqs, like):
-    if reqs is None:
-        return like * 0
-    return reqs.to(tl.int64) + like * 0
-
-@triton.jit
-def control(out_ptr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, _early(None, offs.to(tl.int64)))
+from early_return import control  # noqa: E402  (written next to this probe)
 
 def build(k, types, consts):
     names = k.arg_names
@@ -645,18 +644,23 @@ print(json.dumps(out))
 """
 
 
-def test_helpers_compile_for_sm90_with_and_without_requests(build_probe):
+def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_path):
     """Every helper, with and without a request, compiled for sm_90 (no GPU needed): the fault path's
     compare-and-swaps and the released ROW store are in the PTX. Control: the interpreter runs code the compiler
     refuses (an early return inside a static `if`: the compiler goes on past it), so only a build shows that the
     helpers compile."""
-    r = build_probe(_HELPERS_PROBE)
+    (tmp_path / "early_return.py").write_text(_EARLY_RETURN)
+    r = build_probe(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _HELPERS_PROBE)
     for has in ("False", "True"):
         assert r[has]["cas"] >= 3 and r[has]["release"] >= 1, r
     assert r["control"].startswith("CompilationError"), r
     if INTERPRET:  # ... which the interpreter runs without a complaint
+        spec = importlib.util.spec_from_file_location("early_return", tmp_path / "early_return.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
         out = torch.full((4,), 5, dtype=torch.int64)
-        _early_return_kernel[(1,)](out, BLOCK=4)
+        mod.control[(1,)](out, BLOCK=4)
         assert out.tolist() == [0, 0, 0, 0]
 
 

@@ -21,8 +21,10 @@ from .sites import Site, SiteRegistry
 
 __all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
 
-# Every arena of the process, forever (see the module docstring). Never cleared.
+# Every arena allocation of the process (rows and offender blocks in one), forever (see the module docstring), and
+# the row view of each (what kernels and tools are handed). Never cleared.
 _IMMORTAL: list[torch.Tensor] = []
+_ROWS: list[torch.Tensor] = []
 
 
 def arenas_made() -> int:
@@ -31,8 +33,8 @@ def arenas_made() -> int:
 
 
 def is_kept(t: torch.Tensor) -> bool:
-    """``t`` is one of the arenas kept alive for the process's lifetime."""
-    return any(a is t for a in _IMMORTAL)
+    """``t`` is one of the arenas (its rows, or the whole allocation) kept alive for the process's lifetime."""
+    return any(a is t for a in _ROWS) or any(a is t for a in _IMMORTAL)
 
 
 def unindexed_cuda(device: object) -> bool:
@@ -93,7 +95,7 @@ class Arena:
             off = flat[cap * SLOTS :].view(cap, block)
             self._init_offenders(t, off)
             _IMMORTAL.append(flat)
-            _IMMORTAL.append(t)
+            _ROWS.append(t)
             self._tensors[dev] = t
             self._offenders[dev] = off
             return t
