@@ -10,8 +10,9 @@ Each kernel runs in its own process under ``compute-sanitizer --tool memcheck`` 
 allocator's larger slabs is invisible to the checker). The metadata holds ids equal to the size, negative ids, ids far
 past the end and the INT32 extremes, so the unguarded twin leaves its allocation for sure.
 
-Pass: every guarded run reports 0 errors and counts exactly the bad entries; every twin run reports errors (the
-control: the same input is really out of range). Exit status 1 otherwise.
+Pass: every guarded run reports 0 errors, counts exactly the bad entries and keeps their offenders with the
+requests of the request map it is given (so the fault path's reads of the map are checked too); every twin run
+reports errors (the control: the same input is really out of range). Exit status 1 otherwise.
 
 ``cuda_gather`` is the CUDA C++ header's worked example (examples/cuda_gather): the driver builds it once, before
 the sanitizer runs, so its children load the cached build instead of running nvcc under the checker.
@@ -97,6 +98,10 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
     def t(v, dtype=i32):
         return torch.tensor(v, dtype=dtype, device=dev)
 
+    def req(n):
+        # A request map on the guarded run, so the sanitizer also sees the fault path read it (in bounds).
+        return torch.arange(100, 100 + n, dtype=torch.int64, device=dev) if guard else None
+
     if kernel == "block_table":
         from tripwire.kernels import block_table as m
 
@@ -106,7 +111,7 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         rows = t([0, R, -1, R + FAR, INT32_MAX, INT32_MIN, 3])
         out = torch.empty(rows.shape[0], W, dtype=i32, device=dev)
         ctr = counters(m.SITES, dev, mon)
-        m.block_table_gather(table, rows, counts, out, guard=guard, ctr=ctr)
+        m.block_table_gather(table, rows, counts, out, guard=guard, ctr=ctr, requests=req(rows.shape[0]))
         expect = [5, 0]
     elif kernel == "slot_mapping":
         from tripwire.kernels import slot_mapping as m
@@ -117,7 +122,7 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         rows = t([0, 1, 2, 3, 4, 5, 6, R, -1, INT32_MAX])
         slots = torch.empty(pos.shape[0], dtype=torch.int64, device=dev)
         ctr = counters(m.SITES, dev, mon)
-        m.slot_mapping(pos, rows, table, slots, bs, num_kv_blocks=R * W, guard=guard, ctr=ctr)
+        m.slot_mapping(pos, rows, table, slots, bs, num_kv_blocks=R * W, guard=guard, ctr=ctr, requests=req(10))
         expect = [3, 5, 0]
     elif kernel == "kv_zero":
         from tripwire.kernels import kv_zero as m
@@ -126,7 +131,7 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         pool = torch.ones(N, 2, 16, 8, 64, dtype=torch.bfloat16, device=dev)
         ids = t([0, N, -1, N + FAR, INT32_MAX, INT32_MIN, 5])
         ctr = counters(m.SITES, dev, mon)
-        m.kv_zero(pool, ids, guard=guard, ctr=ctr)
+        m.kv_zero(pool, ids, guard=guard, ctr=ctr, requests=req(ids.shape[0]))
         expect = [5]
     elif kernel == "paged_gather":
         from tripwire.kernels import paged_gather as m
@@ -136,7 +141,7 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         table = t([[0, N, -1, 3], [N + FAR, INT32_MAX, INT32_MIN, 1]])
         out = torch.empty(2, 4, 2, 16, 8, 64, dtype=torch.bfloat16, device=dev)
         ctr = counters(m.SITES, dev, mon)
-        m.paged_gather(cache, table, out, guard=guard, ctr=ctr)
+        m.paged_gather(cache, table, out, guard=guard, ctr=ctr, requests=req(2))
         expect = [5]
     elif kernel == "state_copy":
         from tripwire.kernels import state_copy as m
@@ -150,7 +155,7 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         src = t([0, 0, 0, 0, INT32_MIN, 0, 0, 0, 0])
         dst = t([1, 1, 1, 1, 1, -1, 1, 1, 1])
         ctr = counters(m.SITES, dev, mon)
-        m.state_copy(state, table, rows, src, dst, guard=guard, ctr=ctr)
+        m.state_copy(state, table, rows, src, dst, guard=guard, ctr=ctr, requests=req(rows.shape[0]))
         expect = [3, 2, 2]
     elif kernel == "rope":
         from tripwire.kernels import rope as m
@@ -161,7 +166,7 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         k = torch.randn(T, 2, 128, device=dev, dtype=torch.bfloat16)
         cs = torch.randn(max_pos, 128, device=dev)
         ctr = counters(m.SITES, dev, mon)
-        m.rope(pos, q, k, cs, torch.empty_like(q), torch.empty_like(k), guard=guard, ctr=ctr)
+        m.rope(pos, q, k, cs, torch.empty_like(q), torch.empty_like(k), guard=guard, ctr=ctr, requests=req(T))
         expect = [5]
     elif kernel == "decode_attention":
         from tripwire.kernels import decode_attention as m
@@ -178,7 +183,8 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         lens[5] = W * BS + 1  # a bad length: the guard masks sequence 5 (its pages are fine)
         ws = m.alloc_workspace(q, table, BS, Hkv, num_splits=2)
         ctr = counters(m.SITES, dev, mon)
-        m.decode_attention(q, kc, vc, table, lens, torch.empty_like(q), workspace=ws, guard=guard, ctr=ctr)
+        out = torch.empty_like(q)
+        m.decode_attention(q, kc, vc, table, lens, out, workspace=ws, guard=guard, ctr=ctr, requests=req(B))
         expect = [5, 1]
     elif kernel == "cuda_gather":
         if dev == "cpu":
@@ -193,7 +199,8 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
         for i, v in {0: 1024, 3: -1, 4: 1024 + FAR, 30: INT32_MAX, 100: INT32_MIN}.items():
             idx[i] = v
         ctr = mon.counter(mon.registry.register(m.SITE.name, description=m.SITE.description), dev)
-        m.gather(src, idx, torch.empty(512, 256, device=dev, dtype=src.dtype), ctr=ctr, guard=guard)
+        out = torch.empty(512, 256, device=dev, dtype=src.dtype)
+        m.gather(src, idx, out, ctr=ctr, guard=guard, requests=req(512))
         expect = [5]
     else:
         print(f"unknown kernel {kernel!r}", file=sys.stderr)
@@ -205,6 +212,13 @@ def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
     if guard and got != expect:
         print(f"MISCOUNT: {kernel} counted {got}, expected {expect}", file=sys.stderr)
         return 3
+    if guard:
+        # Every hit's offenders were kept, each with the request the map gives its row's unit.
+        offenders = [o for h in mon.snapshot().values() for o in h.offenders]
+        print(f"OFFENDERS {kernel} kept={len(offenders)} requests={sorted({o.request for o in offenders}, key=str)}")
+        if not offenders or any(o.request is None for o in offenders):
+            print(f"OFFENDERS: {kernel} kept {offenders}, each with a request expected", file=sys.stderr)
+            return 4
     return 0
 
 

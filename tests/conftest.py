@@ -6,13 +6,20 @@ is set here, at collection, and only when CUDA is absent (on the H200 the same t
 Fixtures:
 * ``kernel_device``: where kernels run in this process: "cpu" under the interpreter, else "cuda".
 * ``registry``/``monitor``: a private SiteRegistry and a Monitor on it, so tests never share counts or rows.
+* ``make_monitor``: ``make_monitor(**settings)`` builds more such Monitors (``offenders=4``: K offenders per row),
+  each on its own registry, stopped at the end of the test.
+* ``hit_of``: ``hit_of(monitor, site_name)`` is the site's ``Hit`` from ``monitor.snapshot()`` (None when its count
+  is 0), whatever device it is on.
 * ``guard_row``: ``guard_row(row, hits, first=None)`` checks a guard counter row (a tensor or its 8 words) against
   the (row, value) hits a kernel should have recorded: the count, the extremes (values saturated like the kernels
-  do), a first-offender pair that is one of the hits (or exactly ``first``), the spare slots untouched.
+  do), a first-offender pair that is one of the hits (or exactly ``first``), the spare slot 6 untouched (slot 7 is
+  the offender block's address: layout, not checked here).
 * ``captured``: ``captured(fn, monitor)`` runs ``fn`` once (compiles, loads), resets ``monitor``, captures ``fn`` in a
   CUDA graph and checks the capture counted nothing; returns the graph.
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
-  JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas).
+  JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). A
+  script must let a kernel's own CompilationError escape (the run then fails): a kernel that does not compile is a
+  failure, never a skip.
 """
 
 from __future__ import annotations
@@ -63,6 +70,34 @@ def monitor(registry):
 
 
 @pytest.fixture
+def make_monitor():
+    from tripwire import Monitor, SiteRegistry
+
+    made = []
+
+    def make(**settings):  # type: ignore[no-untyped-def]
+        opts = dict(capacity=64, mode="warn", interval=0.01, report_every=10.0)
+        opts.update(settings)
+        m = Monitor(registry=SiteRegistry(capacity=opts["capacity"]), **opts)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.stop()
+
+
+@pytest.fixture(scope="session")
+def hit_of():
+    def get(monitor, name):  # type: ignore[no-untyped-def]
+        hits = [h for (_, site), h in monitor.snapshot().items() if site == name]
+        assert len(hits) <= 1, f"{name} has counts on several devices: {hits}"
+        return hits[0] if hits else None
+
+    return get
+
+
+@pytest.fixture
 def build_probe(tmp_path):
     def run(source: str, timeout: float = 900) -> dict:
         # A file (@triton.jit reads its function's source) run without TRITON_INTERPRET: compiling needs the real
@@ -88,12 +123,12 @@ def guard_row():
         return max(VALUE_MIN, min(VALUE_MAX, v))
 
     def check(row, hits, *, first=None) -> None:  # type: ignore[no-untyped-def]
-        words = row.cpu().tolist() if isinstance(row, torch.Tensor) else list(row)
+        # Slot 7 is layout, not a count: an arena row's offender-block address (0 in a plain counter tensor).
+        words = (row.cpu().tolist() if isinstance(row, torch.Tensor) else list(row))[:7]
         hits = [(sat(r), sat(v)) for r, v in hits]
         assert words[0] == len(hits), f"count {words[0]} != {len(hits)} expected hits {hits}"
         if not hits:
-            # Slot 7 is layout (an arena row's offender-block address; 0 in a plain counter tensor), not a count.
-            assert words[:7] == [0] * 7, words
+            assert words == [0] * 7, words
             return
         assert decode(words[1]) == max(r for r, _ in hits)
         assert decode(words[2]) == max(v for _, v in hits)

@@ -42,10 +42,10 @@ def make_case(dev, *, B=4, Hq=8, Hkv=2, D=64, BS=16, N=20, W=5, dtype=torch.bflo
     return q, k, v, table.to(dev), lens.to(dev)
 
 
-def run(q, k, v, table, lens, ctr, *, splits=1, guard=True, config=None):
+def run(q, k, v, table, lens, ctr, *, splits=1, guard=True, config=None, requests=None):
     out = torch.full_like(q, 7.0)
     ws = da.alloc_workspace(q, table, k.shape[1], k.shape[2], num_splits=splits)
-    da.decode_attention(q, k, v, table, lens, out, workspace=ws, ctr=ctr, guard=guard, config=config)
+    da.decode_attention(q, k, v, table, lens, out, workspace=ws, ctr=ctr, guard=guard, config=config, requests=requests)
     return out
 
 
@@ -67,7 +67,7 @@ def test_matches_reference(kernel_device, monitor, dtype, heads, BS, D):
         twin = run(q, k, v, table, lens, ctr, splits=splits, guard=False, config=da.Config(block_n=16))
         assert torch.equal(out, twin)
     assert out[1].abs().sum() == 0  # the empty sequence
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 def test_scale_and_default_splits(kernel_device, monitor):
@@ -167,13 +167,60 @@ def test_control_unguarded_twin_reads_a_neighbour(kernel_device, monitor, guard_
     ref, ph, _ = da.decode_attention_reference(q, kc, vc, table, lens)
     assert ph == [(0, N)]
     twin = run(q, kc, vc, table, lens, ctr, guard=False, config=da.Config(block_n=16))
-    assert ctr.cpu().abs().sum() == 0  # nobody was told
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)  # nobody was told
     with_neighbour, _, _ = da.decode_attention_reference(q, k, v, table, lens)
     torch.testing.assert_close(twin.cpu(), with_neighbour, **TOL[q.dtype])  # it read the neighbour's keys
     assert (twin.cpu().float() - ref.float()).abs().max() > 0.1
     out = run(q, kc, vc, table, lens, ctr, config=da.Config(block_n=16))
     torch.testing.assert_close(out.cpu(), ref, **TOL[q.dtype])
     guard_row(ctr[0], [(0, N)])
+
+
+# ---------------------------------------------------------------------------------------------- request maps
+@pytest.mark.parametrize("req_dtype", [I32, I64, None], ids=["req32", "req64", "no-map"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_request_map_names_the_sequences(kernel_device, monitor, hit_of, splits, req_dtype):
+    """Bad pages in sequences 0, 2 and 3 and a bad length in sequence 1, read by 2 KV-head programs and (3 splits)
+    several split programs: each offender once, with its sequence's request from the map (None without a map: the
+    control), counts exact, the output unchanged by the map."""
+    N, BS = 20, 16
+    q, k, v, table, lens = make_case(kernel_device, N=N, BS=BS, W=5)
+    table, lens = _corrupt(table, lens, N, BS)
+    lens[1] = 5 * BS + 1
+    ref, ph, lh = da.decode_attention_reference(q, k, v, table, lens)
+    assert len(ph) == 5 and lh == [(1, 5 * BS + 1)]
+    requests = None if req_dtype is None else torch.tensor([70, -71, 72, 2**31 - 1], dtype=req_dtype).to(q.device)
+    want = [None, None, None, None] if requests is None else requests.cpu().tolist()
+    ctr = counters(da.SITES, kernel_device, monitor)
+    out = run(q, k, v, table, lens, ctr, splits=splits, config=da.Config(block_n=16), requests=requests)
+    torch.testing.assert_close(out.cpu(), ref, **TOL[q.dtype])
+    for site, hits in ((da.SITE_PAGE, ph), (da.SITE_SEQ_LEN, lh)):
+        hit = hit_of(monitor, site.name)
+        assert hit.count == len(hits)
+        assert sorted(map(tuple, hit.offenders), key=str) == sorted(((b, x, want[b]) for b, x in hits), key=str)
+
+
+def test_bad_request_map_is_refused(kernel_device, monitor):
+    q, k, v, table, lens = make_case(kernel_device, B=2, W=2)
+    ctr = counters(da.SITES, kernel_device, monitor)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match=r"one request id per sequence\) must have shape \[2\], got \[3\]"):
+        da.decode_attention(q, k, v, table, lens, out, ctr=ctr, requests=torch.zeros(3, dtype=I32))
+    with pytest.raises(TypeError, match=r"one request id per sequence\) must have dtype int32 or int64"):
+        da.decode_attention(q, k, v, table, lens, out, ctr=ctr, requests=torch.zeros(2))
+
+
+def test_op_takes_the_request_map(kernel_device, monitor, hit_of):
+    from tripwire.kernels import ops  # noqa: F401  (registers torch.ops.tripwire)
+
+    q, k, v, table, lens = make_case(kernel_device, B=2, W=2, N=8)
+    table[1, 0] = 8
+    lens[1] = 20
+    ctr = counters(da.SITES, kernel_device, monitor)
+    out = torch.empty_like(q)
+    requests = torch.tensor([5, 6], dtype=I64, device=kernel_device)
+    torch.ops.tripwire.decode_attention(q, k, v, table, lens, out, None, None, ctr, -1.0, True, requests)
+    assert [tuple(o) for o in hit_of(monitor, da.SITE_PAGE.name).offenders] == [(1, 8, 6)]
 
 
 # ---------------------------------------------------------------------------------------------- launcher errors
@@ -260,14 +307,15 @@ from tripwire.kernels import decode_attention as da
 
 CFG = da.Config()  # the launcher's default shape
 
-def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warps=CFG.num_warps):
+def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warps=CFG.num_warps, has_req=False):
     k = da._decode_split
     names = k.arg_names
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "lens_ptr": "*i32",
-             "out_ptr": "*bf16", "pout_ptr": "*fp32", "plse_ptr": "*fp32", "ctr_ptr": "*i64", "W": "i32",
+             "out_ptr": "*bf16", "pout_ptr": "*fp32", "plse_ptr": "*fp32", "ctr_ptr": "*i64", "req_ptr": "*i64",
+             "W": "i32",
              "N": "i32", "Hq": "i32", "S": "i32", "pages_per_split": "i32", "qk_scale": "fp32", "Hkv": "i32"}
     consts = dict(G=4, BLOCK_H=16, HEAD_TILES=1, BS=16, BLOCK_N=block_n, BLOCK_P=128, D=128, STAGES=stages,
-                  SPLIT=False, GUARD=guard, DOT_F32=False, FAULT_BLOCK_N=fault_block_n)
+                  SPLIT=False, GUARD=guard, DOT_F32=False, FAULT_BLOCK_N=fault_block_n, HAS_REQ=has_req)
     sig = {n: types.get(n, "constexpr") for n in names}
     # What a launch with torch's (256-byte aligned) tensors specialises: pointers divisible by 16.
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if types.get(n, "").startswith("*")}
@@ -287,8 +335,13 @@ def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warp
     return {"regs": regs, "smem": smem, "occupancy": occupancy,
             "cp_async": c.asm["ptx"].count("cp.async.cg.shared.global")}
 
+from triton.compiler.errors import CompilationError
+
 try:
-    out = {"twin": build(False, 16), "guarded": build(True, da._FAULT_BLOCK_N), "control": build(True, 64)}
+    out = {"twin": build(False, 16), "guarded": build(True, da._FAULT_BLOCK_N), "control": build(True, 64),
+           "guarded_req": build(True, da._FAULT_BLOCK_N, has_req=True)}
+except CompilationError:
+    raise  # the kernel does not compile: a failure, never a skip
 except Exception as e:
     out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 print(json.dumps(out))
@@ -297,14 +350,15 @@ print(json.dumps(out))
 
 def test_sm90_build_guard_costs_no_occupancy(build_probe):
     """Compiled ahead of time for an H100/H200 (sm_90; no GPU needed), at the launcher's default shape: the guarded
-    kernel fits as many programs per SM as the twin (registers and shared memory), and its hot loop is pipelined like
-    the twin's (16-byte async copies of K and V). Registers are allocated for a kernel's worst path, so the fault
+    kernel, with and without a request map, fits as many programs per SM as the twin (registers and shared memory),
+    and its hot loop is pipelined like the twin's (16-byte async copies of K and V). Registers are allocated for a kernel's worst path, so the fault
     path must not be the hungrier one. Control: a fault loop shaped like the hot one (64-token tiles) needs so many
     more registers that fewer programs fit, so the comparison can fail."""
     r = build_probe(_BUILD_PROBE)
-    twin, guarded, control = r["twin"], r["guarded"], r["control"]
-    assert guarded["occupancy"] == twin["occupancy"] and guarded["smem"] == twin["smem"], r
-    assert twin["cp_async"] > 0 and guarded["cp_async"] == twin["cp_async"], r
+    twin, control = r["twin"], r["control"]
+    for guarded in (r["guarded"], r["guarded_req"]):  # without and with a request map
+        assert guarded["occupancy"] == twin["occupancy"] and guarded["smem"] == twin["smem"], r
+        assert twin["cp_async"] > 0 and guarded["cp_async"] == twin["cp_async"], r
     assert control["occupancy"] < twin["occupancy"], r
 
 

@@ -11,6 +11,7 @@ GPU programs race for it, so there it must be one of the real hits.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def assert_hits(row: torch.Tensor, hits: list[tuple[int, int]]) -> None:
         assert first == min(hits)
     else:
         assert first in hits
-    assert c[6:] == [0, 0]
+    assert c[6] == 0  # spare (slot 7 is the offender block's address)
 
 
 def ids(values: list[int], device: str, dtype: torch.dtype = I32) -> torch.Tensor:
@@ -73,7 +74,7 @@ def test_block_table_in_range(kernel_device, monitor, guard):
     ref, rh, ch = bt.block_table_gather_reference(table, rows, counts)
     assert rh == [] and ch == []
     assert torch.equal(out.cpu(), ref)
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 def test_block_table_corrupted(kernel_device, monitor):
@@ -108,7 +109,7 @@ def test_slot_mapping_in_range(kernel_device, monitor, guard, pos_dtype):
     assert hits == {"row": [], "column": [], "block": []}
     assert torch.equal(slots.cpu(), ref)
     assert (ref >= 0).all()
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 # 4: the power-of-two path (shift and mask); 3 and 6: the general floor-division path.
@@ -145,7 +146,7 @@ def test_slot_mapping_without_block_limit_does_not_guard_block_ids(kernel_device
     ctr = counters(sm.SITES, kernel_device, monitor)
     sm.slot_mapping(ids([1, 5], kernel_device), ids([0, 0], kernel_device), table, slots, 4, ctr=ctr)
     assert slots.cpu().tolist() == [21, -11]  # HAS_BLOCK_LIMIT off: the ids pass through, as documented
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 # ---------------------------------------------------------------------------------------------- KV zero
@@ -157,7 +158,7 @@ def test_kv_zero_in_range(kernel_device, monitor, guard):
     ctr = counters(kz.SITES, kernel_device, monitor)
     kz.kv_zero(pool, block_ids, guard=guard, ctr=ctr)
     assert hits == [] and torch.equal(pool.cpu(), ref)
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 def test_kv_zero_corrupted(kernel_device, monitor):
@@ -182,7 +183,7 @@ def test_paged_gather_in_range(kernel_device, monitor, guard):
     pg.paged_gather(cache, table, out, guard=guard, ctr=ctr)
     ref, hits = pg.paged_gather_reference(cache, table)
     assert hits == [] and torch.equal(out.cpu(), ref)
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 def test_paged_gather_corrupted(kernel_device, monitor):
@@ -214,7 +215,7 @@ def test_state_copy_in_range(kernel_device, monitor, guard):
     sc.state_copy(state, table, rows, src, dst, guard=guard, ctr=ctr)
     assert hits == {"row": [], "column": [], "slot": []}
     assert torch.equal(state.cpu(), ref)
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 def test_state_copy_corrupted(kernel_device, monitor):
@@ -261,7 +262,7 @@ def test_rope_in_range(kernel_device, monitor, guard, dtype):
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     torch.testing.assert_close(qo.cpu(), rq, **tol)
     torch.testing.assert_close(ko.cpu(), rk, **tol)
-    assert ctr.cpu().abs().sum() == 0
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
 
 
 def test_rope_in_place(kernel_device, monitor):
@@ -365,7 +366,7 @@ def test_control_unguarded_twin_reads_and_clobbers_a_neighbour(kernel_device, mo
 
     pg.paged_gather(pool, table, out, guard=False, ctr=ctr)
     assert torch.equal(out[0, 1], buf[4])  # silently read the neighbour
-    assert ctr.cpu().abs().sum() == 0  # and nobody was told
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)  # and nobody was told
     pg.paged_gather(pool, table, out, guard=True, ctr=ctr)
     assert out[0, 1].abs().sum() == 0
     assert_hits(ctr, [(1, 4)])
@@ -523,3 +524,307 @@ def test_graph_replay_counts_exactly_n_times(monitor):
     assert ctr.cpu()[0] == n * 4
     ref, _ = pg.paged_gather_reference(cache, table)
     assert torch.equal(out.cpu(), ref)
+
+
+# ---------------------------------------------------------------------------------------------- request maps
+def _request_cases(dev: str, monitor) -> dict:
+    """Per kernel: ``launch(requests)``, the map's length and unit, and the faults planted in chosen rows as
+    ``{site name: [(row, value, index into the map)]}``."""
+    i32 = I32
+    cases = {}
+
+    table, counts = _bt_inputs(dev)
+    counts[3] = 9  # > W: request row 3's count
+    rows = ids([0, 1, 5, 3], dev)  # batch entry 2: a bad row; entry 3 reads the bad count
+    out = torch.empty(4, 6, dtype=i32, device=dev)
+    bt_ctr = counters(bt.SITES, dev, monitor)
+    cases["block_table"] = (
+        lambda r: bt.block_table_gather(table, rows, counts, out, ctr=bt_ctr, requests=r),
+        4,
+        "batch entry",
+        {bt.SITE_ROW.name: [(2, 5, 2)], bt.SITE_COUNT.name: [(3, 9, 3)]},
+    )
+
+    sm_table = (torch.arange(12, dtype=i32).reshape(3, 4) * 2).to(dev)
+    sm_table[1, 2] = 99  # >= num_kv_blocks
+    pos = ids([0, 1, 40, 3, 4, 9, 6, 7], dev)  # token 2: column 10
+    tok_rows = ids([0, 0, 0, 0, 0, 7, 0, 0], dev)  # token 5: row 7
+    tok_rows[6] = 1
+    pos[6] = 9  # token 6: row 1, column 2 -> block 99
+    slots = torch.empty(8, dtype=I64, device=dev)
+    sm_ctr = counters(sm.SITES, dev, monitor)
+    cases["slot_mapping"] = (
+        lambda r: sm.slot_mapping(pos, tok_rows, sm_table, slots, 4, num_kv_blocks=24, ctr=sm_ctr, requests=r),
+        8,
+        "token",
+        {sm.SITE_ROW.name: [(5, 7, 5)], sm.SITE_COLUMN.name: [(2, 10, 2)], sm.SITE_BLOCK.name: [(6, 99, 6)]},
+    )
+
+    pool = torch.zeros(5, 2, 3, device=dev)
+    block_ids = ids([0, 1, 2, -4, 4], dev)
+    kz_ctr = counters(kz.SITES, dev, monitor)
+    cases["kv_zero"] = (
+        lambda r: kz.kv_zero(pool, block_ids, ctr=kz_ctr, requests=r),
+        5,
+        "list entry",
+        {kz.SITE.name: [(3, -4, 3)]},
+    )
+
+    cache = torch.randn(6, 2, 3, device=dev)
+    page_table = ids([[0, 1, 2, 3], [4, 5, 0, 1], [2, 60, 3, 4]], dev)  # entry (2, 1): flat row 9
+    pg_out = torch.empty(3, 4, 2, 3, device=dev)
+    pg_ctr = counters(pg.SITES, dev, monitor)
+    cases["paged_gather"] = (
+        lambda r: pg.paged_gather(cache, page_table, pg_out, ctr=pg_ctr, requests=r),
+        3,
+        "batch entry, a row of page_table",
+        {pg.SITE.name: [(9, 60, 2)]},  # the request of batch entry 2, not of flat entry 9
+    )
+
+    state, sc_table = _sc_inputs(dev)
+    sc_table[3, 1] = 8  # == S
+    sc_rows = ids([0, 4, 2, 1, 3], dev)  # copy 1: bad row
+    src = ids([0, 0, 0, 0, 0], dev)
+    dst = ids([1, 1, 1, 5, 1], dev)  # copy 3: bad column; copy 4 reads slot 8
+    sc_ctr = counters(sc.SITES, dev, monitor)
+    cases["state_copy"] = (
+        lambda r: sc.state_copy(state, sc_table, sc_rows, src, dst, ctr=sc_ctr, requests=r),
+        5,
+        "copy",
+        {sc.SITE_ROW.name: [(1, 4, 1)], sc.SITE_COLUMN.name: [(3, 5, 3)], sc.SITE_SLOT.name: [(4, 8, 4)]},
+    )
+
+    q, k, cs = _rope_inputs(dev, torch.float32)
+    rope_pos = ids([0, 1, 2, 3, 11, 5], dev)  # token 4: position 11 >= 10
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    rp_ctr = counters(rp.SITES, dev, monitor)
+    cases["rope"] = (
+        lambda r: rp.rope(rope_pos, q, k, cs, qo, ko, ctr=rp_ctr, requests=r),
+        6,
+        "token",
+        {rp.SITE.name: [(4, 11, 4)]},
+    )
+    return cases
+
+
+KERNEL_NAMES = ["block_table", "slot_mapping", "kv_zero", "paged_gather", "state_copy", "rope"]
+
+
+def _requests(n: int, dtype: torch.dtype, dev: str) -> torch.Tensor:
+    return torch.tensor([(-1) ** i * (1000 + 7 * i) for i in range(n)], dtype=dtype, device=dev)
+
+
+@pytest.mark.parametrize("req_dtype", [I32, I64, None], ids=["req32", "req64", "no-map"])
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_request_map_names_the_faulting_rows_request(kernel_device, monitor, hit_of, name, req_dtype):
+    """A fault planted in a chosen row of each site: its offender carries exactly that row's request from the map
+    (the map is indexed by the kernel's unit: paged_gather's by batch entry, not by flat entry); without a map the
+    request is None (the control: the request comes from the map, nothing else). Counts are exact either way."""
+    launch, n, _, expect = _request_cases(kernel_device, monitor)[name]
+    requests = None if req_dtype is None else _requests(n, req_dtype, kernel_device)
+    launch(requests)
+    want_map = None if requests is None else requests.cpu().tolist()
+    for site, faults in expect.items():
+        hit = hit_of(monitor, site)
+        want = [(row, value, None if want_map is None else want_map[j]) for row, value, j in faults]
+        assert hit is not None and hit.count == len(faults), (site, hit)
+        assert [tuple(o) for o in hit.offenders] == want, site
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_bad_request_maps_are_refused(kernel_device, monitor, name):
+    """Wrong dtype, length, layout or device: refused at launch with an error naming the map and its unit; nothing
+    is launched (no count)."""
+    launch, n, unit, _ = _request_cases(kernel_device, monitor)[name]
+    dev = kernel_device
+    good = _requests(n, I64, dev)
+    u = re.escape(unit)
+    with pytest.raises(TypeError, match=rf"requests \(the request map: one request id per {u}\) must have dtype"):
+        launch(good.float())
+    with pytest.raises(ValueError, match=rf"one request id per {u}\) must have shape \[{n}\], got \[{n + 1}\]"):
+        launch(_requests(n + 1, I64, dev))
+    with pytest.raises(ValueError, match=r"must have shape"):
+        launch(good.reshape(1, n))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        launch(_requests(2 * n, I64, dev)[::2])
+    with pytest.raises(ValueError, match=r"requests .* is on meta but the kernel's tensors are on"):
+        launch(torch.zeros(n, dtype=I64, device="meta"))
+    with pytest.raises(TypeError, match=r"must be a torch\.Tensor or None"):
+        launch(list(range(n)))
+    assert all(h.count == 0 for h in monitor.snapshot().values())
+    launch(good)  # control: the same launch with a good map runs and counts
+    assert sum(h.count for h in monitor.snapshot().values()) > 0
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_ops_take_the_request_map(kernel_device, monitor, hit_of, name):
+    """The custom ops accept the optional request map as their last argument (their schemas keep every other
+    argument where it was): the offenders carry the requests as with the launchers."""
+    cases = _cases_for_ops(kernel_device, monitor)
+    op, args, n, site, want = cases[name]
+    requests = _requests(n, I32, kernel_device)
+    op(*args, requests)
+    hit = hit_of(monitor, site)
+    assert [tuple(o) for o in hit.offenders] == [(r, v, requests[j].item()) for r, v, j in want]
+
+
+def _cases_for_ops(dev: str, monitor) -> dict:
+    from tripwire.kernels import ops  # noqa: F401  (registers torch.ops.tripwire)
+
+    T = torch.ops.tripwire
+    table = (torch.arange(12, dtype=I32).reshape(3, 4)).to(dev)
+    return {
+        "block_table": (
+            T.block_table_gather,
+            (table, ids([0, 5], dev), ids([4, 2, 1], dev), torch.zeros(2, 4, dtype=I32, device=dev),
+             counters(bt.SITES, dev, monitor), True),
+            2, bt.SITE_ROW.name, [(1, 5, 1)],
+        ),
+        "slot_mapping": (
+            T.slot_mapping,
+            (ids([0, 5, 1], dev, I64), ids([0, 1, 9], dev), table, torch.zeros(3, dtype=I64, device=dev),
+             counters(sm.SITES, dev, monitor), 4, -1, True),
+            3, sm.SITE_ROW.name, [(2, 9, 2)],
+        ),
+        "kv_zero": (
+            T.kv_zero,
+            (torch.zeros(4, 2, device=dev), ids([1, 7], dev), counters(kz.SITES, dev, monitor), True),
+            2, kz.SITE.name, [(1, 7, 1)],
+        ),
+        "paged_gather": (
+            T.paged_gather,
+            (torch.zeros(4, 2, device=dev), ids([[0, 1], [-1, 2]], dev), torch.zeros(2, 2, 2, device=dev),
+             counters(pg.SITES, dev, monitor), True),
+            2, pg.SITE.name, [(2, -1, 1)],
+        ),
+        "state_copy": (
+            T.state_copy,
+            (torch.zeros(6, 2, device=dev), ids([[0, 1], [2, 3]], dev), ids([0, 3], dev), ids([0, 0], dev),
+             ids([1, 1], dev), counters(sc.SITES, dev, monitor), True),
+            2, sc.SITE_ROW.name, [(1, 3, 1)],
+        ),
+        "rope": (
+            T.rope,
+            (ids([0, 12], dev), torch.zeros(2, 1, 4, device=dev), torch.zeros(2, 1, 4, device=dev),
+             torch.zeros(5, 4, device=dev), torch.zeros(2, 1, 4, device=dev), torch.zeros(2, 1, 4, device=dev),
+             counters(rp.SITES, dev, monitor), True),
+            2, rp.SITE.name, [(1, 12, 1)],
+        ),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- sm_90 builds
+_KERNELS_PROBE = r"""
+import json
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
+from triton.runtime.jit import JITFunction
+
+launches = []
+# Record each launch instead of running it (there is no GPU here): the launchers run as in an engine, with CPU
+# tensors, and every argument they pass is captured with its type.
+JITFunction.run = lambda self, *args, grid, warmup, **kw: launches.append((self, args, kw))
+
+import tests_kernels_cases as cases  # noqa: E402  (written next to this probe)
+
+TYPES = {torch.int32: "i32", torch.int64: "i64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+def signature(fn, args, kw):
+    sig, consts = {}, {}
+    for i, p in enumerate(fn.params):
+        v = args[i] if i < len(args) else kw[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        else:
+            sig[p.name] = "fp32"
+    return sig, consts
+
+try:
+    out = {}
+    for name, has_req in cases.run_all():
+        for fn, args, kw in launches:
+            sig, consts = signature(fn, args, kw)
+            opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+            c = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
+            key = f"{name}/{fn.__name__}/{'req' if has_req else 'noreq'}"
+            out[key] = {"cas": c.asm["ptx"].count(".cas.b64")}
+        launches.clear()
+except CompilationError:
+    raise  # a kernel that does not compile is a failure, never a skip
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print(json.dumps(out))
+"""
+
+_KERNELS_CASES = r"""
+import torch
+import tripwire
+from tripwire.kernels import block_table as bt, counters, decode_attention as da, kv_zero as kz
+from tripwire.kernels import paged_gather as pg, rope as rp, slot_mapping as sm, state_copy as sc
+
+mon = tripwire.Monitor(registry=tripwire.SiteRegistry(capacity=64), capacity=64, mode="off")
+i32 = torch.int32
+
+def z(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+def launchers(req):
+    yield "block_table", lambda r: bt.block_table_gather(
+        z(3, 4, dtype=i32), z(2, dtype=i32), z(3, dtype=i32), z(2, 4, dtype=i32), ctr=counters(bt.SITES, "cpu", mon),
+        requests=r(2))
+    yield "slot_mapping", lambda r: sm.slot_mapping(
+        z(5, dtype=i32), z(5, dtype=i32), z(3, 4, dtype=i32), z(5, dtype=torch.int64), 16, num_kv_blocks=8,
+        ctr=counters(sm.SITES, "cpu", mon), requests=r(5))
+    yield "kv_zero", lambda r: kz.kv_zero(z(4, 2, 16), z(3, dtype=i32), ctr=counters(kz.SITES, "cpu", mon),
+                                          requests=r(3))
+    yield "paged_gather", lambda r: pg.paged_gather(
+        z(4, 2, 16, dtype=torch.bfloat16), z(2, 3, dtype=i32), z(2, 3, 2, 16, dtype=torch.bfloat16),
+        ctr=counters(pg.SITES, "cpu", mon), requests=r(2))
+    yield "state_copy", lambda r: sc.state_copy(
+        z(6, 64), z(3, 2, dtype=i32), z(2, dtype=i32), z(2, dtype=i32), z(2, dtype=i32),
+        ctr=counters(sc.SITES, "cpu", mon), requests=r(2))
+    yield "rope", lambda r: rp.rope(
+        z(3, dtype=torch.int64), z(3, 4, 64, dtype=torch.bfloat16), z(3, 2, 64, dtype=torch.bfloat16), z(8, 64),
+        z(3, 4, 64, dtype=torch.bfloat16), z(3, 2, 64, dtype=torch.bfloat16), ctr=counters(rp.SITES, "cpu", mon),
+        requests=r(3))
+    q = z(2, 8, 64, dtype=torch.bfloat16)
+    kv = z(6, 16, 2, 64, dtype=torch.bfloat16)
+    table = z(2, 3, dtype=i32)
+    ws = da.alloc_workspace(q, table, 16, 2, num_splits=2)
+    yield "decode_attention", lambda r: da.decode_attention(
+        q, kv, kv, table, z(2, dtype=i32), torch.empty_like(q), workspace=ws, ctr=counters(da.SITES, "cpu", mon),
+        requests=r(2))
+
+def run_all():
+    for has_req in (False, True):
+        def r(n):
+            return torch.arange(n, dtype=torch.int64) if has_req else None
+        for name, launch in launchers(has_req):
+            launch(r)
+            yield name, has_req
+"""
+
+
+def test_every_kernel_compiles_for_sm90_with_and_without_requests(build_probe, tmp_path):
+    """Each reference kernel, launched by its own launcher (the launch captured, not run) and compiled for sm_90
+    (no GPU needed), with and without a request map: all compile, the guarded ones with their fault path's
+    compare-and-swaps. The interpreter runs code the compiler refuses (tests/test_triton.py has the control), so the
+    CPU tests alone cannot show this."""
+    (tmp_path / "tests_kernels_cases.py").write_text(_KERNELS_CASES)
+    r = build_probe(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _KERNELS_PROBE)
+    names = {"block_table", "slot_mapping", "kv_zero", "paged_gather", "state_copy", "rope", "decode_attention"}
+    for req in ("req", "noreq"):
+        built = {k.split("/")[0] for k in r if k.endswith("/" + req)}
+        assert built == names, (req, sorted(r))
+    guarded = {k: v for k, v in r.items() if "_decode_reduce" not in k}
+    assert all(v["cas"] >= 2 for v in guarded.values()), guarded

@@ -1,6 +1,8 @@
+import itertools
+
 import pytest
 
-from tripwire.layout import GUARD_BIAS, VALUE_MAX, VALUE_MIN, decode, decode_neg, encode, encode_neg
+from tripwire.layout import GUARD_BIAS, VALUE_MAX, VALUE_MIN, decode, decode_neg, encode, encode_neg, offender_key
 
 
 @pytest.mark.parametrize("v", [0, 1, -1, 2**31 - 1, -(2**31), 2**40, VALUE_MAX, VALUE_MIN])
@@ -26,3 +28,22 @@ def test_outside_range_refused(v):
         encode(v)
     with pytest.raises(ValueError, match="encodable range"):
         encode_neg(v)
+
+
+def test_offender_key_tells_the_encodings_special_words_apart():
+    """Rows, values and requests at the encoding's special words (0 = request not known, the bias, the saturated
+    extremes, small numbers around them): every triple has its own non-zero key. Control: a linear mix of the three
+    words (odd multipliers, then an xor-shift) collides on them, e.g. (row 1, value -1, request 0) and (row 1, value
+    2**62 - 1 saturated, request not known), which would then share one offender entry."""
+    words = sorted({0, 2, 3, encode(-1), encode(0), encode(1), encode(VALUE_MAX), encode(VALUE_MIN), encode(2**61)})
+    assert len(words) == 9
+    keys = {offender_key(*w) for w in itertools.product(words, repeat=3)}
+    assert len(keys) == len(words) ** 3 and 0 not in keys
+
+    def linear(rb: int, vb: int, qb: int) -> int:
+        h = (rb * 0x2545F4914F6CDD1D + vb * 0x1F3D5B79A1C3E5F7 + qb * 0x3C6EF372FE94F82B) % 2**64
+        return (h ^ (h >> 29)) | 1
+
+    assert linear(encode(1), encode(-1), encode(0)) == linear(encode(1), encode(VALUE_MAX), 0)
+    assert offender_key(encode(1), encode(-1), encode(0)) != offender_key(encode(1), encode(VALUE_MAX), 0)
+    assert len({linear(*w) for w in itertools.product(words, repeat=3)}) < len(words) ** 3

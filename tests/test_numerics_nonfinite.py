@@ -26,7 +26,7 @@ def decoded(monitor, site, device) -> dict:
         "max_col": decode(r[2]),
         "min_col": decode_neg(r[3]),
         "first": (decode(r[4]), decode(r[5])),
-        "spare": r[6],  # slot 7 is the offender block's address (tripwire.layout)
+        "spare": r[6:7],  # slot 7 is layout (the offender block's address)
     }
 
 
@@ -65,7 +65,7 @@ def test_planted_exact(monitor, kernel_device, dtype, shape):
     assert (got["max_row"], got["max_col"], got["min_col"]) == (ref["max_row"], ref["max_col"], ref["min_col"])
     # One program covers this tensor: the first offender is the lowest (row, column).
     assert got["first"] == ref["lowest"]
-    assert got["spare"] == 0
+    assert got["spare"] == [0]
     if len(shape) == 1:
         assert ref["max_col"] == 0  # 1-D: row = index, column 0
 
@@ -93,7 +93,7 @@ def test_clean_data_records_nothing(monitor, kernel_device):
     x[0, 0] = torch.finfo(torch.bfloat16).max
     x[1, 1] = -torch.finfo(torch.bfloat16).max
     count_nonfinite(x, site, monitor=monitor)
-    assert monitor.read_rows(kernel_device)[site.id].tolist()[:7] == [0] * 7  # slot 7: layout, not a count
+    assert monitor.read_rows(kernel_device)[site.id, :7].tolist() == [0] * 7  # slot 7 is layout (the offender block)
 
 
 def test_float64_is_not_upcast(monitor, kernel_device):
@@ -156,7 +156,7 @@ def test_rejects_bad_arguments(monitor, registry, x, site_kind, err):
 def test_empty_tensor_is_a_no_op(monitor):
     site = register_nonfinite_site("empty", monitor=monitor)
     count_nonfinite(torch.zeros(0, 5), site, monitor=monitor)
-    assert monitor.read_rows("cpu")[site.id].tolist()[:7] == [0] * 7  # slot 7: layout, not a count
+    assert monitor.read_rows("cpu")[site.id, :7].tolist() == [0] * 7  # slot 7 is layout (the offender block)
 
 
 # ------------------------------------------------------------------------------------------------------ reporting

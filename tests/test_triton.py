@@ -4,15 +4,18 @@ ENTRIES counted once in a 2-D tile read by several programs (with the lane-count
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tripwire.layout import decode, decode_neg
+from tripwire.layout import VALUE_MAX, VALUE_MIN, decode, decode_neg
 from tripwire.triton import GUARD_BIAS, guard_index, record_hit, record_hits
 
 
@@ -351,3 +354,339 @@ def test_record_hit_counts_once_per_program(kernel_device, guard_row):
     ctr.zero_()
     k[(4,)](ctr, x, ONE=True)
     guard_row(ctr, [(0, 11)])
+
+
+# ---------------------------------------------------------------------------------------------- offenders
+# Under the interpreter programs run one after another and a block's atomics run lane by lane, so "first come" is
+# exactly (program, lane) order; on the GPU programs and lanes race, so there the kept ones are some K of them.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SEQUENTIAL = INTERPRET
+
+
+@triton.jit
+def _offender_kernel(ctr, bad_ptr, rows_ptr, vals_ptr, reqs_ptr, n, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p records lanes [p * BLOCK, (p + 1) * BLOCK): their bad flags, rows, values and (HAS_REQ) requests."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    bad = tl.load(bad_ptr + offs, mask=m, other=0) != 0
+    rows = tl.load(rows_ptr + offs, mask=m, other=0)
+    vals = tl.load(vals_ptr + offs, mask=m, other=0)
+    reqs = None
+    if HAS_REQ:
+        reqs = tl.load(reqs_ptr + offs, mask=m, other=0)
+    record_hits(ctr, tl.where(m, bad, False), rows, vals, reqs)
+
+
+@triton.jit
+def _scalar_offender_kernel(ctr, x_ptr, reqs_ptr, lo, hi, HAS_REQ: tl.constexpr):
+    """record_hit under the kernel's `if bad:` (one program per entry), the request of the entry with it."""
+    pid = tl.program_id(0)
+    x = tl.load(x_ptr + pid)
+    if (x < lo) | (x >= hi):
+        req = None
+        if HAS_REQ:
+            req = tl.load(reqs_ptr + pid)
+        record_hit(ctr, pid, x, req)
+
+
+@triton.jit
+def _guard_offender_kernel(ctr, x_ptr, reqs_ptr, n, lo, hi, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0)
+    guard_index(x, lo, hi, ctr, offs, mask=m, req=tl.load(reqs_ptr + offs, mask=m, other=0))
+
+
+def _record(dev, ctr, lanes, block, has_req=True):
+    """Launch _offender_kernel over ``lanes`` = [(bad, row, value, request)], ``block`` lanes per program."""
+    bad, rows, vals, reqs = (torch.tensor(c, dtype=torch.int64, device=dev) for c in zip(*lanes, strict=True))
+    n = len(lanes)
+    _offender_kernel[(triton.cdiv(n, block),)](ctr, bad, rows, vals, reqs, n, HAS_REQ=has_req, BLOCK=block)
+
+
+def _first_distinct(hits):
+    out = []
+    for h in hits:
+        if h not in out:
+            out.append(h)
+    return out
+
+
+def _check_kept(hit, hits, k):
+    """The kept offenders of ``hit`` against the hits in arrival order: the first ``k`` distinct ones (exactly, in
+    order, under the interpreter; on the GPU some ``min(k, distinct)`` of them, all of them when they fit)."""
+    distinct = _first_distinct(hits)
+    kept = [tuple(o) for o in hit.offenders]
+    assert hit.count == len(hits)
+    assert len(kept) == len(set(kept)) == min(k, len(distinct)), (kept, distinct)
+    if SEQUENTIAL:
+        assert kept == distinct[:k]
+    else:
+        assert set(kept) <= set(distinct)
+        if len(distinct) <= k:
+            assert set(kept) == set(distinct)
+
+
+_req_pool = st.one_of(st.integers(-3, 3), st.sampled_from([2**62, -(2**63), 2**31 - 1]))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lanes=st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(-4, 4), _req_pool), min_size=1, max_size=40),
+    block=st.sampled_from([1, 4, 16]),
+    k=st.sampled_from([1, 3, 8]),
+    has_req=st.booleans(),
+)
+def test_offenders_first_k_distinct(make_monitor, hit_of, lanes, block, k, has_req):
+    """Random bad sets over one or several programs (block 1: a program per lane; 16: most in one program), drawn
+    from small pools so that repeats are common: the row keeps the first K distinct (row, value, request) in arrival
+    order, the count is exact; without a request map every request is None."""
+    mon = make_monitor(offenders=k)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ctr = mon.counter(mon.registry.register("t.offenders"), dev)
+    _record(dev, ctr, lanes, block, has_req)
+    sat = lambda q: max(VALUE_MIN, min(VALUE_MAX, q))  # noqa: E731
+    hits = [(r, v, sat(q) if has_req else None) for b, r, v, q in lanes if b]
+    hit = hit_of(mon, "t.offenders")
+    if not hits:
+        assert hit is None
+        return
+    _check_kept(hit, hits, k)
+
+
+def test_offenders_in_one_program_and_across_programs(make_monitor, hit_of, kernel_device):
+    """5 distinct offenders in one program, then a program with 2 repeats and 2 new ones: 7 kept of K = 8, in
+    arrival order; the count is the 10 bad lanes. Control: the same bad lanes in one program each, with the repeats'
+    values made distinct, fill the 8 entries (so the repeats above really were recognised as repeats)."""
+    mon = make_monitor(offenders=8)
+    ctr = mon.counter(mon.registry.register("t.one"), kernel_device)
+    p0 = [(1, 10 + i, -i, 100 + i) for i in range(5)] + [(0, 99, 99, 99)] * 3
+    p1 = [(1, 11, -1, 101), (1, 13, -3, 103), (1, 50, 7, -1), (1, 51, 8, -2), (0, 1, 1, 1), (1, 50, 7, -1)] + [
+        (0, 0, 0, 0)
+    ] * 2
+    _record(kernel_device, ctr, p0 + p1, 8)
+    hits = [(r, v, q) for b, r, v, q in p0 + p1 if b]
+    assert len(hits) == 10 and len(_first_distinct(hits)) == 7
+    hit = hit_of(mon, "t.one")
+    _check_kept(hit, hits, 8)
+    # Control: distinct values for what were repeats: every lane is a new offender, 10 distinct, 8 kept.
+    mon2 = make_monitor(offenders=8)
+    ctr2 = mon2.counter(mon2.registry.register("t.one"), kernel_device)
+    distinct = [(b, r, v + 1000 * i, q) for i, (b, r, v, q) in enumerate(p0 + p1)]
+    _record(kernel_device, ctr2, distinct, 1)
+    hit2 = hit_of(mon2, "t.one")
+    assert hit2.count == 10 and len(hit2.offenders) == 8
+
+
+def test_repeats_claim_nothing(make_monitor, hit_of, kernel_device):
+    """The same 3 faults launched 4 times (and twice within one program each time): the count is 4 x 6, the
+    offenders are the 3 distinct ones, once each. Control: the same rows with a new value each launch keep more."""
+    mon = make_monitor(offenders=8)
+    ctr = mon.counter(mon.registry.register("t.repeat"), kernel_device)
+    faults = [(1, 3, 40, 7), (1, 5, -2, 7), (1, 9, 40, 8)]
+    for _ in range(4):
+        _record(kernel_device, ctr, faults + faults, 8)
+    hit = hit_of(mon, "t.repeat")
+    assert hit.count == 24
+    assert [tuple(o) for o in hit.offenders] == [(3, 40, 7), (5, -2, 7), (9, 40, 8)] or not SEQUENTIAL
+    assert sorted(tuple(o) for o in hit.offenders) == [(3, 40, 7), (5, -2, 7), (9, 40, 8)]
+    # Control: a new value per launch is a new offender each time: 3 per launch, 8 kept (the count is exact).
+    mon2 = make_monitor(offenders=8)
+    ctr2 = mon2.counter(mon2.registry.register("t.repeat"), kernel_device)
+    for i in range(4):
+        _record(kernel_device, ctr2, [(b, r, v + i, q) for b, r, v, q in faults], 8)
+    hit2 = hit_of(mon2, "t.repeat")
+    assert hit2.count == 12 and len(hit2.offenders) == 8
+
+
+def test_request_only_tells_offenders_apart(make_monitor, hit_of, kernel_device):
+    """One (row, value) with two requests is two offenders; with no request map it is one (request None)."""
+    mon = make_monitor()
+    ctr = mon.counter(mon.registry.register("t.req"), kernel_device)
+    _record(kernel_device, ctr, [(1, 4, 9, 1), (1, 4, 9, 2), (1, 4, 9, 1)], 4)
+    assert sorted(tuple(o) for o in hit_of(mon, "t.req").offenders) == [(4, 9, 1), (4, 9, 2)]
+    mon2 = make_monitor()
+    ctr2 = mon2.counter(mon2.registry.register("t.req"), kernel_device)
+    _record(kernel_device, ctr2, [(1, 4, 9, 1), (1, 4, 9, 2), (1, 4, 9, 1)], 4, has_req=False)
+    hit = hit_of(mon2, "t.req")
+    assert hit.count == 3 and [tuple(o) for o in hit.offenders] == [(4, 9, None)]
+
+
+def test_more_than_k_distinct_keep_k_and_count_exactly(make_monitor, hit_of, kernel_device):
+    """12 distinct offenders over 6 programs into K = 4: 4 kept (the first 4, under the interpreter), the count 12,
+    the extremes over all 12. Control: K = 16 keeps all 12."""
+    faults = [(1, i, 100 - i, i % 3) for i in range(12)]
+    for k, kept in ((4, 4), (16, 12)):
+        mon = make_monitor(offenders=k)
+        ctr = mon.counter(mon.registry.register("t.many"), kernel_device)
+        _record(kernel_device, ctr, faults, 2)
+        hit = hit_of(mon, "t.many")
+        assert (hit.count, len(hit.offenders)) == (12, kept)
+        assert (hit.max_row, hit.min_value, hit.max_value) == (11, 89, 100)
+        _check_kept(hit, [(r, v, q) for _, r, v, q in faults], k)
+    # More faults into the full block: counted, nothing more kept.
+    _record(kernel_device, ctr, [(1, 50 + i, i, 0) for i in range(6)], 4)
+    hit = hit_of(mon, "t.many")
+    assert (hit.count, len(hit.offenders)) == (18, 16)
+
+
+def test_record_hit_and_guard_index_keep_offenders_with_requests(make_monitor, hit_of, kernel_device):
+    """record_hit (a program each) and guard_index (lanes of a block) keep the same offenders as record_hits."""
+    x = [0, 9, -1, 3, 12, 9]
+    reqs = [70, 71, 72, 73, 74, 71]
+    expect = [(1, 9, 71), (2, -1, 72), (4, 12, 74), (5, 9, 71)]
+    xt = torch.tensor(x, dtype=torch.int32, device=kernel_device)
+    rt = torch.tensor(reqs, dtype=torch.int32, device=kernel_device)
+    mon = make_monitor()
+    a = mon.counter(mon.registry.register("t.hit"), kernel_device)
+    b = mon.counter(mon.registry.register("t.hit_noreq"), kernel_device)
+    g = mon.counter(mon.registry.register("t.guard"), kernel_device)
+    _scalar_offender_kernel[(len(x),)](a, xt, rt, 0, 8, HAS_REQ=True)
+    _scalar_offender_kernel[(len(x),)](b, xt, rt, 0, 8, HAS_REQ=False)
+    _guard_offender_kernel[(2,)](g, xt, rt, len(x), 0, 8, BLOCK=4)
+    for name, want in (("t.hit", expect), ("t.guard", expect), ("t.hit_noreq", [(r, v, None) for r, v, _ in expect])):
+        hit = hit_of(mon, name)
+        assert hit.count == 4, name
+        got = [tuple(o) for o in hit.offenders]
+        assert (got if SEQUENTIAL else sorted(got, key=str)) == (want if SEQUENTIAL else sorted(want, key=str)), name
+
+
+def test_plain_counter_counts_and_keeps_no_offenders(make_monitor, hit_of, kernel_device):
+    """A counter that is not an arena row (a plain zeros(8): slot 7 is 0) still counts exactly, keeps its extremes
+    and first pair, and nothing is written past its 8 words. Control: the same faults into an arena row keep 3."""
+    faults = [(1, 2, 30, 5), (1, 4, -6, 5), (0, 0, 0, 0), (1, 7, 30, 6)]
+    guard = torch.full((24,), -1, dtype=torch.int64, device=kernel_device)  # 8 words of counter, then 16 of canary
+    ctr = guard[8:16]
+    ctr.zero_()
+    _record(kernel_device, ctr, faults, 4)
+    d = decoded(ctr)
+    assert (d["count"], d["max_row"], d["min_value"], d["max_value"], d["spare"]) == (3, 7, -6, 30, [0, 0])
+    assert (d["first_row"], d["first_value"]) == (2, 30)
+    assert guard[:8].eq(-1).all() and guard[16:].eq(-1).all()  # nothing written around it
+    mon = make_monitor()
+    row = mon.counter(mon.registry.register("t.arena"), kernel_device)
+    _record(kernel_device, row, faults, 4)
+    hit = hit_of(mon, "t.arena")
+    assert hit.count == 3 and sorted(tuple(o) for o in hit.offenders) == [(2, 30, 5), (4, -6, 5), (7, 30, 6)]
+
+
+# ---------------------------------------------------------------------------------------------- sm_90 build
+# The control: an early return inside a static `if`. A module of its own, so that the interpreter (here) and the
+# compiler (the probe) run the same source (@triton.jit reads its function's source from a file).
+_EARLY_RETURN = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _early_return(reqs, like):
+    if reqs is None:
+        return like * 0
+    return reqs.to(tl.int64) + like * 0
+
+
+@triton.jit
+def control(out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _early_return(None, offs.to(tl.int64)))
+"""
+
+_HELPERS_PROBE = r"""
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
+from tripwire.triton import guard_index, record_hit, record_hits
+
+@triton.jit
+def uses(ctr, x_ptr, req_ptr, n, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0)
+    q = None
+    if HAS_REQ:
+        q = tl.load(req_ptr + offs, mask=m, other=0)
+    guard_index(x, 0, n, ctr, offs, mask=m, count=tl.program_id(1) == 0, req=q)
+    record_hits(ctr + 8, m & (x == 7), offs, x, q)
+    y = tl.load(x_ptr + tl.program_id(0))
+    if y >= n:
+        r = None
+        if HAS_REQ:
+            r = tl.load(req_ptr + tl.program_id(0))
+        record_hit(ctr + 16, tl.program_id(0), y, r)
+
+from early_return import control  # noqa: E402  (written next to this probe)
+
+def build(k, types, consts):
+    names = k.arg_names
+    sig = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(k, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+
+types = {"ctr": "*i64", "x_ptr": "*i32", "req_ptr": "*i64", "n": "i32", "out_ptr": "*i64"}
+try:
+    out = {}
+    for has in (False, True):
+        ptx = build(uses, types, dict(HAS_REQ=has, BLOCK=128))
+        out[str(has)] = {"cas": ptx.count(".cas.b64"), "release": ptx.count("atom.global.sys.release.exch")}
+    try:
+        build(control, types, dict(BLOCK=16))
+        out["control"] = "compiled"
+    except CompilationError as e:
+        out["control"] = "CompilationError: " + str(e).splitlines()[-1][:200]
+except CompilationError:
+    raise  # a helper that does not compile is a failure, never a skip
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print(json.dumps(out))
+"""
+
+
+def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_path):
+    """Every helper, with and without a request, compiled for sm_90 (no GPU needed): the fault path's
+    compare-and-swaps and the released ROW store are in the PTX. Control: the interpreter runs code the compiler
+    refuses (an early return inside a static `if`: the compiler goes on past it), so only a build shows that the
+    helpers compile."""
+    (tmp_path / "early_return.py").write_text(_EARLY_RETURN)
+    r = build_probe(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _HELPERS_PROBE)
+    for has in ("False", "True"):
+        assert r[has]["cas"] >= 3 and r[has]["release"] >= 1, r
+    assert r["control"].startswith("CompilationError"), r
+    if INTERPRET:  # ... which the interpreter runs without a complaint
+        spec = importlib.util.spec_from_file_location("early_return", tmp_path / "early_return.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out = torch.full((4,), 5, dtype=torch.int64)
+        mod.control[(1,)](out, BLOCK=4)
+        assert out.tolist() == [0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+def test_gpu_graph_replay_offenders_are_the_distinct_ones(make_monitor, hit_of, captured):
+    """A guarded kernel captured in a CUDA graph and replayed N times: the count is N x the bad lanes, exactly, and
+    the offenders are the distinct ones once each (a replay's repeats claim nothing), with their requests."""
+    mon = make_monitor(offenders=8)
+    mon.prealloc("cuda")
+    ctr = mon.counter(mon.registry.register("t.graph"), "cuda")
+    lanes = [(0, i, i, i) for i in range(300)]
+    bad = {3: (3, -1, 11), 40: (40, 1000, 12), 41: (41, 1000, 12), 130: (130, 2**31 - 1, 13), 299: (299, -7, 14)}
+    for i, (r, v, q) in bad.items():
+        lanes[i] = (1, r, v, q)
+    lanes[200] = (1, 3, -1, 11)  # a repeat of lane 3's offender in another program
+    b, rows, vals, reqs = (torch.tensor(c, dtype=torch.int64, device="cuda") for c in zip(*lanes, strict=True))
+
+    def step():
+        _offender_kernel[(triton.cdiv(300, 64),)](ctr, b, rows, vals, reqs, 300, HAS_REQ=True, BLOCK=64)
+
+    graph = captured(step, mon)  # resets the monitor: the run outside the capture leaves nothing behind
+    n = 40
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    hit = hit_of(mon, "t.graph")
+    assert hit.count == n * 6
+    assert sorted(tuple(o) for o in hit.offenders) == sorted(bad.values())

@@ -5,10 +5,11 @@
     cuda_gather.build()                             # nvcc via cpp_extension (cached on disk); before any capture
     ctr = tripwire.counter(cuda_gather.SITE, "cuda")
     cuda_gather.gather(src, idx, out, ctr=ctr)      # out[i] = src[idx[i]]; a bad idx gives a zero row, counted
+    cuda_gather.gather(src, idx, out, ctr=ctr, requests=req)  # ... and kept as an offender with req[i]
     torch.ops.cuda_gather.gather(src, idx, out, ctr, True)   # the same as a custom op, for torch.compile
 
-The kernel is ``gather.cu``: ``tripwire::guard_index`` on the indices, one warp-aggregated vote per 32 rows.
-docs/guarding.md walks through it.
+The kernel is ``gather.cu``: ``tripwire::guard_index`` on the indices, one warp-aggregated vote per 32 rows; a bad
+row's request (when a request map is given) is read by that lane only. docs/guarding.md walks through it.
 """
 
 from __future__ import annotations
@@ -91,25 +92,41 @@ def _build(verbose: bool) -> ModuleType:
 
 
 def gather(
-    src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, *, ctr: torch.Tensor | None = None, guard: bool = True
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    ctr: torch.Tensor | None = None,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = src[idx[i]]``; guarded, an index outside ``[0, len(src))`` gives a zero row and counts at
-    :data:`SITE` (``ctr``: its counter row, default the default monitor's). ``guard=False`` launches the unguarded
-    twin (benchmarks and the sanitizer control only). No sync, no allocation once built: capturable."""
+    :data:`SITE` (``ctr``: its counter row, default the default monitor's), kept as an offender (row ``i``, value the
+    index, and ``requests[i]``: an int32/int64 request map of ``len(idx)`` entries, one per output row, when given).
+    ``guard=False`` launches the unguarded twin (benchmarks and the sanitizer control only). No sync, no allocation
+    once built: capturable."""
     mod = build()
     if guard and ctr is None:
         ctr = tripwire.counter(SITE, src.device)
-    mod.gather(src, idx, out, idx if ctr is None else ctr, bool(guard))  # the twin never reads ctr
+    mod.gather(src, idx, out, idx if ctr is None else ctr, bool(guard), requests)  # the twin never reads ctr
     return out
 
 
 @torch.library.custom_op("cuda_gather::gather", mutates_args=("out", "ctr"))
-def gather_op(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, ctr: torch.Tensor, guard: bool = True) -> None:
+def gather_op(
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
     """The custom-op form for torch.compile: ``out`` and ``ctr`` are declared mutated, so the compiler keeps and
-    orders the call (and the counts) like any in-place op."""
-    build().gather(src, idx, out, ctr, bool(guard))
+    orders the call (and the counts) like any in-place op; ``requests`` is optional (callers that pass five
+    arguments are unchanged)."""
+    build().gather(src, idx, out, ctr, bool(guard), requests)
 
 
 @gather_op.register_fake
-def _(src, idx, out, ctr, guard=True):  # type: ignore[no-untyped-def]
+def _(src, idx, out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
     return None

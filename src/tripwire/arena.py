@@ -21,7 +21,8 @@ from .sites import Site, SiteRegistry
 
 __all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
 
-# Every arena of the process, forever (see the module docstring). Never cleared.
+# Every arena allocation of the process (rows and offender blocks in one), forever (see the module docstring). Never
+# cleared.
 _IMMORTAL: list[torch.Tensor] = []
 
 

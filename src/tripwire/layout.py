@@ -22,9 +22,19 @@ so a reader that sees ``OFF_DONE`` equal the row's count has every offender of t
 bumped first, as for the extremes). An entry is
 ``[KEY, ROW, VALUE, REQ]``: ``KEY`` is a non-zero 64-bit hash of (row, value, request), claimed by compare-and-swap
 from 0 (the first hit with that key owns the entry; a hit whose key is already there is a repeat and claims nothing);
-the owner then writes ``ROW``/``VALUE`` (biased like the slots) and ``REQ`` (the request id biased, 0 = not known).
-So the block holds the first ``K`` DISTINCT offenders in arrival order, and a reader that sees a claimed key waits
-(like for the first pair) until the owner's words have landed. Writing offenders is the fault path only: a row
+the owner then writes ``REQ`` (the request id biased, 0 = not known) and ``VALUE`` (biased like the slots), and
+``ROW`` (biased) LAST, with release ordering: ``REQ`` may legally be 0, so only ``ROW`` (never 0 once written) can
+tell a reader that the entry is complete. So the block holds the first ``K`` DISTINCT offenders in arrival order,
+and a reader that sees a claimed key waits (like for the first pair) until its ``ROW`` and ``VALUE`` have landed.
+The key (:func:`offender_key`; the Triton helpers and ``guard.cuh`` compute it bit for bit the same) chains
+MurmurHash3's 64-bit finalizer ``fmix`` (a bijection: xor-shifts by 33, multiplies by ``KEY_MIX``, mod 2**64) over
+the biased row, value and request words::
+
+    key = fmix(fmix(fmix(rb) ^ vb) ^ qb) | 1
+
+Not a linear mix: the encoding's special words (the bias 2**62 of a known request against 0 for "not known", the
+saturated values +-(2**62 - 1)) differ in their top bits, and a linear combination of them collides outright (two
+distinct offenders would share one entry, and one request would go unreported). Writing offenders is the fault path only: a row
 without hits is never touched.
 
 Encoding: a stored word is ``v + GUARD_BIAS`` with ``GUARD_BIAS = 2**62``. A zeroed buffer then means "nothing
@@ -45,7 +55,9 @@ __all__ = [
     "E_REQ",
     "E_ROW",
     "E_VALUE",
+    "KEY_MIX",
     "offender_block_words",
+    "offender_key",
     "COUNT",
     "FIRST_ROW",
     "FIRST_VALUE",
@@ -68,6 +80,8 @@ OFFENDERS = 7
 OFF_HEADER, OFF_ENTRY = 4, 4
 OFF_DONE = 2
 E_KEY, E_ROW, E_VALUE, E_REQ = 0, 1, 2, 3
+# The multipliers of the offender key's finalizer (MurmurHash3's fmix64), as unsigned 64-bit numbers.
+KEY_MIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
 GUARD_BIAS = 1 << 62
 # Exclusive bounds of what round-trips: v + BIAS must be in (0, 2**63) and BIAS - v as well.
 VALUE_MIN = -GUARD_BIAS + 1
@@ -101,3 +115,20 @@ def decode_neg(word: int) -> int | None:
 def offender_block_words(k: int) -> int:
     """Words of one row's offender block for ``k`` offenders."""
     return OFF_HEADER + k * OFF_ENTRY
+
+
+def _fmix(h: int) -> int:
+    m = (1 << 64) - 1
+    h ^= h >> 33
+    h = (h * KEY_MIX[0]) & m
+    h ^= h >> 33
+    h = (h * KEY_MIX[1]) & m
+    return h ^ (h >> 33)
+
+
+def offender_key(rb: int, vb: int, qb: int) -> int:
+    """The offender key of biased row, value and request words (``qb`` 0 = request not known), as the stored int64
+    word (never 0): see the module docstring."""
+    m = (1 << 64) - 1
+    h = _fmix(_fmix(_fmix(rb & m) ^ (vb & m)) ^ (qb & m)) | 1
+    return h - (1 << 64) if h >> 63 else h

@@ -1,7 +1,8 @@
 // A host stand-in for the CUDA intrinsics tripwire/guard.cuh uses, so that the header's device code compiles with
 // a plain C++ compiler AND runs: a simulated warp is a group of std::threads, one per active lane, that meet at a
 // barrier in every warp-wide intrinsic (ballot, shuffle); atomics are real (GCC __atomic builtins), so several
-// warps can run at once and race for the first offender as blocks do on a GPU. Test-only (tests/test_cuda_header.py).
+// warps can run at once and race for the first offender and the offender entries as blocks do on a GPU. Test-only
+// (tests/test_include.py).
 //
 // It is strict where the header could be wrong: a warp intrinsic called with a mask other than the lanes that
 // exist aborts, since on a GPU that is undefined behaviour that would usually go unnoticed.
@@ -93,6 +94,12 @@ inline long long __shfl_sync(unsigned mask, long long v, int src) {
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+inline void __syncwarp(unsigned mask) {
+  shim::check_mask(mask, "__syncwarp");
+  shim::warp->barrier();
+}
 
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);

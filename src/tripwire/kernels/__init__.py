@@ -6,7 +6,10 @@ that checks dtype, device, contiguity and shapes, takes preallocated outputs and
 
 Every launcher takes ``guard: bool = True`` and ``ctr: torch.Tensor | None = None``: the counter rows of the
 module's ``SITES`` (``[8]`` for a one-site kernel, ``[n, 8]`` for ``n`` sites; build them with
-:func:`counters`), defaulting to the default monitor's rows. Each module registers its sites at import.
+:func:`counters`), defaulting to the default monitor's rows; and ``requests: torch.Tensor | None = None``, an
+int32/int64 request map with one request id per unit of the kernel's rows (batch entry, token, list entry, copy,
+sequence: each launcher's docstring says which), read on the fault path only (a ``HAS_REQ`` constexpr) so that the
+offenders kept on the device name their requests. Each module registers its sites at import.
 
 torch.compile: the same launchers as ``torch.ops.tripwire.*`` custom ops live in :mod:`tripwire.kernels.ops`
 (imported on demand: it registers the ops with torch.library).

@@ -23,6 +23,7 @@ __all__ = [
     "check_ctr",
     "counters",
     "check_int_arg",
+    "check_requests",
     "check_same_device",
     "check_tensor",
     "pow2",
@@ -132,6 +133,26 @@ def resolve_ctr(name: str, sites: tuple[Site, ...], ctr: torch.Tensor | None, de
             ctr = counters(sites, device, m)
             _DEFAULT_VIEWS[key] = (m, sites, ctr)
     return check_ctr(name, ctr, device, len(sites))
+
+
+def check_requests(requests: object, n: int, unit: str, device: torch.device) -> torch.Tensor | None:
+    """None, or a request map checked: int32/int64 ``[n]``, one request id per ``unit`` (the kernel's row unit: "batch
+    entry", "token", ...), contiguous, on the kernel's ``device``. The kernel reads it only on its fault path, so an
+    entry's request is kept with its offender; a map that does not fit would be read out of bounds there."""
+    if requests is None:
+        return None
+    what = f"requests (the request map: one request id per {unit})"
+    if not isinstance(requests, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor or None, got {type(requests).__name__}")
+    if requests.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{what} must have dtype int32 or int64, got {str(requests.dtype).replace('torch.', '')}")
+    if tuple(requests.shape) != (n,):
+        raise ValueError(f"{what} must have shape [{n}], got {list(requests.shape)}")
+    if not requests.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (got strides {requests.stride()})")
+    if requests.device != device:
+        raise ValueError(f"{what} is on {requests.device} but the kernel's tensors are on {device}")
+    return requests
 
 
 def check_int_arg(name: str, v: object, *, lo: int = 0) -> int:

@@ -11,6 +11,9 @@ Guards (one site each):
 
 Zero is the padding value of unused columns too, as in engines whose block tables are zero-initialised; block 0 is
 therefore only meaningful up to the row's count (attention must mask by sequence length, as it does anyway).
+
+Request map (optional): ``requests[b]``, the request of batch entry ``b``, kept with the offenders of both sites;
+read only for a batch entry that faults.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["SITES", "SITE_COUNT", "SITE_ROW", "block_table_gather", "block_table_gather_reference"]
 
@@ -44,11 +47,13 @@ def _block_table_gather(
     counts_ptr,
     out_ptr,
     ctr_ptr,
+    req_ptr,
     R,
     W,
     BLOCK_W: tl.constexpr,
     GUARD: tl.constexpr,
     W_TILES: tl.constexpr,
+    HAS_REQ: tl.constexpr,
 ):
     b = tl.program_id(0)
     ctr_row = ctr_ptr  # SITES[0]
@@ -81,8 +86,11 @@ def _block_table_gather(
     if GUARD:
         # Recorded after the copy, under one scalar test: nothing sits in the req_rows -> counts -> table load chain.
         if ok == 0:
-            record_hits(ctr_row, row_ok == 0, b, r_seen)
-            record_hits(ctr_count, row_ok & (n_ok == 0), b, n)
+            req = None  # the request is read on the fault path only
+            if HAS_REQ:
+                req = tl.load(req_ptr + b)
+            record_hits(ctr_row, row_ok == 0, b, r_seen, req)
+            record_hits(ctr_count, row_ok & (n_ok == 0), b, n, req)
 
 
 def block_table_gather(
@@ -93,6 +101,7 @@ def block_table_gather(
     *,
     guard: bool = True,
     ctr: torch.Tensor | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather ``block_table[req_rows]`` (first ``block_counts[row]`` columns, zeros after) into ``out``.
 
@@ -105,6 +114,8 @@ def block_table_gather(
             control only: a bad entry then reads out of bounds).
         ctr: int64 ``[2, 8]``, the counter rows of :data:`SITES` (``SITE_ROW``, ``SITE_COUNT``), e.g.
             ``tripwire.kernels.counters(SITES, device, monitor)``; default: the default monitor's.
+        requests: int32/int64 ``[B]``, the request id of each batch entry (row ``b``), kept with its offenders;
+            None: requests not known.
 
     No sync, no allocation: safe inside a CUDA-graph capture once the counters exist (``tripwire.prealloc``).
     """
@@ -116,6 +127,7 @@ def block_table_gather(
     check_tensor("out", out, dtypes=(block_table.dtype,), shape=(B, W))
     dev = check_same_device(block_table=block_table, req_rows=req_rows, block_counts=block_counts, out=out)
     c = resolve_ctr("ctr", SITES, ctr, dev)
+    req = check_requests(requests, B, "batch entry", dev)
     if B == 0 or W == 0:
         return out
     _block_table_gather[(B,)](
@@ -124,11 +136,13 @@ def block_table_gather(
         block_counts,
         out,
         c,
+        c if req is None else req,  # never read without HAS_REQ
         R,
         W,
         BLOCK_W=pow2(W, hi=1024),
         GUARD=bool(guard),
         W_TILES=triton.cdiv(W, pow2(W, hi=1024)),
+        HAS_REQ=req is not None,
     )
     return out
 

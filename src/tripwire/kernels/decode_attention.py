@@ -37,6 +37,9 @@ costs one reduction per program, not a compare-and-mask per tile.
 
 Neither site is fatal: the kernel reads the cache and writes only ``out`` (a wrong answer for that sequence, which
 the report calls a masked fault), nothing durable.
+
+Request map (optional): ``requests[b]``, the request of sequence ``b``, kept with the offenders of both sites; read
+only on the fault path (a split that holds a bad page, a bad length).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import guard_index, record_hit
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = [
     "DTYPES",
@@ -184,15 +187,15 @@ def _attend(
 
 
 @triton.jit
-def _record_pages(ctr_ptr, row_ptr, b, pid_h, first_page, end_page, N, BLOCK_P: tl.constexpr):
+def _record_pages(ctr_ptr, row_ptr, b, pid_h, first_page, end_page, N, req, BLOCK_P: tl.constexpr):
     """Count the bad ids among page columns [first_page, end_page) of a sequence's row (a split's used pages): one
     lane per entry, and of the KV-head programs reading them only the first counts; splits partition the columns,
-    so each bad entry counts once (row = the sequence, value = the id)."""
+    so each bad entry counts once (row = the sequence, value = the id, request = ``req``: the sequence's or None)."""
     for c in tl.range(first_page, end_page, BLOCK_P, num_stages=1):
         cols = c + tl.arange(0, BLOCK_P)
         cm = cols < end_page
         ids = tl.load(row_ptr + cols, mask=cm, other=0)
-        guard_index(ids, 0, N, ctr_ptr, b, mask=cm, count=pid_h == 0)
+        guard_index(ids, 0, N, ctr_ptr, b, mask=cm, count=pid_h == 0, req=req)
 
 
 @triton.jit
@@ -206,6 +209,7 @@ def _decode_split(
     pout_ptr,
     plse_ptr,
     ctr_ptr,
+    req_ptr,
     W,
     N,
     Hq,
@@ -225,6 +229,7 @@ def _decode_split(
     GUARD: tl.constexpr,
     DOT_F32: tl.constexpr,
     FAULT_BLOCK_N: tl.constexpr,
+    HAS_REQ: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)  # KV head * HEAD_TILES + head tile
@@ -236,7 +241,10 @@ def _decode_split(
         len_ok = (n >= 0) & (n <= W * BS)
         # Every (head, split) program of the sequence sees the bad length; one of them records it.
         if (len_ok == 0) & (pid_h == 0) & (s == 0):
-            record_hit(ctr_ptr + 8, b, n)
+            req = None  # the request is read on the fault path only
+            if HAS_REQ:
+                req = tl.load(req_ptr + b)
+            record_hit(ctr_ptr + 8, b, n, req)
         n = tl.where(len_ok, n, 0)
     n32 = n.to(tl.int32)  # guarded: n <= W * BS < 2**31 (the launcher checks the product)
     tok_lo = s * pages_per_split * BS
@@ -271,7 +279,10 @@ def _decode_split(
             # not pipelined: registers are allocated for the kernel's worst path, so a fault loop shaped like the
             # hot one would raise the guarded kernel's count above the twin's and cost the hot path occupancy
             # (tests/test_decode_attention.py checks the sm_90 build).
-            _record_pages(ctr_ptr, row_ptr, b, pid_h, s * pages_per_split, pg_hi, N, BLOCK_P)
+            req = None
+            if HAS_REQ:
+                req = tl.load(req_ptr + b)
+            _record_pages(ctr_ptr, row_ptr, b, pid_h, s * pages_per_split, pg_hi, N, req, BLOCK_P)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr, v_ptr, row_ptr, tok_lo, tok_hi, hk, Hkv, N, qk_scale,
                                     BS, FAULT_BLOCK_N, D, 1, True, DOT_F32)  # fmt: skip
     if hot:
@@ -369,6 +380,7 @@ def decode_attention(
     guard: bool = True,
     ctr: torch.Tensor | None = None,
     config: Config | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention of one query token per sequence into ``out`` (see the module docstring).
 
@@ -385,6 +397,8 @@ def decode_attention(
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[2, 8]``, the counter rows of :data:`SITES` (default: the default monitor's).
         config: the split kernel's :class:`Config` (default ``Config()``).
+        requests: int32/int64 ``[B]``, the request id of each sequence (row ``b``), kept with its offenders; None:
+            requests not known.
 
     No sync, no allocation: capture-safe once the counters and the workspace exist.
     """
@@ -431,6 +445,7 @@ def decode_attention(
         pout = plse = out  # never touched when SPLIT is off; any pointer of the device will do
     dev = check_same_device(**tensors)
     c = resolve_ctr("ctr", SITES, ctr, dev)
+    req = check_requests(requests, B, "sequence", dev)
     if B == 0:
         return out
     G = Hq // Hkv
@@ -450,6 +465,7 @@ def decode_attention(
         pout,
         plse,
         c,
+        c if req is None else req,  # never read without HAS_REQ
         W,
         N,
         Hq,
@@ -470,6 +486,7 @@ def decode_attention(
         # Tensors on the CPU run in the interpreter (see _attend).
         DOT_F32=dev.type == "cpu",
         FAULT_BLOCK_N=_FAULT_BLOCK_N,
+        HAS_REQ=req is not None,
         num_warps=cfg.num_warps,
     )
     if workspace is not None:

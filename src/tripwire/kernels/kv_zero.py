@@ -5,6 +5,9 @@ V together in one block, e.g. ``[N, 2, block_size, heads, head_dim]``, so one ba
 
 Guard ``kernels.kv_zero.block``: ``block_ids[i]`` against ``[0, N)``; a bad id zeroes nothing and is recorded as
 (row ``i``, value the id). Only the first tile of each entry records, so a hit counts once however large a block is.
+
+Request map (optional): ``requests[i]``, the request that list entry ``i`` belongs to (the one whose block is freed
+or allocated), kept with its offender; read only for a bad entry.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, pow2, resolve_ctr
+from ..triton import record_hit
+from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["SITE", "SITES", "kv_zero", "kv_zero_reference"]
 
@@ -29,7 +32,9 @@ SITES = (SITE,)
 
 
 @triton.jit
-def _kv_zero(pool_ptr, ids_ptr, ctr_ptr, N, E, BLOCK: tl.constexpr, GUARD: tl.constexpr):
+def _kv_zero(
+    pool_ptr, ids_ptr, ctr_ptr, req_ptr, N, E, BLOCK: tl.constexpr, GUARD: tl.constexpr, HAS_REQ: tl.constexpr
+):
     i = tl.program_id(0)
     t = tl.program_id(1)
     blk = tl.load(ids_ptr + i).to(tl.int64)
@@ -37,7 +42,11 @@ def _kv_zero(pool_ptr, ids_ptr, ctr_ptr, N, E, BLOCK: tl.constexpr, GUARD: tl.co
     m = offs < E
     if GUARD:
         ok = (blk >= 0) & (blk < N)
-        record_hits(ctr_ptr, (ok == 0) & (t == 0), i, blk)
+        if (ok == 0) & (t == 0):  # the fault path, in the entry's first tile only: one hit per entry
+            req = None
+            if HAS_REQ:
+                req = tl.load(req_ptr + i)
+            record_hit(ctr_ptr, i, blk, req)
         m = tl.where(ok, m, False)  # where(), not `m & ok`: see block_table.py (interpreter typing)
         blk = tl.where(ok, blk, 0)
     # int64 block offset: blk * E exceeds int32 for pools over 2**31 elements.
@@ -50,6 +59,7 @@ def kv_zero(
     *,
     guard: bool = True,
     ctr: torch.Tensor | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Zero ``pool[block_ids[i]]`` for every ``i`` (ids out of ``[0, N)`` zero nothing and are counted).
 
@@ -58,6 +68,8 @@ def kv_zero(
         block_ids: int32/int64 ``[M]``. Duplicates are fine (zeroing is idempotent).
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[8]``, :data:`SITE`'s counter row (default: the default monitor's).
+        requests: int32/int64 ``[M]``, the request id of each list entry (row ``i``), kept with its offender;
+            None: requests not known.
     """
     check_tensor("pool", pool, min_ndim=1)
     check_tensor("block_ids", block_ids, dtypes=INDEX_DTYPES, ndim=1)
@@ -65,12 +77,23 @@ def kv_zero(
     c = resolve_ctr("ctr", SITES, ctr, dev)
     N = pool.shape[0]
     M = block_ids.shape[0]
+    req = check_requests(requests, M, "list entry", dev)
     E = math.prod(pool.shape[1:])  # elements per block: host shape arithmetic, no device access
     if M == 0:
         return pool
     block = pow2(E, lo=16, hi=4096)
     # At least one tile per id even for empty blocks, so every id is still checked and counted.
-    _kv_zero[(M, triton.cdiv(max(E, 1), block))](pool, block_ids, c, N, E, BLOCK=block, GUARD=bool(guard))
+    _kv_zero[(M, triton.cdiv(max(E, 1), block))](
+        pool,
+        block_ids,
+        c,
+        c if req is None else req,  # never read without HAS_REQ
+        N,
+        E,
+        BLOCK=block,
+        GUARD=bool(guard),
+        HAS_REQ=req is not None,
+    )
     return pool
 
 

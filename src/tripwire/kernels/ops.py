@@ -12,7 +12,9 @@ once, outside the compiled function, after ``tripwire.prealloc``. The arena neve
 graph input that is not static would make the CUDA-graph trees copy it in and out (or skip graphing altogether),
 whereas the arena's rows must be written in place for the reader to see them.
 
-Ops (``ctr`` is the ``[8]`` or ``[n, 8]`` counter block of the module's SITES, in that order):
+Ops (``ctr`` is the ``[8]`` or ``[n, 8]`` counter block of the module's SITES, in that order; every op also takes
+a last, optional ``requests`` (``Tensor?``, default None): the launcher's request map, so callers that do not pass
+it are unchanged):
 
 * ``tripwire::block_table_gather(block_table, req_rows, block_counts, out!, ctr!, guard)``
 * ``tripwire::slot_mapping(positions, token_rows, block_table, slots!, ctr!, block_size, num_kv_blocks, guard)``
@@ -80,12 +82,13 @@ def block_table_gather(
     out: torch.Tensor,
     ctr: torch.Tensor,
     guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> None:
-    _bt.block_table_gather(block_table, req_rows, block_counts, out, guard=guard, ctr=ctr)
+    _bt.block_table_gather(block_table, req_rows, block_counts, out, guard=guard, ctr=ctr, requests=requests)
 
 
 @block_table_gather.register_fake
-def _(block_table, req_rows, block_counts, out, ctr, guard=True):  # type: ignore[no-untyped-def]
+def _(block_table, req_rows, block_counts, out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
     if tuple(out.shape) != (req_rows.shape[0], block_table.shape[1]) or out.dtype != block_table.dtype:
         raise ValueError(f"out must be {block_table.dtype} [{req_rows.shape[0]}, {block_table.shape[1]}]")
     _check_fake_ctr(ctr, len(_bt.SITES))
@@ -102,6 +105,7 @@ def slot_mapping(
     block_size: int,
     num_kv_blocks: int = -1,
     guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> None:
     _sm.slot_mapping(
         positions,
@@ -112,11 +116,12 @@ def slot_mapping(
         num_kv_blocks=None if num_kv_blocks < 0 else num_kv_blocks,
         guard=guard,
         ctr=ctr,
+        requests=requests,
     )
 
 
 @slot_mapping.register_fake
-def _(positions, token_rows, block_table, slots, ctr, block_size, num_kv_blocks=-1, guard=True):  # type: ignore[no-untyped-def]
+def _(positions, token_rows, block_table, slots, ctr, block_size, num_kv_blocks=-1, guard=True, requests=None):  # type: ignore[no-untyped-def]
     if tuple(slots.shape) != tuple(positions.shape) or slots.dtype != torch.int64:
         raise ValueError(f"slots must be int64 {list(positions.shape)}")
     _check_fake_ctr(ctr, len(_sm.SITES))
@@ -124,25 +129,36 @@ def _(positions, token_rows, block_table, slots, ctr, block_size, num_kv_blocks=
 
 # ---------------------------------------------------------------------------------------------- KV block zeroer
 @torch.library.custom_op("tripwire::kv_zero", mutates_args=("pool", "ctr"))
-def kv_zero(pool: torch.Tensor, block_ids: torch.Tensor, ctr: torch.Tensor, guard: bool = True) -> None:
-    _kz.kv_zero(pool, block_ids, guard=guard, ctr=ctr)
+def kv_zero(
+    pool: torch.Tensor,
+    block_ids: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    _kz.kv_zero(pool, block_ids, guard=guard, ctr=ctr, requests=requests)
 
 
 @kv_zero.register_fake
-def _(pool, block_ids, ctr, guard=True):  # type: ignore[no-untyped-def]
+def _(pool, block_ids, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
     _check_fake_ctr(ctr, len(_kz.SITES))
 
 
 # ---------------------------------------------------------------------------------------------- paged KV gather
 @torch.library.custom_op("tripwire::paged_gather", mutates_args=("out", "ctr"))
 def paged_gather(
-    cache: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, ctr: torch.Tensor, guard: bool = True
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    out: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> None:
-    _pg.paged_gather(cache, page_table, out, guard=guard, ctr=ctr)
+    _pg.paged_gather(cache, page_table, out, guard=guard, ctr=ctr, requests=requests)
 
 
 @paged_gather.register_fake
-def _(cache, page_table, out, ctr, guard=True):  # type: ignore[no-untyped-def]
+def _(cache, page_table, out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
     want = (*page_table.shape, *cache.shape[1:])
     if tuple(out.shape) != want or out.dtype != cache.dtype:
         raise ValueError(f"out must be {cache.dtype} {list(want)}")
@@ -159,12 +175,13 @@ def state_copy(
     dst_cols: torch.Tensor,
     ctr: torch.Tensor,
     guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> None:
-    _sc.state_copy(state, block_table, rows, src_cols, dst_cols, guard=guard, ctr=ctr)
+    _sc.state_copy(state, block_table, rows, src_cols, dst_cols, guard=guard, ctr=ctr, requests=requests)
 
 
 @state_copy.register_fake
-def _(state, block_table, rows, src_cols, dst_cols, ctr, guard=True):  # type: ignore[no-untyped-def]
+def _(state, block_table, rows, src_cols, dst_cols, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
     _check_fake_ctr(ctr, len(_sc.SITES))
 
 
@@ -179,12 +196,13 @@ def rope(
     k_out: torch.Tensor,
     ctr: torch.Tensor,
     guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> None:
-    _rope.rope(positions, q, k, cos_sin, q_out, k_out, guard=guard, ctr=ctr)
+    _rope.rope(positions, q, k, cos_sin, q_out, k_out, guard=guard, ctr=ctr, requests=requests)
 
 
 @rope.register_fake
-def _(positions, q, k, cos_sin, q_out, k_out, ctr, guard=True):  # type: ignore[no-untyped-def]
+def _(positions, q, k, cos_sin, q_out, k_out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
     if q_out.shape != q.shape or k_out.shape != k.shape:
         raise ValueError("q_out/k_out must have the shapes of q/k")
     _check_fake_ctr(ctr, len(_rope.SITES))
@@ -204,6 +222,7 @@ def decode_attention(
     ctr: torch.Tensor,
     scale: float = -1.0,
     guard: bool = True,
+    requests: torch.Tensor | None = None,
 ) -> None:
     _da.decode_attention(
         q,
@@ -216,6 +235,7 @@ def decode_attention(
         scale=None if scale < 0 else scale,
         guard=guard,
         ctr=ctr,
+        requests=requests,
     )
 
 
@@ -226,7 +246,20 @@ def _workspace(partial_out: torch.Tensor | None, partial_lse: torch.Tensor | Non
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, out, partial_out, partial_lse, ctr, scale=-1.0, guard=True):  # type: ignore[no-untyped-def]
+def _(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    out,
+    partial_out,
+    partial_lse,
+    ctr,
+    scale=-1.0,
+    guard=True,
+    requests=None,
+):  # type: ignore[no-untyped-def]
     if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} {list(q.shape)}")
     ws = _workspace(partial_out, partial_lse)

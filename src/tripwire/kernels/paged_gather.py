@@ -7,6 +7,9 @@
 Guard ``kernels.paged_gather.page``: ``page_table[b, p]`` against ``[0, N)``. A bad page reads as zeros and is
 recorded as (row ``b * P + p``, the flat page-table entry; value the page id). Only the first tile of each page
 records, so a hit counts once however large a page is.
+
+Request map (optional): ``requests[b]``, the request of batch entry ``b`` (ONE per row of the page table, not per
+entry), kept with the offenders of its entries; read only for a bad entry.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, pow2, resolve_ctr
+from ..triton import record_hit
+from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["SITE", "SITES", "paged_gather", "paged_gather_reference"]
 
@@ -31,7 +34,19 @@ SITES = (SITE,)
 
 
 @triton.jit
-def _paged_gather(cache_ptr, table_ptr, out_ptr, ctr_ptr, N, E, BLOCK: tl.constexpr, GUARD: tl.constexpr):
+def _paged_gather(
+    cache_ptr,
+    table_ptr,
+    out_ptr,
+    ctr_ptr,
+    req_ptr,
+    N,
+    E,
+    P,
+    BLOCK: tl.constexpr,
+    GUARD: tl.constexpr,
+    HAS_REQ: tl.constexpr,
+):
     e = tl.program_id(0)  # flat page-table entry b * P + p (the table is contiguous)
     t = tl.program_id(1)
     page = tl.load(table_ptr + e).to(tl.int64)
@@ -40,7 +55,11 @@ def _paged_gather(cache_ptr, table_ptr, out_ptr, ctr_ptr, N, E, BLOCK: tl.conste
     ld = m
     if GUARD:
         ok = (page >= 0) & (page < N)
-        record_hits(ctr_ptr, (ok == 0) & (t == 0), e, page)
+        if (ok == 0) & (t == 0):  # the fault path, in the entry's first tile only: one hit per entry
+            req = None
+            if HAS_REQ:
+                req = tl.load(req_ptr + e // P)  # the entry's batch entry b
+            record_hit(ctr_ptr, e, page, req)
         ld = tl.where(ok, m, False)  # where(), not `m & ok`: see block_table.py (interpreter typing)
         page = tl.where(ok, page, 0)
     # int64 page offset: page * E exceeds int32 for pools over 2**31 elements.
@@ -55,6 +74,7 @@ def paged_gather(
     *,
     guard: bool = True,
     ctr: torch.Tensor | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather ``cache[page_table[b, p]]`` into ``out[b, p]`` (zeros for page ids out of ``[0, N)``, counted).
 
@@ -64,6 +84,8 @@ def paged_gather(
         out: ``[B, P, *page_shape]``, same dtype as ``cache``; fully written.
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[8]``, :data:`SITE`'s counter row (default: the default monitor's).
+        requests: int32/int64 ``[B]``, the request id of each batch entry ``b`` (one per row of the page table),
+            kept with the offenders of its entries (rows ``b * P + p``); None: requests not known.
     """
     check_tensor("cache", cache, min_ndim=1)
     check_tensor("page_table", page_table, dtypes=INDEX_DTYPES, ndim=2)
@@ -71,6 +93,7 @@ def paged_gather(
     check_tensor("out", out, dtypes=(cache.dtype,), shape=(B, P, *cache.shape[1:]))
     dev = check_same_device(cache=cache, page_table=page_table, out=out)
     c = resolve_ctr("ctr", SITES, ctr, dev)
+    req = check_requests(requests, B, "batch entry, a row of page_table", dev)
     N = cache.shape[0]
     E = math.prod(cache.shape[1:])  # elements per page: host shape arithmetic
     if B * P == 0:
@@ -78,7 +101,17 @@ def paged_gather(
     block = pow2(E, lo=16, hi=4096)
     # At least one tile per entry even for empty pages, so every page id is still checked and counted.
     _paged_gather[(B * P, triton.cdiv(max(E, 1), block))](
-        cache, page_table, out, c, N, E, BLOCK=block, GUARD=bool(guard)
+        cache,
+        page_table,
+        out,
+        c,
+        c if req is None else req,  # never read without HAS_REQ
+        N,
+        E,
+        P,
+        BLOCK=block,
+        GUARD=bool(guard),
+        HAS_REQ=req is not None,
     )
     return out
 

@@ -13,6 +13,9 @@ A bad position writes ZEROS for that token's q and k (cos = sin = 0) and is reco
 position). It is fatal because the rotated key is stored in the KV cache and read by every later step: continuing
 past it corrupts every later answer of that sequence, so a hit arms the stop in every mode but off.
 
+Request map (optional): ``requests[t]``, the request of token ``t``, kept with its offender; read only for a bad
+position.
+
 The outputs may be the inputs (in place): each element is read before it is written, by the same program.
 """
 
@@ -23,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, pow2, resolve_ctr
+from ..triton import record_hit
+from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["FLOAT_DTYPES", "SITE", "SITES", "rope", "rope_reference"]
 
@@ -77,6 +80,7 @@ def _rope(
     qo_ptr,
     ko_ptr,
     ctr_ptr,
+    req_ptr,
     Hq,
     Hk,
     max_pos,
@@ -86,6 +90,7 @@ def _rope(
     GUARD: tl.constexpr,
     HQ_TILES: tl.constexpr,
     HK_TILES: tl.constexpr,
+    HAS_REQ: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -93,7 +98,11 @@ def _rope(
     dm = d < HALF
     if GUARD:
         ok = (pos >= 0) & (pos < max_pos)
-        record_hits(ctr_ptr, ok == 0, t, pos)
+        if ok == 0:  # the fault path
+            req = None
+            if HAS_REQ:
+                req = tl.load(req_ptr + t)
+            record_hit(ctr_ptr, t, pos, req)
         dm = tl.where(ok, dm, False)  # masked cos/sin read as 0, so the token's q and k come out as zeros
         pos = tl.where(ok, pos, 0)
     # int64 row offset: the unguarded twin's wild positions must not wrap around into the table.
@@ -114,6 +123,7 @@ def rope(
     *,
     guard: bool = True,
     ctr: torch.Tensor | None = None,
+    requests: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` by their tokens' positions into ``q_out``/``k_out`` (may alias ``q``/``k``).
 
@@ -124,6 +134,8 @@ def rope(
         q_out, k_out: like ``q`` and ``k`` (dtype and shape).
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[8]``, :data:`SITE`'s counter row (default: the default monitor's).
+        requests: int32/int64 ``[T]``, the request id of each token (row ``t``), kept with its offender; None:
+            requests not known.
     """
     check_tensor("positions", positions, dtypes=INDEX_DTYPES, ndim=1)
     T = positions.shape[0]
@@ -139,6 +151,7 @@ def rope(
     check_tensor("k_out", k_out, dtypes=(k.dtype,), shape=tuple(k.shape))
     dev = check_same_device(positions=positions, q=q, k=k, cos_sin=cos_sin, q_out=q_out, k_out=k_out)
     c = resolve_ctr("ctr", SITES, ctr, dev)
+    req = check_requests(requests, T, "token", dev)
     if T == 0:
         return q_out, k_out
     half = D // 2
@@ -153,6 +166,7 @@ def rope(
         q_out,
         k_out,
         c,
+        c if req is None else req,  # never read without HAS_REQ
         q.shape[1],
         k.shape[1],
         cos_sin.shape[0],
@@ -162,6 +176,7 @@ def rope(
         GUARD=bool(guard),
         HQ_TILES=triton.cdiv(q.shape[1], block_h),
         HK_TILES=triton.cdiv(k.shape[1], block_h),
+        HAS_REQ=req is not None,
     )
     return q_out, k_out
 

@@ -11,6 +11,9 @@ Guards (one site each; a token whose entry is bad gets the padding slot ``-1``, 
 * ``kernels.slot_mapping.block``: the block id read from the table against the KV pool ``[0, num_kv_blocks)``,
   only when ``num_kv_blocks`` is given (the table itself may hold a corrupted id); (row ``t``, value the block id).
 
+Request map (optional): ``requests[t]``, the request of token ``t``, kept with the offenders of every site; read
+only by a program that has a bad token.
+
 Limit: int64 positions must stay within +-2**62 (the counter encoding); int32 positions are always fine.
 """
 
@@ -22,7 +25,7 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_int_arg, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_int_arg, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["SITES", "SITE_BLOCK", "SITE_COLUMN", "SITE_ROW", "slot_mapping", "slot_mapping_reference"]
 
@@ -51,6 +54,7 @@ def _slot_mapping(
     table_ptr,
     slots_ptr,
     ctr_ptr,
+    req_ptr,
     T,
     R,
     W,
@@ -60,6 +64,7 @@ def _slot_mapping(
     LOG2_BS: tl.constexpr,
     HAS_BLOCK_LIMIT: tl.constexpr,
     GUARD: tl.constexpr,
+    HAS_REQ: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = offs < T
@@ -95,10 +100,13 @@ def _slot_mapping(
         # index loads and the dependent table load delayed that load (measured +14 % on an H200); clean programs
         # now pay one reduction and no atomics.
         if tl.sum(any_bad.to(tl.int32), axis=None) > 0:
-            record_hits(ctr_ptr, bad_row, offs, r)
-            record_hits(ctr_ptr + 8, bad_col, offs, col)
+            reqs = None  # the requests are read on the fault path only
+            if HAS_REQ:
+                reqs = tl.load(req_ptr + offs, mask=m, other=0)
+            record_hits(ctr_ptr, bad_row, offs, r, reqs)
+            record_hits(ctr_ptr + 8, bad_col, offs, col, reqs)
             if HAS_BLOCK_LIMIT:
-                record_hits(ctr_ptr + 16, bad_blk, offs, blk)
+                record_hits(ctr_ptr + 16, bad_blk, offs, blk, reqs)
     else:
         blk = tl.load(table_ptr + r * W + col, mask=m, other=0).to(tl.int64)
         slot = blk * block_size + within
@@ -115,6 +123,7 @@ def slot_mapping(
     num_kv_blocks: int | None = None,
     guard: bool = True,
     ctr: torch.Tensor | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write each token's KV slot into ``slots`` (``-1`` for a token whose metadata is out of range).
 
@@ -127,6 +136,8 @@ def slot_mapping(
         num_kv_blocks: the KV pool's block count; given, block ids read from the table are guarded too.
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[3, 8]``, the counter rows of :data:`SITES` (default: the default monitor's).
+        requests: int32/int64 ``[T]``, the request id of each token (row ``t``), kept with its offenders; None:
+            requests not known.
 
     No sync, no allocation: capture-safe once the counters exist.
     """
@@ -140,6 +151,7 @@ def slot_mapping(
         check_int_arg("num_kv_blocks", num_kv_blocks, lo=0)
     dev = check_same_device(positions=positions, token_rows=token_rows, block_table=block_table, slots=slots)
     c = resolve_ctr("ctr", SITES, ctr, dev)
+    req = check_requests(requests, T, "token", dev)
     R, W = block_table.shape
     if T == 0:
         return slots
@@ -150,6 +162,7 @@ def slot_mapping(
         block_table,
         slots,
         c,
+        c if req is None else req,  # never read without HAS_REQ
         T,
         R,
         W,
@@ -160,6 +173,7 @@ def slot_mapping(
         LOG2_BS=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
         HAS_BLOCK_LIMIT=num_kv_blocks is not None,
         GUARD=bool(guard),
+        HAS_REQ=req is not None,
     )
     return slots
 

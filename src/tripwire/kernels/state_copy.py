@@ -11,6 +11,9 @@ Guards (one site each; a copy with any bad lookup copies nothing):
 * ``kernels.state_copy.slot``: each slot read from the table against ``[0, S)``, when its lookup was in range;
   (row ``i``, value the slot).
 
+Request map (optional): ``requests[i]``, the request that copy ``i`` belongs to, kept with the offenders of all
+three sites; read only for a copy that faults.
+
 Contract: within one launch no destination slot may be the source or destination of another copy (copies run in
 parallel; an overlap is a race, as in every batched state-copy kernel).
 """
@@ -25,7 +28,7 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["SITES", "SITE_COLUMN", "SITE_ROW", "SITE_SLOT", "state_copy", "state_copy_reference"]
 
@@ -53,12 +56,14 @@ def _state_copy(
     src_cols_ptr,
     dst_cols_ptr,
     ctr_ptr,
+    req_ptr,
     R,
     W,
     S,
     E,
     BLOCK: tl.constexpr,
     GUARD: tl.constexpr,
+    HAS_REQ: tl.constexpr,
 ):
     i = tl.program_id(0)
     t = tl.program_id(1)
@@ -68,20 +73,24 @@ def _state_copy(
     offs = t * BLOCK + tl.arange(0, BLOCK)
     m = offs < E
     if GUARD:
-        first = t == 0  # one tile per copy records, so a hit counts once however large a state block is
         row_ok = (r >= 0) & (r < R)
-        record_hits(ctr_ptr, first & (row_ok == 0), i, r)
         # Both columns as a 2-lane block: one reduction and one set of atomics for the pair.
         lane = tl.arange(0, 2)
         cols = tl.where(lane == 0, cs, cd)
         col_ok = (cols >= 0) & (cols < W)
         # where(scalar, block, False), not `scalar & block`: the interpreter mis-types a bool scalar & a bool block.
-        record_hits(ctr_ptr + 8, tl.where(first, col_ok == 0, False), i, cols)
         looked = tl.where(row_ok, col_ok, False)  # lookups that are in range
         slots = tl.load(table_ptr + tl.where(looked, r * W + cols, 0), mask=looked, other=0).to(tl.int64)
         slot_ok = (slots >= 0) & (slots < S)
-        record_hits(ctr_ptr + 16, tl.where(first, looked & (slot_ok == 0), False), i, slots)
-        good = tl.sum((looked & slot_ok).to(tl.int32), axis=0) == 2
+        good = tl.sum((looked & slot_ok).to(tl.int32), axis=0) == 2  # false iff a row, column or slot is bad
+        # The fault path, in the copy's first tile only (a hit counts once however large a state block is).
+        if (good == 0) & (t == 0):
+            req = None
+            if HAS_REQ:
+                req = tl.load(req_ptr + i)
+            record_hits(ctr_ptr, row_ok == 0, i, r, req)
+            record_hits(ctr_ptr + 8, col_ok == 0, i, cols, req)
+            record_hits(ctr_ptr + 16, looked & (slot_ok == 0), i, slots, req)
         src = tl.sum(tl.where(lane == 0, slots, 0), axis=0)
         dst = tl.sum(tl.where(lane == 1, slots, 0), axis=0)
         m = tl.where(good, m, False)
@@ -104,6 +113,7 @@ def state_copy(
     *,
     guard: bool = True,
     ctr: torch.Tensor | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Copy ``state[table[rows[i], src_cols[i]]]`` to ``state[table[rows[i], dst_cols[i]]]`` for every ``i``.
 
@@ -113,6 +123,8 @@ def state_copy(
         rows, src_cols, dst_cols: int32/int64 ``[M]``, one copy each.
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[3, 8]``, the counter rows of :data:`SITES` (default: the default monitor's).
+        requests: int32/int64 ``[M]``, the request id of each copy (row ``i``), kept with its offenders; None:
+            requests not known.
     """
     check_tensor("state", state, min_ndim=1)
     check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
@@ -122,6 +134,7 @@ def state_copy(
     check_tensor("dst_cols", dst_cols, dtypes=INDEX_DTYPES, shape=(M,))
     dev = check_same_device(state=state, block_table=block_table, rows=rows, src_cols=src_cols, dst_cols=dst_cols)
     c = resolve_ctr("ctr", SITES, ctr, dev)
+    req = check_requests(requests, M, "copy", dev)
     R, W = block_table.shape
     S = state.shape[0]
     E = math.prod(state.shape[1:])  # elements per slot: host shape arithmetic
@@ -129,7 +142,20 @@ def state_copy(
         return state
     block = pow2(E, lo=16, hi=4096)
     _state_copy[(M, triton.cdiv(max(E, 1), block))](
-        state, block_table, rows, src_cols, dst_cols, c, R, W, S, E, BLOCK=block, GUARD=bool(guard)
+        state,
+        block_table,
+        rows,
+        src_cols,
+        dst_cols,
+        c,
+        c if req is None else req,  # never read without HAS_REQ
+        R,
+        W,
+        S,
+        E,
+        BLOCK=block,
+        GUARD=bool(guard),
+        HAS_REQ=req is not None,
     )
     return state
 

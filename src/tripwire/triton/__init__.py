@@ -46,6 +46,7 @@ from ..layout import E_ROW as _E_ROW
 from ..layout import E_VALUE as _E_VALUE
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
 from ..layout import OFF_DONE as _OFF_DONE
+from ..layout import KEY_MIX as _KEY_MIX
 from ..layout import OFF_ENTRY as _OFF_ENTRY
 from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
@@ -70,11 +71,10 @@ _ENTRY = tl.constexpr(_OFF_ENTRY)
 _EROW = tl.constexpr(_E_ROW)
 _EVALUE = tl.constexpr(_E_VALUE)
 _EREQ = tl.constexpr(_E_REQ)
-# Odd multipliers of the offender key's mix (the key only tells offenders apart; include/tripwire/guard.cuh computes
-# the same one).
-_K1 = tl.constexpr(0x2545F4914F6CDD1D)
-_K2 = tl.constexpr(0x1F3D5B79A1C3E5F7)
-_K3 = tl.constexpr(0x3C6EF372FE94F82B)
+# The offender key's finalizer multipliers (tripwire.layout.offender_key; include/tripwire/guard.cuh computes the same
+# key), as the int64 numbers with their bits: int64 multiplication wraps like the unsigned one.
+_M1 = tl.constexpr(_KEY_MIX[0] - (1 << 64))
+_M2 = tl.constexpr(_KEY_MIX[1] - (1 << 64))
 
 
 @triton.jit
@@ -83,11 +83,20 @@ def _saturate(x):
 
 
 @triton.jit
+def _fmix(h):
+    # `>>` is arithmetic on int64: masking the 31 bits that remain makes it the logical shift.
+    h = h ^ ((h >> 33) & 0x7FFFFFFF)
+    h = h * _M1
+    h = h ^ ((h >> 33) & 0x7FFFFFFF)
+    h = h * _M2
+    return h ^ ((h >> 33) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _offender_key(rb, vb, qb):
-    """A non-zero 64-bit mix of an offender's biased row, value and request words (wrapping int64 arithmetic)."""
-    h = rb * _K1 + vb * _K2 + qb * _K3
-    h = h ^ ((h >> 29) & 0x7FFFFFFFF)
-    return h | 1
+    """A non-zero 64-bit key of an offender's biased row, value and request words (tripwire.layout.offender_key:
+    chained finalizers in wrapping int64 arithmetic, not a linear mix, whose collisions the bias would hit)."""
+    return _fmix(_fmix(_fmix(rb) ^ vb) ^ qb) | 1
 
 
 @triton.jit
@@ -117,9 +126,11 @@ def _claim_offenders(blk, b, rb, vb, qb):
                 slot = blk + _HEADER + j * _ENTRY
                 old = tl.atomic_cas(tl.where(active, slot, blk), tl.where(active, 0, -1).to(tl.int64), key)
                 won = active & (old == 0)
-                tl.store(slot + _EROW + rb * 0, rb, mask=won)
-                tl.store(slot + _EVALUE + rb * 0, vb, mask=won)
+                # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word ("not
+                # known"), so it cannot tell a reader that it landed; ROW (never 0 once written) tells for all three.
                 tl.store(slot + _EREQ + rb * 0, qb, mask=won)
+                tl.store(slot + _EVALUE + rb * 0, vb, mask=won)
+                tl.atomic_xchg(slot + _EROW + rb * 0, rb, mask=won, sem="release", scope="sys")
                 active = active & (old != 0) & (old != key)
 
 
@@ -149,10 +160,14 @@ def _fault(ctr_ptr, n, b, r, v, qb):
 def _req_words(reqs, like):
     """Biased request words of ``reqs`` broadcast to ``like``'s shape; 0 (not known) when ``reqs`` is None and for
     negative request ids (the convention for "this lane has no request": padding, a lookup that found none)."""
+    # if/else, not an early return: the compiler (unlike the interpreter) goes on past a `return` inside a static
+    # `if` and would then call .to() on None.
     if reqs is None:
-        return like * 0
-    q = reqs.to(tl.int64) + like * 0
-    return tl.where(q < 0, 0, _saturate(q) + GUARD_BIAS)
+        q = like * 0
+    else:
+        r = reqs.to(tl.int64) + like * 0
+        q = tl.where(r < 0, 0, _saturate(r) + GUARD_BIAS)
+    return q
 
 
 @triton.jit

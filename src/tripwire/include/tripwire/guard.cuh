@@ -4,14 +4,20 @@
 // src/tripwire/layout.py: a kernel gets its site's row (`tripwire.counter(site, device)`, an int64 [8] tensor) as
 // `int64_t* ctr` and calls
 //
-//   tripwire::record_hit(ctr, row, value)         one hit; call it under the kernel's own `if (bad)`; every
-//                                                 calling THREAD counts once
-//   tripwire::record_hits(ctr, bad, row, value)   call it from every thread of the code path (bad or not): the
-//                                                 warp votes, and one lane does one set of atomics for all the
-//                                                 warp's bad lanes; nothing at all when none is bad (the hot path)
-//   tripwire::guard_index(idx, lo, hi, ctr, row, count = true) -> {index, ok}
-//                                                 idx clamped into [lo, hi) and the in-range flag; an out-of-range
-//                                                 idx is recorded at (row, idx) when `count` is true
+//   tripwire::record_hit(ctr, row, value[, request])        one hit; call it under the kernel's own `if (bad)`;
+//                                                           every calling THREAD counts once
+//   tripwire::record_hits(ctr, bad, row, value[, request])  call it from every thread of the code path (bad or
+//                                                           not): the warp votes, and one lane does one set of
+//                                                           atomics for all the warp's bad lanes; nothing at all
+//                                                           when none is bad (the hot path)
+//   tripwire::guard_index(idx, lo, hi, ctr, row, count = true[, request]) -> {index, ok}
+//                                                           idx clamped into [lo, hi) and the in-range flag; an
+//                                                           out-of-range idx is recorded at (row, idx) when `count`
+//                                                           is true
+//
+// `request`: the request the hit belongs to (a row-to-request map the kernel reads), kept with the offender; the
+// overloads without it record "not known". Load it only for a bad lane if you can (it is read on the fault path
+// only, so a lane that is in range need not fetch it: examples/cuda_gather/gather.cu shows the pattern).
 //
 // A count should mean bad ENTRIES: when several threads (or blocks) read one entry, pass `count` true on one of
 // them only (`threadIdx.x == 0`, `blockIdx.y == 0`); `ok` must still mask every thread's access.
@@ -22,6 +28,14 @@
 // bias). The count is bumped before the extremes (the reader reports from the copy after the one that saw the count
 // rise); the first offender is claimed by compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so
 // (slot 4, slot 5) is one real hit. Within a warp "first" is the lowest row, then the lowest value in that row.
+//
+// Offenders (src/tripwire/layout.py): slot 7 holds the address of the row's offender block (0 for a counter that is
+// not an arena row: it then keeps none). After the slots, each bad lane claims an entry of the block for its
+// (row, value, request) key by compare-and-swap from 0, in order, so the block keeps the first K DISTINCT
+// offenders in arrival order; a lane that finds its own key is a repeat and claims nothing, and a full block (its
+// last key set) is read once and left alone. The owner writes REQ and VALUE, then ROW last after a fence (a
+// reader takes ROW as the sign that the entry is complete). offender_key() is the Triton helpers' key bit for
+// bit.
 //
 // Build: add `tripwire.include_dir()` to the include path (torch.utils.cpp_extension's extra_include_paths) and
 // `#include <tripwire/guard.cuh>`. Needs sm_50+ (64-bit atomicMax) and CUDA 9+ (the *_sync warp intrinsics).
@@ -44,6 +58,10 @@ namespace tripwire {
 // The row layout (src/tripwire/layout.py; tests/test_cuda_header.py checks that both agree).
 constexpr int SLOTS = 8;
 constexpr int COUNT = 0, MAX_ROW = 1, MAX_VALUE = 2, NEG_MIN = 3, FIRST_ROW = 4, FIRST_VALUE = 5;
+constexpr int OFFENDERS = 7;                    // the slot holding the offender block's address
+constexpr int OFF_HEADER = 4, OFF_ENTRY = 4;    // block: header words (word 1 = K), then K entries
+constexpr int E_KEY = 0, E_ROW = 1, E_VALUE = 2, E_REQ = 3;
+constexpr unsigned long long KEY_MIX1 = 0xFF51AFD7ED558CCDULL, KEY_MIX2 = 0xC4CEB9FE1A85EC53ULL;  // the key's fmix
 constexpr long long GUARD_BIAS = 1LL << 62;
 constexpr long long VALUE_MIN = -GUARD_BIAS + 1;
 constexpr long long VALUE_MAX = GUARD_BIAS - 1;
@@ -54,6 +72,19 @@ TRIPWIRE_HD constexpr long long saturate(long long v) {
 // The stored word of a row or value (slots 1, 2, 4, 5) and of the NEG_MIN slot (3).
 TRIPWIRE_HD constexpr long long encode(long long v) { return saturate(v) + GUARD_BIAS; }
 TRIPWIRE_HD constexpr long long encode_neg(long long v) { return GUARD_BIAS - saturate(v); }
+
+// The offender key of biased row, value and request words (request word 0 = not known): never 0. MurmurHash3's
+// 64-bit finalizer chained over the three words, unsigned so that it wraps (signed overflow is undefined in C++)
+// exactly like Triton's int64, whose arithmetic shift the Triton helpers mask into this logical one.
+TRIPWIRE_HD constexpr unsigned long long key_xs(unsigned long long h) { return h ^ (h >> 33); }
+TRIPWIRE_HD constexpr unsigned long long key_fmix(unsigned long long h) {
+  return key_xs(key_xs(key_xs(h) * KEY_MIX1) * KEY_MIX2);
+}
+TRIPWIRE_HD constexpr unsigned long long offender_key(long long rb, long long vb, long long qb) {
+  return key_fmix(key_fmix(key_fmix(static_cast<unsigned long long>(rb)) ^ static_cast<unsigned long long>(vb)) ^
+                  static_cast<unsigned long long>(qb)) |
+         1ULL;
+}
 
 template <typename Index>
 struct Guarded {
@@ -77,10 +108,40 @@ TRIPWIRE_DEVICE unsigned lane_id() {
 #define TRIPWIRE_LANE_ID() ::tripwire::detail::lane_id()
 #endif
 
+// A word another thread may be writing (the block's keys) or that only the host wrote (slot 7, K): read it as it is
+// in memory now, never from a register the compiler kept. A stale key only costs a compare-and-swap that fails.
+TRIPWIRE_DEVICE long long load_word(const void* p) { return *static_cast<const volatile long long*>(p); }
+
+// Keep one offender (biased words) among the row's first K distinct ones (see the header comment). Fault path only.
+TRIPWIRE_DEVICE void keep_offender(long long* ctr, long long rb, long long vb, long long qb) {
+  const long long addr = load_word(ctr + OFFENDERS);
+  if (addr == 0) return;  // not an arena row: no offender block
+  unsigned long long* blk = reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(addr));
+  const long long k = load_word(blk + 1);
+  if (k <= 0 || load_word(blk + OFF_HEADER + (k - 1) * OFF_ENTRY + E_KEY) != 0) return;  // full: one load
+  const unsigned long long key = offender_key(rb, vb, qb);
+  for (long long j = 0; j < k; ++j) {
+    unsigned long long* e = blk + OFF_HEADER + j * OFF_ENTRY;
+    const unsigned long long old = atomicCAS(e + E_KEY, 0ULL, key);
+    if (old == 0ULL) {
+      // The owner: REQ and VALUE, then ROW after a fence, so that a reader that sees ROW sees all three (REQ may
+      // legally be 0, "not known": it cannot say it landed).
+      e[E_REQ] = static_cast<unsigned long long>(qb);
+      e[E_VALUE] = static_cast<unsigned long long>(vb);
+      __threadfence_system();
+      atomicExch(e + E_ROW, static_cast<unsigned long long>(rb));
+      return;
+    }
+    if (old == key) return;  // a repeat of an offender already kept
+  }
+}
+
 // The fault path of every helper, the one place that writes a guard row. Called by the lanes in `active` (all of
-// them, in step), with `bad` the warp's ballot (non-zero) and each lane's own saturated row and value. The lowest
-// bad lane gathers the bad lanes' pairs and does one set of atomics for the warp.
-TRIPWIRE_DEVICE void fault(long long* ctr, unsigned active, unsigned bad, long long row, long long value) {
+// them, in step), with `bad` the warp's ballot (non-zero) and each lane's own saturated row and value and biased
+// request word (0 = not known). The lowest bad lane gathers the bad lanes' pairs and does one set of atomics for
+// the warp; then every bad lane keeps its own offender.
+TRIPWIRE_DEVICE void fault(long long* ctr, unsigned active, unsigned bad, long long row, long long value,
+                           long long qb) {
   const int leader = __ffs(bad) - 1;
   long long max_row = 0, max_value = 0, neg_min = 0, first_row = NO_ROW, first_value = NO_ROW;
   // Every active lane takes part in every shuffle (the bit loop is warp-uniform); a shuffle from a named active
@@ -98,48 +159,78 @@ TRIPWIRE_DEVICE void fault(long long* ctr, unsigned active, unsigned bad, long l
       first_value = vw;
     }
   }
-  if (static_cast<int>(TRIPWIRE_LANE_ID()) != leader) return;
-  unsigned long long* u = reinterpret_cast<unsigned long long*>(ctr);
-  // Count first (see the header comment for why the reader waits one copy for the rest).
-  atomicAdd(u + COUNT, static_cast<unsigned long long>(__popc(bad)));
-  __threadfence();
-  atomicMax(ctr + MAX_ROW, max_row);
-  atomicMax(ctr + MAX_VALUE, max_value);
-  atomicMax(ctr + NEG_MIN, neg_min);
-  if (atomicCAS(u + FIRST_ROW, 0ULL, static_cast<unsigned long long>(first_row)) == 0ULL) {
-    atomicExch(u + FIRST_VALUE, static_cast<unsigned long long>(first_value));
+  const unsigned lane = TRIPWIRE_LANE_ID();
+  if (static_cast<int>(lane) == leader) {
+    unsigned long long* u = reinterpret_cast<unsigned long long*>(ctr);
+    // Count first (see the header comment for why the reader waits one copy for the rest).
+    atomicAdd(u + COUNT, static_cast<unsigned long long>(__popc(bad)));
+    __threadfence();
+    atomicMax(ctr + MAX_ROW, max_row);
+    atomicMax(ctr + MAX_VALUE, max_value);
+    atomicMax(ctr + NEG_MIN, neg_min);
+    if (atomicCAS(u + FIRST_ROW, 0ULL, static_cast<unsigned long long>(first_row)) == 0ULL) {
+      atomicExch(u + FIRST_VALUE, static_cast<unsigned long long>(first_value));
+    }
   }
+  // The offenders after the count: the bad lanes wait for the leader's atomics (and its fence).
+  __syncwarp(active);
+  if ((bad >> lane) & 1u) keep_offender(ctr, row + GUARD_BIAS, value + GUARD_BIAS, qb);
+}
+
+// Every record goes through here: `qb` is the biased request word (0 = not known).
+TRIPWIRE_DEVICE void record(int64_t* ctr, bool bad, long long row, long long value, long long qb) {
+  const unsigned active = __activemask();
+  const unsigned ballot = __ballot_sync(active, bad);
+  if (ballot == 0u) return;  // the hot path: one ballot, nothing else
+  detail::fault(reinterpret_cast<long long*>(ctr), active, ballot, saturate(row), saturate(value), qb);
 }
 
 }  // namespace detail
 
-// Record every thread of the warp's current code path whose `bad` is true, at (row, value). Call it from all of
-// them, bad or not (the vote needs every converged lane); one ballot when none is bad. Lanes that diverged into
-// separate calls are counted by each call: counts stay exact, only the atomics are no longer one set per warp.
+// Record every thread of the warp's current code path whose `bad` is true, at (row, value), with the request it
+// belongs to when given. Call it from all of them, bad or not (the vote needs every converged lane); one ballot
+// when none is bad. Lanes that diverged into separate calls are counted by each call: counts stay exact, only the
+// atomics are no longer one set per warp.
 TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long long value) {
-  const unsigned active = __activemask();
-  const unsigned ballot = __ballot_sync(active, bad);
-  if (ballot == 0u) return;
-  detail::fault(reinterpret_cast<long long*>(ctr), active, ballot, saturate(row), saturate(value));
+  detail::record(ctr, bad, row, value, 0);
+}
+TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long long value, long long request) {
+  detail::record(ctr, bad, row, value, encode(request));
 }
 
-// Record one hit at (row, value). Call it under the kernel's `if (bad)`: every calling thread counts once (the
-// threads of a warp that call it together share one set of atomics). When several threads or blocks see the same
-// bad entry, put the condition that picks one of them into the `if`.
+// Record one hit at (row, value) (and its request). Call it under the kernel's `if (bad)`: every calling thread
+// counts once (the threads of a warp that call it together share one set of atomics). When several threads or
+// blocks see the same bad entry, put the condition that picks one of them into the `if`.
 TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value) { record_hits(ctr, true, row, value); }
+TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value, long long request) {
+  record_hits(ctr, true, row, value, request);
+}
 
-// {idx clamped into [lo, hi), lo <= idx < hi}; an out-of-range idx is recorded at (row, idx) when `count` is true.
-// Call it from every thread of the code path (it votes like record_hits). `Index`: a signed integer (int32_t,
-// int64_t: the dtypes of engine metadata).
+namespace detail {
 template <typename Index>
-TRIPWIRE_DEVICE Guarded<Index> guard_index(Index idx, long long lo, long long hi, int64_t* ctr, long long row,
-                                           bool count = true) {
+TRIPWIRE_DEVICE Guarded<Index> guard(Index idx, long long lo, long long hi, int64_t* ctr, long long row, bool count,
+                                     bool has_request, long long request) {
   static_assert(static_cast<Index>(-1) < static_cast<Index>(0), "tripwire::guard_index needs a signed index type");
   const long long v = static_cast<long long>(idx);
   const bool ok = v >= lo && v < hi;
-  record_hits(ctr, !ok && count, row, v);
+  record(ctr, !ok && count, row, v, has_request ? encode(request) : 0);
   const long long safe = v < lo ? lo : (v >= hi ? hi - 1 : v);
   return {static_cast<Index>(safe), ok};
+}
+}  // namespace detail
+
+// {idx clamped into [lo, hi), lo <= idx < hi}; an out-of-range idx is recorded at (row, idx) (with `request`, when
+// given) when `count` is true. Call it from every thread of the code path (it votes like record_hits). `Index`: a
+// signed integer (int32_t, int64_t: the dtypes of engine metadata).
+template <typename Index>
+TRIPWIRE_DEVICE Guarded<Index> guard_index(Index idx, long long lo, long long hi, int64_t* ctr, long long row,
+                                           bool count = true) {
+  return detail::guard(idx, lo, hi, ctr, row, count, false, 0);
+}
+template <typename Index>
+TRIPWIRE_DEVICE Guarded<Index> guard_index(Index idx, long long lo, long long hi, int64_t* ctr, long long row,
+                                           bool count, long long request) {
+  return detail::guard(idx, lo, hi, ctr, row, count, true, request);
 }
 #endif  // TRIPWIRE_HAS_DEVICE
 
