@@ -80,7 +80,7 @@ def test_header_is_plain_cxx_with_the_layout_constants(tmp_path):
             f'static_assert(tripwire::encode({INT64_MAX}LL) == {layout.encode(layout.VALUE_MAX)}LL, "saturate");',
             *(
                 f'static_assert(tripwire::{n} == {getattr(layout, n)}, "{n}");'
-                for n in ("OFFENDERS", "OFF_HEADER", "OFF_ENTRY", "E_KEY", "E_ROW", "E_VALUE", "E_REQ")
+                for n in ("OFFENDERS", "OFF_HEADER", "OFF_ENTRY", "OFF_DONE", "E_KEY", "E_ROW", "E_VALUE", "E_REQ")
             ),
             *(
                 f'static_assert(tripwire::KEY_MIX{i + 1} == {m}ULL, "multiplier {i + 1}");'
@@ -298,7 +298,8 @@ def _distinct(hits: list[tuple]) -> list[tuple]:
 
 
 def _offender(row: int, value: int, req: int | None = None) -> tuple[int, int, int | None]:
-    return (sat(row), sat(value), None if req is None else sat(req))
+    # A negative request id means "no request": kept as not known, like None (the Triton helpers' convention).
+    return (sat(row), sat(value), None if req is None or req < 0 else sat(req))
 
 
 def _check_kept(sim: Sim, hits: list[tuple], k: int) -> None:
@@ -374,16 +375,16 @@ def test_counter_without_a_block_counts_and_keeps_none(warp_sim, guard_row):
 
 def test_request_word_is_stored(warp_sim):
     """record_hits, record_hit and guard_index, each with and without a request: REQ holds the biased request
-    (saturated like values), 0 where none was given (decoded None)."""
+    (saturated like values), 0 where none was given or the id is negative ("no request"; decoded None)."""
     big = [(0, 1, 0, 100, 7), (1, 1, 1, 101, -1), (2, 1, 2, 102, INT64_MAX), (3, 1, 3, 103, None)]
-    want = {(0, 100, 7), (1, 101, -1), (2, 102, layout.VALUE_MAX), (3, 103, None)}
+    want = {(0, 100, 7), (1, 101, None), (2, 102, layout.VALUE_MAX), (3, 103, None)}
     assert set(warp_sim("hits", [big]).offenders()) == want
     assert set(warp_sim("hit", [big]).offenders()) == want
     guard = [(lane, idx, row, 1, q) for lane, _, row, idx, q in big] + [(4, 5, 4, 1, 77)]  # lane 4 is in range
     assert set(warp_sim("guard", [guard], 0, 10).offenders()) == want
     sim = warp_sim("hits", [big])
     by_row = {int(e[1]): int(e[3]) for e in sim.block[layout.OFF_HEADER :].reshape(-1, layout.OFF_ENTRY)[:4]}
-    assert by_row == {encode(0): encode(7), encode(1): encode(-1), encode(2): encode(layout.VALUE_MAX), encode(3): 0}
+    assert by_row == {encode(0): encode(7), encode(1): 0, encode(2): encode(layout.VALUE_MAX), encode(3): 0}
 
 
 _off_lane = st.tuples(
@@ -445,7 +446,7 @@ def test_key_equals_the_triton_helpers(key_sim, make_monitor, kernel_device):
         entries = block[layout.OFF_HEADER :].reshape(-1, layout.OFF_ENTRY)[: len(rows)]
         words = [(int(rb), int(vb), int(qb)) for _, rb, vb, qb in entries]
         assert sorted(words) == sorted(
-            (encode(sat(r)), encode(sat(v)), encode(sat(q)) if has_req else 0)
+            (encode(sat(r)), encode(sat(v)), encode(sat(q)) if has_req and q >= 0 else 0)  # a negative id: none
             for r, v, q in zip(rows, vals, reqs, strict=True)
         )
         triton_keys = [int(e[0]) for e in entries]

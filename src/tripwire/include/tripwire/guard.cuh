@@ -34,8 +34,9 @@
 // (row, value, request) key by compare-and-swap from 0, in order, so the block keeps the first K DISTINCT
 // offenders in arrival order; a lane that finds its own key is a repeat and claims nothing, and a full block (its
 // last key set) is read once and left alone. The owner writes REQ and VALUE, then ROW last after a fence (a
-// reader takes ROW as the sign that the entry is complete). offender_key() is the Triton helpers' key bit for
-// bit.
+// reader takes ROW as the sign that the entry is complete). Last of all, after a fence, the warp's leader adds the
+// warp's hits to the block's OFF_DONE word: a reader that sees it reach the row's count has every offender of those
+// hits. offender_key() is the Triton helpers' key bit for bit.
 //
 // Build: add `tripwire.include_dir()` to the include path (torch.utils.cpp_extension's extra_include_paths) and
 // `#include <tripwire/guard.cuh>`. Needs sm_50+ (64-bit atomicMax) and CUDA 9+ (the *_sync warp intrinsics).
@@ -60,6 +61,7 @@ constexpr int SLOTS = 8;
 constexpr int COUNT = 0, MAX_ROW = 1, MAX_VALUE = 2, NEG_MIN = 3, FIRST_ROW = 4, FIRST_VALUE = 5;
 constexpr int OFFENDERS = 7;                    // the slot holding the offender block's address
 constexpr int OFF_HEADER = 4, OFF_ENTRY = 4;    // block: header words (word 1 = K), then K entries
+constexpr int OFF_DONE = 2;                     // header word: hits whose offenders are recorded (added last)
 constexpr int E_KEY = 0, E_ROW = 1, E_VALUE = 2, E_REQ = 3;
 constexpr unsigned long long KEY_MIX1 = 0xFF51AFD7ED558CCDULL, KEY_MIX2 = 0xC4CEB9FE1A85EC53ULL;  // the key's fmix
 constexpr long long GUARD_BIAS = 1LL << 62;
@@ -175,7 +177,21 @@ TRIPWIRE_DEVICE void fault(long long* ctr, unsigned active, unsigned bad, long l
   // The offenders after the count: the bad lanes wait for the leader's atomics (and its fence).
   __syncwarp(active);
   if ((bad >> lane) & 1u) keep_offender(ctr, row + GUARD_BIAS, value + GUARD_BIAS, qb);
+  // Then, once every bad lane has kept its own, the warp's hits count as recorded (OFF_DONE, layout.py).
+  __syncwarp(active);
+  if (static_cast<int>(lane) == leader) {
+    const long long addr = load_word(ctr + OFFENDERS);
+    if (addr != 0) {
+      __threadfence_system();
+      atomicAdd(reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(addr)) + OFF_DONE,
+                static_cast<unsigned long long>(__popc(bad)));
+    }
+  }
 }
+
+// A request id's word: biased like the slots; a negative id means "no request" (padding, a lookup that found none)
+// and is the word 0, "not known", as in the Triton helpers.
+TRIPWIRE_HD long long request_word(long long request) { return request < 0 ? 0 : encode(request); }
 
 // Every record goes through here: `qb` is the biased request word (0 = not known).
 TRIPWIRE_DEVICE void record(int64_t* ctr, bool bad, long long row, long long value, long long qb) {
@@ -195,7 +211,7 @@ TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long lon
   detail::record(ctr, bad, row, value, 0);
 }
 TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long long value, long long request) {
-  detail::record(ctr, bad, row, value, encode(request));
+  detail::record(ctr, bad, row, value, detail::request_word(request));
 }
 
 // Record one hit at (row, value) (and its request). Call it under the kernel's `if (bad)`: every calling thread
@@ -213,7 +229,7 @@ TRIPWIRE_DEVICE Guarded<Index> guard(Index idx, long long lo, long long hi, int6
   static_assert(static_cast<Index>(-1) < static_cast<Index>(0), "tripwire::guard_index needs a signed index type");
   const long long v = static_cast<long long>(idx);
   const bool ok = v >= lo && v < hi;
-  record(ctr, !ok && count, row, v, has_request ? encode(request) : 0);
+  record(ctr, !ok && count, row, v, has_request ? request_word(request) : 0);
   const long long safe = v < lo ? lo : (v >= hi ? hi - 1 : v);
   return {static_cast<Index>(safe), ok};
 }
