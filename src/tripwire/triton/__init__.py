@@ -45,8 +45,8 @@ from ..layout import E_REQ as _E_REQ
 from ..layout import E_ROW as _E_ROW
 from ..layout import E_VALUE as _E_VALUE
 from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
-from ..layout import OFF_DONE as _OFF_DONE
 from ..layout import KEY_MIX as _KEY_MIX
+from ..layout import OFF_DONE as _OFF_DONE
 from ..layout import OFF_ENTRY as _OFF_ENTRY
 from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
