@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from conftest import offenders_recorded
 from tripwire import GuardTripped, Monitor
 from tripwire.distributed import COORDINATION_SITE, coordinate
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
@@ -45,6 +46,7 @@ def write_hit(ctr: torch.Tensor, row: int, value: int) -> None:
     if int(ctr[FIRST_ROW]) == 0:
         ctr[FIRST_ROW] = encode(row)
         ctr[FIRST_VALUE] = encode(value)
+    offenders_recorded(ctr, 1)  # last, as the fault path does (tripwire.layout)
 
 
 def wait_until(pred, timeout: float, step: float = 0.005, drive=()) -> bool:

@@ -446,7 +446,7 @@ def test_offenders_first_k_distinct(make_monitor, hit_of, lanes, block, k, has_r
     ctr = mon.counter(mon.registry.register("t.offenders"), dev)
     _record(dev, ctr, lanes, block, has_req)
     sat = lambda q: max(VALUE_MIN, min(VALUE_MAX, q))  # noqa: E731
-    hits = [(r, v, sat(q) if has_req else None) for b, r, v, q in lanes if b]
+    hits = [(r, v, sat(q) if has_req and q >= 0 else None) for b, r, v, q in lanes if b]  # negative: no request
     hit = hit_of(mon, "t.offenders")
     if not hits:
         assert hit is None
@@ -465,7 +465,7 @@ def test_offenders_in_one_program_and_across_programs(make_monitor, hit_of, kern
         (0, 0, 0, 0)
     ] * 2
     _record(kernel_device, ctr, p0 + p1, 8)
-    hits = [(r, v, q) for b, r, v, q in p0 + p1 if b]
+    hits = [(r, v, q if q >= 0 else None) for b, r, v, q in p0 + p1 if b]  # a negative id: no request
     assert len(hits) == 10 and len(_first_distinct(hits)) == 7
     hit = hit_of(mon, "t.one")
     _check_kept(hit, hits, 8)

@@ -141,9 +141,9 @@ class PersistentEngine:
             elif out is None and not manager.is_running():
                 break  # the loop ended (a stop) after delivering every request it failed
         out = [results.get(i) for i in ids]
-        if any(o is None for o in out) or (any(o.error is not None for o in out) and not manager.is_running()):
-            # The loop ended (a stop): wait for it (its final drain included); the next run gets a new manager. A
-            # request failed alone (containment) leaves the loop running.
+        # A failure other than containment's (a stop, which fails every request in flight) ends the loop: wait for it
+        # (its final drain included); the next run gets a new manager. A request failed alone leaves the loop running.
+        if any(o is None or (o.error is not None and "tripwire contained" not in o.error) for o in out):
             manager.stop(block=True, timeout=60)
             self.manager = None
             self.rebuilds += 1
