@@ -104,7 +104,10 @@ def run(
                 t = time.perf_counter()
                 res = engines[name].run(prompts, tag=f"b{b}r{r}{name}", timeout=900)
                 times[name].append(time.perf_counter() - t)
-                assert all(x is not None and x.error is None for x in res), (name, [x.error if x else None for x in res][:2])
+                assert all(x is not None and x.error is None for x in res), (
+                    name,
+                    [x.error if x else None for x in res][:2],
+                )
         med = {k: statistics.median(v) for k, v in times.items()}
         plain_t = times["plain"]
         consecutive = [abs(plain_t[i + 1] - plain_t[i]) / med["plain"] * 100 for i in range(len(plain_t) - 1)]

@@ -667,7 +667,9 @@ def test_ops_take_the_request_map(kernel_device, monitor, hit_of, name):
     op(*args, requests)
     hit = hit_of(monitor, site)
     ids = [requests[j].item() for _, _, j in want]
-    assert [tuple(o) for o in hit.offenders] == [(r, v, q if q >= 0 else None) for (r, v, _), q in zip(want, ids, strict=True)]
+    assert [tuple(o) for o in hit.offenders] == [
+        (r, v, q if q >= 0 else None) for (r, v, _), q in zip(want, ids, strict=True)
+    ]
 
 
 def _cases_for_ops(dev: str, monitor) -> dict:
