@@ -22,16 +22,18 @@ Variants, run in one process, interleaved in rotated order over several rounds (
 
 Two estimators. (1) Run means: the MEAN step time (total time / steps; a reader that costs one step in fifty would
 vanish in a median), each variant against the no-reader arms OF ITS OWN ROUND (on the GPU 42 rounds of 250 steps,
-every variant once per round in rotated order: the H200 hosts' step time moves by up to 60 % for seconds at a time,
-so runs are short and many). The judged figure is the larger of the median over rounds of that paired overhead and
-the pooled means; the noise floor is the largest of the median and pooled A/A differences (none_a vs none_b) and
-twice the median's robust standard error. On those hosts that floor is 0.7-3.9 %: run means cannot resolve 0.1 %.
-(2) Attribution (:func:`attribute`): every tick's span is traced, and the time of the few steps it touched is
+every variant once per round in rotated order: a GPU host's step time moves by tens of percent for seconds at a
+time, so runs are short and many). The judged figure is the larger of the median over rounds of that paired overhead
+and the pooled means; the noise floor is the largest of the median and pooled A/A differences (none_a vs none_b) and
+twice the median's robust standard error. That floor (the ``noise_floor_pct`` figure) is far above 0.1 % on the GPU
+hosts: run means cannot resolve the target.
+(2) Attribution (:func:`step_loop_stats.attribute`): every tick's span is traced, and the time of the few steps it touched is
 compared with the steps touched by the same ticks moved half an interval away (same selection, same host phase, no
 tick): the ticks' own cost, with the noise of a few steps per tick; its floor comes from virtual ticks on the
 no-reader runs. It is validated by the GIL-holding control (it must see the control's cost and agree with the run
 means on it), and the run means must not show more than their floor (a cost spread out in time, which the
-attribution cannot see). The mark is judged on the attribution under those conditions (:func:`judge_attributed`).
+attribution cannot see). The mark is judged on the attribution under those conditions
+(:func:`step_loop_stats.judge_attributed`). The statistics live in ``step_loop_stats.py``; this module runs the loop.
 
 The engine thread is pinned to one core with every reader thread on the others (``os.sched_setaffinity``: no
 migration, no reader sharing the engine's core). The reader thread's own CPU time per wall time is measured too.
@@ -81,9 +83,9 @@ TRIPWIRE = {"tripwire_50ms": (0.05, False), "tripwire_1ms": (0.001, False), HEAV
 # Attribution (step_loop_stats.attribute): only where ticks are far apart compared with a step; at 1 ms every step is
 # touched.
 ATTRIBUTED = ("tripwire_50ms", HEAVY)
-# The long steady runs (GPU): tripwire at 50 ms, then no reader, ~50 s and ~1000 (virtual) ticks each, pooled into the
-# judged attribution and its null with the short runs' (the per-tick noise needs ~1000 ticks for a 0.1 % resolution
-# on a host whose step time jumps by 5-10 % between phases).
+# The long steady runs (GPU): tripwire at 50 ms, then no reader, about a thousand (virtual) ticks each, pooled into the
+# judged attribution and its null with the short runs' (the per-tick noise of a host whose step time jumps between
+# phases needs that many ticks to resolve 0.1 %).
 STEADY_STEPS = 60000
 
 
@@ -445,7 +447,7 @@ def run(ctx: Ctx) -> dict:
     work = calibrate_spin(300.0)
     t_work = min(_timed(work) for _ in range(20)) * 1e6
     # Pinned on the GPU only: the CPU variant's eager decode step runs torch's intra-op threads, which would be
-    # created on the engine's single core (measured: 0.5 ms steps became 16 ms).
+    # created on the engine's single core and serialise every step behind them.
     split = _cpu_split() if ctx.cuda else None
     original_affinity = os.sched_getaffinity(0) if split is not None else None
     store = None
@@ -456,17 +458,17 @@ def run(ctx: Ctx) -> dict:
     readers = _Readers(m, dev, split, store)
     trace = _TickTrace(m)
     # As engines do after start-up (vLLM freezes the heap after capturing its graphs): move every object alive now
-    # out of the collector's reach, so that a full collection does not walk torch's and Triton's start-up objects.
-    # The first H200 run, without it, had 60-80 ms pauses a few times per run in EVERY variant and a noise floor
-    # of 6.4 %. Garbage made during the runs (the readers' included) is still collected, so a reader's
-    # allocations still show; the number of full collections during the runs is recorded.
+    # out of the collector's reach, so that a full collection does not walk torch's and Triton's start-up objects
+    # (such a walk pauses every variant alike, for far longer than a step, and raises the noise floor). Garbage made
+    # during the runs (the readers' included) is still collected, so a reader's allocations still show; the number
+    # of full collections during the runs is recorded.
     gc.collect()
     gc.freeze()
     full_before = gc.get_stats()[2]["collections"]
     try:
         if split is not None:
             os.sched_setaffinity(0, split[0])
-        # Bring the clocks up before the first measured round (the first rounds ran up to 30 % fast or slow).
+        # Bring the clocks up before the first measured round (a cold host's first rounds run fast or slow).
         _run_variant(dec, work, m, max(steps, 1000 if ctx.cuda else 100))
         means, pooled, reads, cpu_share, raw = _rounds(dec, work, m, readers, trace, steps, rounds, ctx)
         # The steady state of the reader alone: one long run at 50 ms, its clock read after a warm-up of several
@@ -528,7 +530,7 @@ def run(ctx: Ctx) -> dict:
         res.fig(f"overhead_se_pct_{v}", single(se, unit="%", label=f"{v}: robust standard error of that median"))
         res.fig(f"overhead_pooled_pct_{v}", single(pooled_ov, unit="%", label=f"{v} vs no reader (pooled means)"))
         # The judged figure: the larger of the two. A median alone hides a reader that costs a lot in a few rounds
-        # (sync_50ms: median 0.67 %, pooled 2.1 % on an H200); pooled means alone move with the host's phases.
+        # (sync_50ms: compare its median and pooled figures); pooled means alone move with the host's phases.
         res.fig(
             f"overhead_pct_{v}",
             single(max(med, pooled_ov), unit="%", label=f"{v} vs no reader (max of median and pooled)"),
