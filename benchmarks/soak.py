@@ -9,7 +9,7 @@ Checked: no hang (a watchdog records any step slower than 10 s and the longest s
 (the arena count after ``drain()``, and the sum of the deltas in the WARNING lines, both equal the injected total),
 memory flat (RSS and ``torch.cuda.memory_allocated`` sampled every second; drift after warm-up reported).
 
-Length: ``--soak-minutes`` (10 for the issue's soak); the suite's default is 60 s (10 s with --quick), and the
+Length: ``--soak-minutes`` (10 for the full soak); the suite's default is 60 s (10 s with --quick), and the
 result says which was run.
 """
 

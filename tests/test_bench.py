@@ -1,5 +1,5 @@
-"""The benchmark harness (benchmarks/, ``tripwire bench``): it runs, writes the JSON the issue asks for, renders
-RESULTS.md tables from it, and never marks an unmeasured or unresolvable figure as a pass.
+"""The benchmark harness (benchmarks/, ``tripwire bench``): it runs, writes the JSON record (device, versions, every
+figure), renders RESULTS.md tables from it, and never marks an unmeasured or unresolvable figure as a pass.
 
 The end-to-end test runs a reduced subset (q4, q5, q6 and a GPU-only question that must come back skipped on the
 CPU) through the real command line, in a subprocess, so TRITON_INTERPRET and the benchmarks' sys.path are set the
