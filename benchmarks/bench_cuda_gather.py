@@ -7,7 +7,7 @@ of 256 B, bfloat16 x 128: one guarded index per 256 bytes moved, the guard's wor
 permutation (valid: nothing counts, checked; outputs equal, checked). Timing as in bench_decode_attention
 (``_common.paired_replay_ms``). Target: guarded within 1 % of the twin at each shape.
 
-The first run builds the extension with nvcc (about a minute; cached after).
+The first run builds the extension with nvcc (cached after).
 
     python benchmarks/bench_cuda_gather.py --out $OUT/cuda_gather.json [--quick]
 """

@@ -30,7 +30,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from _common import capture
+from _common import Ctx, Result, capture, single
 from tripwire import Monitor, SiteRegistry
 from tripwire.numerics import ClipCounter, count_nonfinite, reference_quantize, register_nonfinite_site
 from tripwire.numerics import fused as fused_mod
@@ -243,26 +243,93 @@ def _table(res: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------- into q1's record
+# What fold adds to q1 (guard_cost.py folds a fresh run in; --merge replaces exactly these in an earlier run's record).
+NUMERICS_FIGURE_PREFIXES = ("overhead_pct_fp8_", "fused_", "torch_count_over_fused_", "nonfinite_")
+NUMERICS_TARGET_PREFIXES = ("fused FP8 counter", "non-finite counter")
+NUMERICS_NOTE_PREFIXES = ("fused FP8 and non-finite figures", "bench_numerics")
+
+
+def fold(res: Result, out: dict) -> None:
+    """Add the figures and targets of one :func:`run` result to ``res`` (q1's)."""
+    if "skipped" in out:
+        res.note(f"bench_numerics skipped: {out['skipped']}")
+        return
+    for f in out.get("fused_fp8", []):
+        key = f"fp8_{f['tokens']}x{f['heads']}x{f['head_dim']}_{f['regime']}"
+        res.fig(
+            f"overhead_pct_{key}", single(f["overhead_pct"], unit="%", label=f"fused FP8 {key}: counted / bare - 1")
+        )
+        res.fig(f"fused_us_counted_{key}", single(f["us"]["counted"], unit="us", label=f"fused FP8 {key}, counted"))
+        res.fig(f"fused_us_bare_{key}", single(f["us"]["bare"], unit="us", label=f"fused FP8 {key}, bare"))
+        res.fig(
+            f"fused_guard_only_pct_{key}",
+            single(f["guard_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: slot guard alone / bare - 1"),
+        )
+        res.fig(
+            f"fused_count_only_pct_{key}",
+            single(
+                f["count_only_overhead_pct"],
+                unit="%",
+                label=f"fused FP8 {key}: counted / guard alone (= count=False) - 1, shape {f['config']}",
+            ),
+        )
+        res.fig(f"fused_gbs_{key}", single(f["gbps_counted"], unit="GB/s", label=f"fused FP8 {key}, counted"))
+        res.fig(
+            f"torch_count_over_fused_{key}",
+            single(f["torch_count_over_fused"], unit="x", label=f"{key}: torch-ops counting / fused kernel"),
+        )
+        if f["regime"] == "healthy":
+            res.target(
+                f"fused FP8 counter {key}",
+                f"overhead_pct_{key}",
+                f"within {f['target_pct']:g} %",
+                f["overhead_pct"],
+                f["pass"],
+            )
+            # The same question asked of the shipped calls: counted vs count=False (the guard-alone kernel).
+            res.target(
+                f"fused FP8 counter {key}, vs count=False",
+                f"fused_count_only_pct_{key}",
+                f"within {f['target_pct']:g} %",
+                f["count_only_overhead_pct"],
+                f["count_only_overhead_pct"] <= f["target_pct"],
+            )
+    nf = out.get("nonfinite")
+    if nf:
+        res.fig("nonfinite_us", single(nf["us"], unit="us", label=f"non-finite counter {nf['shape']} {nf['dtype']}"))
+        res.fig("nonfinite_pct_of_copy", single(nf["ratio_to_copy"] * 100, unit="%", label="non-finite vs D2D copy"))
+        for sw in nf.get("sweep", []):
+            shape = f"{sw['block']} x{sw['iters']} w{sw['num_warps']}"
+            res.fig(
+                f"nonfinite_sweep_pct_{sw['block']}_{sw['iters']}_{sw['num_warps']}",
+                single(sw["ratio_to_copy"] * 100, unit="%", label=f"non-finite sweep: block {shape}, vs copy"),
+            )
+        res.target(
+            "non-finite counter bandwidth",
+            "nonfinite_pct_of_copy",
+            f">= {nf['target'] * 100:g} % of a D2D copy",
+            nf["ratio_to_copy"] * 100,
+            nf["pass"],
+        )
+    res.note(f"fused FP8 and non-finite figures from benchmarks/bench_numerics.py (repeats={out.get('repeats')})")
+
+
 def merge(res: dict, bench_json: Path) -> None:
     """Replace the numerics figures, targets and notes of q1 in an earlier ``tripwire bench`` record with this run's
-    (q1_guard_cost.fold_numerics, as a full run would), and say so in q1's notes. The guard figures stay as they
+    (:func:`fold`, as a full run would), and say so in q1's notes. The guard figures stay as they
     were: only the numerics kernels are re-measured. Then ``results_md.py --update`` renders the record."""
     import time
-
-    import q1_guard_cost as q1mod
-    from _common import Ctx, Result
 
     data = json.loads(bench_json.read_text())
     q1 = data["questions"]["q1"]
     fresh = Result("q1", q1["title"], Ctx(quick=res["quick"], device="cuda", out=bench_json.parent, verbose=False))
-    q1mod.fold_numerics(fresh, res)
+    fold(fresh, res)
     q1["figures"] = {
-        k: v for k, v in q1["figures"].items() if not k.startswith(q1mod.NUMERICS_FIGURE_PREFIXES)
+        k: v for k, v in q1["figures"].items() if not k.startswith(NUMERICS_FIGURE_PREFIXES)
     } | fresh.figures
-    q1["targets"] = [
-        t for t in q1["targets"] if not t["name"].startswith(q1mod.NUMERICS_TARGET_PREFIXES)
-    ] + fresh.targets
-    q1["notes"] = [n for n in q1["notes"] if not n.startswith(q1mod.NUMERICS_NOTE_PREFIXES)] + [
+    q1["targets"] = [t for t in q1["targets"] if not t["name"].startswith(NUMERICS_TARGET_PREFIXES)] + fresh.targets
+    q1["notes"] = [n for n in q1["notes"] if not n.startswith(NUMERICS_NOTE_PREFIXES)] + [
         *fresh.notes,
         f"bench_numerics --merge: the fused FP8 and non-finite figures re-measured on {time.strftime('%Y-%m-%d')} "
         f"({res['device']}, torch {res['torch']}, triton {res['triton']}); the guard figures are from the run above",

@@ -2,10 +2,14 @@
 
     tripwire bench [--quick] [--out DIR] [--only q2,q3] [--soak-minutes M] [--budget-s S] [--coordinate]
 
+The questions, by label (RESULTS.md's, the JSON record's and ``--only``'s) and module: q1 ``guard_cost``, q2
+``tick_latency``, q3 ``step_loop`` (its statistics in ``step_loop_stats``), q4 ``detection``, q5 ``tick_scaling``,
+q6 ``idle``, q7 ``capture_safety``, q8 ``versus_tools``, q9 ``soak``.
+
 Without a GPU only the questions that need none run (q3's CPU step-loop variant, q4, q5, q6), and every figure is
-labelled a CPU figure. On a GPU the whole suite runs; sizes are chosen so that the full suite ends in about 5-6
-minutes on an H200 (``--quick``: about 2). The soak (q9) is short by default (60 s; 10 s with --quick) and says so;
-``--soak-minutes 10`` gives the issue's 10-minute soak.
+labelled a CPU figure. On a GPU the whole suite runs, sized to fit one device call of 10 minutes (``--quick``: a
+short pass; ``--budget-s`` skips questions that would start late). The soak (q9) is short by default (60 s; 10 s
+with --quick) and says so; ``--soak-minutes 10`` gives the full 10-minute soak.
 
 The JSON is rewritten after every question, so a run cut short still leaves what it measured.
 """
@@ -25,25 +29,37 @@ import torch
 
 from _common import SCHEMA, Ctx, env_info, write_json
 
-# (id, module, needs a GPU). Order: cheap and central first; the soak and the sanitizer last.
+# (id, module, needs a GPU). The ids are the questions' labels: RESULTS.md's, the JSON records' keys and --only's; the
+# modules are named for what they measure. Order: cheap and central first; the soak and the sanitizer last.
 QUESTIONS: list[tuple[str, str, bool]] = [
-    ("q2", "q2_tick_latency", True),
-    ("q5", "q5_scaling", False),
-    ("q6", "q6_idle", False),
-    ("q4", "q4_detection", False),
-    ("q3", "q3_step_loop", False),
-    ("q1", "q1_guard_cost", True),
-    ("q7", "q7_capture", True),
-    ("q9", "q9_soak", True),
-    ("q8", "q8_tools", True),  # last: compute-sanitizer's run time is the least predictable
+    ("q2", "tick_latency", True),
+    ("q5", "tick_scaling", False),
+    ("q6", "idle", False),
+    ("q4", "detection", False),
+    ("q3", "step_loop", False),
+    ("q1", "guard_cost", True),
+    ("q7", "capture_safety", True),
+    ("q9", "soak", True),
+    ("q8", "versus_tools", True),  # last: compute-sanitizer's run time is the least predictable
 ]
+
+
+def selection(only: str) -> tuple[set[str], set[str]]:
+    """``--only``'s text as (the question ids it selects, the names it does not know): ids or module names."""
+    by_module = {mod: q for q, mod, _ in QUESTIONS}
+    ids = {q for q, _, _ in QUESTIONS}
+    names = {n.strip() for n in only.split(",") if n.strip()}
+    chosen = {by_module.get(n, n) for n in names}
+    return chosen & ids, chosen - ids
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tripwire bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (about 2 minutes)")
     p.add_argument("--out", default="bench-out", help="output folder (default: ./bench-out)")
-    p.add_argument("--only", default="", help="comma-separated question ids, e.g. q2,q3")
+    p.add_argument(
+        "--only", default="", help="comma-separated question ids or their modules' names, e.g. q2,q3 or tick_latency"
+    )
     p.add_argument(
         "--soak-minutes", type=float, default=None, help="q9 soak length (default 1 min; 10 gives the full soak)"
     )
@@ -68,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    only = {q.strip() for q in args.only.split(",") if q.strip()}
-    known = {q for q, _, _ in QUESTIONS}
-    if only - known:
-        print(f"tripwire bench: unknown question(s) {sorted(only - known)}; known: {sorted(known)}", file=sys.stderr)
+    only, unknown = selection(args.only)
+    if unknown:
+        known = sorted(q for q, _, _ in QUESTIONS)
+        print(f"tripwire bench: unknown question(s) {sorted(unknown)}; known: {known}", file=sys.stderr)
         return 2
     if args.soak_minutes is not None and not args.soak_minutes > 0:
         print("tripwire bench: --soak-minutes must be > 0", file=sys.stderr)

@@ -46,38 +46,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 import triton
-import triton.language as tl
 
-from tripwire.triton import guard_index
+from tripwire._gather import gather_rows
 
 SCENARIOS = ("abort", "no_abort", "baseline")
 SETUP_LIMIT = 60.0  # seconds for two ranks to import, init CUDA/NCCL and compile the kernel
-
-
-@triton.jit
-def _guarded_gather(src_ptr, idx_ptr, out_ptr, n, n_src, ctr_ptr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    idx = tl.load(idx_ptr + offs, mask=m, other=0)
-    # Out-of-range lanes are recorded at (row = lane offset, value = the bad index) and masked.
-    safe, ok = guard_index(idx, 0, n_src, ctr_ptr, offs, mask=m)
-    tl.store(out_ptr + offs, tl.load(src_ptr + safe, mask=ok, other=0.0), mask=m)
-
-
-def guarded_gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, ctr: torch.Tensor) -> None:
-    """``out[i] = src[idx[i]]`` for float32 ``src``, int64 ``idx`` and a preallocated float32 ``out`` of idx's
-    length; an index outside ``[0, len(src))`` is masked (out 0) and counted in ``ctr`` (int64 ``[8]``)."""
-    for name, t, dt in (("src", src, torch.float32), ("idx", idx, torch.int64), ("out", out, torch.float32)):
-        if t.dtype != dt or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"guarded_gather: {name} must be a contiguous 1-D {dt} tensor, got {t.dtype} {t.shape}")
-        if t.device != src.device:
-            raise ValueError(f"guarded_gather: {name} is on {t.device}, src on {src.device}")
-    if out.shape != idx.shape:
-        raise ValueError(f"guarded_gather: out {tuple(out.shape)} must match idx {tuple(idx.shape)}")
-    if ctr.dtype != torch.int64 or ctr.shape != (8,) or ctr.device != src.device:
-        raise ValueError(f"guarded_gather: ctr must be an int64 [8] counter row on {src.device}")
-    block = 128
-    _guarded_gather[(triton.cdiv(idx.numel(), block),)](src, idx, out, idx.numel(), src.numel(), ctr, BLOCK=block)
 
 
 # ---------------------------------------------------------------------- one rank
@@ -116,7 +89,7 @@ def _rank_main(rank: int, cfg: dict[str, Any], results: Any, done: Any) -> None:
             idx = torch.arange(256, dtype=torch.int64, device=device)
             res = torch.empty(256, dtype=torch.float32, device=device)
             ctr = tripwire.counter(site, device)
-            guarded_gather(src, idx, res, ctr)
+            gather_rows(src, idx, res, ctr=ctr)
             if gpu:
                 torch.cuda.synchronize()
             assert int(ctr[0]) == 0
@@ -155,7 +128,7 @@ def _rank_main(rank: int, cfg: dict[str, Any], results: Any, done: Any) -> None:
             bad = torch.arange(256, dtype=torch.int64, device=device)
             bad[17] = 5000  # one index past the 1024-row table
             out["t_hit"] = time.time()
-            guarded_gather(src, bad, res, ctr)
+            gather_rows(src, bad, res, ctr=ctr)
             t_end = time.monotonic() + 5.0
             while time.monotonic() < t_end:
                 try:

@@ -1,5 +1,5 @@
-"""The benchmark harness (benchmarks/, ``tripwire bench``): it runs, writes the JSON the issue asks for, renders
-RESULTS.md tables from it, and never marks an unmeasured or unresolvable figure as a pass.
+"""The benchmark harness (benchmarks/, ``tripwire bench``): it runs, writes the JSON record (device, versions, every
+figure), renders RESULTS.md tables from it, and never marks an unmeasured or unresolvable figure as a pass.
 
 The end-to-end test runs a reduced subset (q4, q5, q6 and a GPU-only question that must come back skipped on the
 CPU) through the real command line, in a subprocess, so TRITON_INTERPRET and the benchmarks' sys.path are set the
@@ -173,8 +173,8 @@ def test_stats_and_percentile_match_numpy() -> None:
     assert s["p99"] == pytest.approx(float(np.percentile(xs, 99)) * 2)
 
 
-def test_q3_judge_respects_the_noise_floor() -> None:
-    from q3_step_loop import judge
+def test_step_loop_judge_respects_the_noise_floor() -> None:
+    from step_loop_stats import judge
 
     assert judge(0.05, 0.02) == (True, "")
     assert judge(0.3, 0.02)[0] is False
@@ -189,10 +189,84 @@ def test_unknown_question_is_refused(tmp_path) -> None:
     assert run_all.main(["--only", "q42", "--out", str(tmp_path)]) == 2
 
 
-def test_q1_cases_match_the_kernel_launchers(kernel_device) -> None:
+def _benchmark_imports(folder: Path) -> dict[str, set[str]]:
+    """Module -> the benchmark modules it imports (at the top, inside functions, or by importlib.import_module)."""
+    import ast
+
+    names = {f.stem for f in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for f in folder.glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                deps.add(node.module)
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                deps.add(str(node.args[0].value))
+        graph[f.stem] = {d for d in deps if d in names and d != f.stem}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (as a path that ends where it starts), or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (found := visit(d)) is not None:
+                return found
+        state[n] = 2
+        path.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)) is not None:
+            return found
+    return None
+
+
+def test_benchmark_modules_import_no_cycle() -> None:
+    """No benchmark module imports, directly or through others, one that imports it back (guard_cost folds
+    bench_numerics in through bench_numerics' own fold; nothing imports guard_cost). Control: the detector finds the
+    cycle the two modules had."""
+    graph = _benchmark_imports(BENCH)
+    assert {"guard_cost", "bench_numerics", "step_loop", "step_loop_stats", "run_all"} <= set(graph)
+    assert "bench_numerics" in graph["guard_cost"] and "step_loop_stats" in graph["step_loop"]
+    assert _cycle(graph) is None, _cycle(graph)
+    with_cycle = {**graph, "bench_numerics": graph["bench_numerics"] | {"guard_cost"}}
+    assert _cycle(with_cycle) in (
+        ["guard_cost", "bench_numerics", "guard_cost"],
+        ["bench_numerics", "guard_cost", "bench_numerics"],
+    )
+
+
+def test_only_takes_labels_and_module_names() -> None:
+    """``--only`` keeps the question labels (RESULTS.md's and the records'); a module's name selects its question."""
+    import run_all
+
+    assert sorted(q for q, _, _ in run_all.QUESTIONS) == [f"q{i}" for i in range(1, 10)]
+    for _, mod, _ in run_all.QUESTIONS:
+        assert (BENCH / f"{mod}.py").is_file() and not mod.startswith("q")
+    assert run_all.selection("q2, tick_scaling,q3") == ({"q2", "q5", "q3"}, set())
+    assert run_all.selection("") == (set(), set())
+    assert run_all.selection("q42,q3_step_loop") == (set(), {"q42", "q3_step_loop"})  # neither a label nor a module
+
+
+def test_guard_cost_cases_match_the_kernel_launchers(kernel_device) -> None:
     """q1 calls every reference launcher with the bench's own arguments: shrunk to a few KB they must run under
     the interpreter (or the GPU), the guarded and unguarded outputs must agree, and valid metadata counts nothing."""
-    from q1_guard_cost import build_cases
+    from guard_cost import build_cases
     from tripwire import Monitor, SiteRegistry
 
     m = Monitor(registry=SiteRegistry(capacity=64), capacity=64)
@@ -209,9 +283,10 @@ def test_q1_cases_match_the_kernel_launchers(kernel_device) -> None:
 
 
 def test_bench_gather_kernel_counts_and_masks(kernel_device) -> None:
-    """The bench's own guarded gather (q3, q4, q7, q8, q9 inject faults through it)."""
-    from _kernels import gather_rows
+    """The shared guarded gather (q3, q4, q7, q8, q9, the reader's GPU tests and scripts/gpu_distributed.py inject
+    faults through it)."""
     from tripwire import Monitor, SiteRegistry
+    from tripwire._gather import gather_rows
 
     reg = SiteRegistry(capacity=4)
     site = reg.register("bench.test.gather")
@@ -234,14 +309,26 @@ def test_bench_gather_kernel_counts_and_masks(kernel_device) -> None:
     assert not out[2].any() and torch.equal(out[[0, 1, 3]], table[good[[0, 1, 3]]])
     with pytest.raises(ValueError, match="ctr"):
         gather_rows(table, good, out)
+    # One element per row (the reader's GPU tests), int32 indices: one hit per bad index, at its position.
+    m.reset()
+    src = torch.randn(100, device=kernel_device)
+    idx = torch.arange(40, dtype=torch.int32, device=kernel_device)
+    idx[[5, 17]] = torch.tensor([107, -1], dtype=torch.int32, device=kernel_device)
+    flat = torch.empty(40, device=kernel_device)
+    gather_rows(src, idx, flat, ctr=ctr)
+    hit = m.drain()[(next(iter(m.readers())), site.name)]
+    assert (hit.count, hit.max_row, hit.max_value, hit.min_value) == (2, 17, 107, -1)
+    assert flat[5] == 0 and flat[17] == 0 and torch.equal(flat[:5], src[:5])
+    with pytest.raises(ValueError, match="out must be"):
+        gather_rows(src, idx, torch.empty(40, 1, device=kernel_device), ctr=ctr)
 
 
-def test_q3_median_and_se_resists_phase_rounds() -> None:
+def test_step_loop_median_and_se_resists_phase_rounds() -> None:
     """q3's estimator: the median of per-round paired overheads with a MAD-based standard error. Two rounds caught in
     a host phase change (+60 %) must not move it; the control, a plain mean, moves by several percent."""
     import statistics
 
-    from q3_step_loop import median_and_se
+    from step_loop_stats import median_and_se
 
     rounds = [0.05, -0.05, 0.1, 0.0, -0.1, 0.05, 0.0, 60.0, -38.0, 0.02]
     med, se = median_and_se(rounds)
@@ -270,14 +357,14 @@ def _step_trace(n: int, seed: int, delay_at: list[float] | None = None, delay: f
     return starts, durs
 
 
-def test_q3_attribution_recovers_a_planted_tick_cost_and_nothing_else() -> None:
+def test_step_loop_attribution_recovers_a_planted_tick_cost_and_nothing_else() -> None:
     """The attribution measures the time ticks add to the steps they touch. On synthetic loops: a planted 60 us
     per tick (every 50 ms: 0.12 %) comes back within 0.03 %, and a loop without any cost comes back at 0 within
     0.03 %, although touched steps are length-biased. Control: the naive estimator (touched steps' mean against
     all steps' mean, no shifted windows) reports a cost where there is none."""
     import statistics
 
-    from q3_step_loop import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute, attributed_pct
+    from step_loop_stats import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute, attributed_pct
 
     ticks = [0.013 + k * ATTR_INTERVAL_S for k in range(400)]  # 20 s of ticks
     spans = [(a, a + 1e-4) for a in ticks]
@@ -301,8 +388,8 @@ def test_q3_attribution_recovers_a_planted_tick_cost_and_nothing_else() -> None:
     assert statistics.fmean(naive) * 100 > 0.04  # the control: length bias alone looks like a cost
 
 
-def test_q3_attribution_leaves_out_ticks_outside_the_run() -> None:
-    from q3_step_loop import attribute, virtual_spans
+def test_step_loop_attribution_leaves_out_ticks_outside_the_run() -> None:
+    from step_loop_stats import attribute, virtual_spans
 
     starts, durs = _step_trace(100, 0)
     end = starts[-1] + durs[-1]
@@ -315,10 +402,10 @@ def test_q3_attribution_leaves_out_ticks_outside_the_run() -> None:
     assert all(abs((b2[0] - b1[0]) - 0.05) < 1e-12 for b1, b2 in itertools.pairwise(v))
 
 
-def test_q3_judge_attributed() -> None:
+def test_step_loop_judge_attributed() -> None:
     """The attribution's mark: evidence only when its floor is under the target, the GIL-holding control is seen
     and agrees with the run means, and the run means show no cost above their own floor."""
-    from q3_step_loop import judge_attributed
+    from step_loop_stats import judge_attributed
 
     ok_direct = (None, "not resolvable")
     heavy, heavy_direct = (4.0, 0.2), (4.3, 0.5)
@@ -357,12 +444,12 @@ def _short_run(seed: int, *, drift: float, planted: float = 0.0, n: int = 250):
     return starts, durs, [(a, a + 1e-4) for a in ticks if a < t], total
 
 
-def test_q3_attribution_is_unbiased_on_short_drifting_runs() -> None:
+def test_step_loop_attribution_is_unbiased_on_short_drifting_runs() -> None:
     """2000 runs shaped like the bench's (250 steps, a 5 % speed-up over each): without a cost the symmetric
     control reads ~0, with 60 us per tick it reads the planted total. Controls: a one-sided control (ticks moved
-    one way only, the first version) reads the drift as a cost; requiring both control sides drops the ticks near
-    the ends of each run."""
-    from q3_step_loop import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute
+    one way only) reads the drift as a cost; requiring both control sides drops the ticks near the ends of each
+    run."""
+    from step_loop_stats import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute
 
     half = ATTR_INTERVAL_S / 2
 
@@ -379,11 +466,11 @@ def test_q3_attribution_is_unbiased_on_short_drifting_runs() -> None:
         return diff / total * 100, truth / total * 100, used
 
     null, _, used = pooled(0.0)
-    assert abs(null) < 0.015, null  # measured 0.001
+    assert abs(null) < 0.015, null
     cost, truth, _ = pooled(60e-6)
-    assert abs(cost - truth) < 0.015, (cost, truth)  # measured 0.115 vs 0.120
+    assert abs(cost - truth) < 0.015, (cost, truth)
     one_sided, _, _ = pooled(0.0, sides=(1,))
-    assert one_sided > 0.025, one_sided  # the control: the drift read as a cost (measured 0.037)
+    assert one_sided > 0.025, one_sided  # the control: the drift read as a cost
     cost_both, _, used_both = pooled(60e-6, need_all_sides=True)
     assert used_both < 0.85 * used and truth - cost_both > 0.02  # the control: end ticks dropped, cost understated
     with pytest.raises(ValueError, match="shift"):
@@ -393,7 +480,7 @@ def test_q3_attribution_is_unbiased_on_short_drifting_runs() -> None:
 def test_split_run_covers_every_step_and_tick_once():
     """q3 cuts its long runs into short-run-sized pieces for the attribution's per-run standard error: every step and
     every tick lands in exactly one piece, in order; a run shorter than two pieces stays whole."""
-    from q3_step_loop import split_run
+    from step_loop_stats import split_run
 
     starts = [i * 0.001 for i in range(1037)]
     durs = [0.001] * 1037
@@ -410,7 +497,7 @@ def test_split_run_covers_every_step_and_tick_once():
 def test_bench_numerics_merge_replaces_only_the_numerics_of_q1(tmp_path):
     """bench_numerics.py --merge folds a fresh numerics run into an earlier record's q1: the old fused FP8 and
     non-finite figures, targets and notes go, the guard figures stay, the new ones arrive through the same fold as a
-    full run (q1_guard_cost.fold_numerics), and a note says what was re-measured when."""
+    full run (bench_numerics.fold, which guard_cost.py calls), and a note says what was re-measured when."""
     import bench_numerics
 
     fused = {

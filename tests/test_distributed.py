@@ -32,7 +32,7 @@ from tripwire import GuardTripped, Monitor
 from tripwire.distributed import COORDINATION_SITE, coordinate
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
 
-# Multi-process runs: the reader interval, and the bound the issue sets (every rank raises within 3 intervals).
+# Multi-process runs: the reader interval, and the bound the design sets (every rank raises within 3 intervals).
 INTERVAL = 0.2
 BOUND = 3 * INTERVAL
 

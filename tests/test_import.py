@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +80,28 @@ def test_import_is_lean_on_a_gpu_machine():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = probe(available_modules(), env_extra=env)
     assert r["cuda_initialized"] is False and r["threads"] == ["MainThread"] and r["arenas"] == 0
+
+
+def _versions(root: Path) -> dict[str, str]:
+    """The version as the package, pyproject.toml and the changelog's newest entry state it."""
+    import re
+
+    import tripwire
+
+    pyproject = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
+    changelog = re.search(r"^## (\S+)", (root / "CHANGELOG.md").read_text(), re.M)
+    return {
+        "tripwire.__version__": tripwire.__version__,
+        "pyproject.toml": pyproject.group(1) if pyproject else "",
+        "CHANGELOG.md": changelog.group(1) if changelog else "",
+    }
+
+
+def test_version_is_one_number_everywhere(tmp_path):
+    """``tripwire.__version__``, pyproject.toml and the changelog's newest entry name one version, 0.2.0. Control: a
+    changelog whose newest entry names another version is seen."""
+    root = Path(__file__).resolve().parents[1]
+    assert set(_versions(root).values()) == {"0.2.0"}, _versions(root)
+    (tmp_path / "pyproject.toml").write_text((root / "pyproject.toml").read_text())
+    (tmp_path / "CHANGELOG.md").write_text("# Changelog\n\n## 0.3.0\n\n## 0.2.0\n")
+    assert _versions(tmp_path)["CHANGELOG.md"] == "0.3.0"

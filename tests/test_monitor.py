@@ -443,7 +443,7 @@ def _latency_after_a_tick(registry, interval: float) -> float:
 
 
 def test_confirmation_repolls_fast(registry):
-    # seen at the next tick (one interval), confirmed ~1 ms later: not a second whole interval
+    # seen at the next tick (one interval), confirmed CONFIRM_REPOLL_S later: not a second whole interval
     assert _latency_after_a_tick(registry, 0.2) < 0.3
 
 

@@ -411,8 +411,8 @@ def test_python_never_touches_a_reader_the_native_thread_owns(registry, ownershi
 
 
 def test_control_a_pause_outside_the_lock_lets_python_poll_an_engaged_reader(registry, ownership):
-    """The control: poll() with the pause taken outside the lock (the reviewed code's order, re-created explicitly so
-    the control survives the fix) drives a reader the native thread owns."""
+    """The control: poll() with the pause taken outside the lock (that order re-created explicitly, so the control
+    does not depend on poll()'s own) drives a reader the native thread owns."""
     m = _started_widened(registry, "o.ctl")  # the same setup as the test above: only _poll's order differs
     try:
         widened = m.native.pause
@@ -420,7 +420,7 @@ def test_control_a_pause_outside_the_lock_lets_python_poll_an_engaged_reader(reg
         for _ in range(3):
             m.check()
             widened()
-            # poll()'s own pause under the lock (the fix) skipped on this thread only: the reviewed code's order
+            # poll()'s own pause under the lock skipped on this thread only: the pause happens outside it
             m.native.pause = lambda timeout=None: (  # type: ignore[method-assign]
                 True if threading.current_thread() is main else widened(timeout)
             )

@@ -664,7 +664,7 @@ def _tie_data(dtype, fmt, device):
     big = fmax if dtype != torch.float16 else min(fmax, 20000.0)
     x = torch.randn(32, 8, 64, generator=g) * 0.3 * big
     x[:, :, :8] *= 1e-6  # FP8 subnormals
-    # exact ties after division by 1.1f (found on the H200: 8448 / 1.1f rounds to 7680.0, an e5m2 tie)
+    # exact ties after division by 1.1f (8448 / 1.1f rounds to 7680.0 in float32: an e5m2 tie)
     x[0, 7, :4] = torch.tensor([-8448.0, 16896.0, 4224.0, 2112.0])
     return x.to(dtype).to(device)
 
@@ -816,8 +816,8 @@ print(json.dumps({name: {"rn": count(t, r"div\.rn\.f32"), "approx": count(t, r"d
 
 def test_ptx_divides_correctly_rounded(build_probe):
     """The kernel compiled for an H100/H200 (sm_90, ahead of time: no GPU needed) divides with div.rn.f32, what
-    torch computes, never div.full/approx. Triton 3.6 ignores fdiv's ieee_rounding flag and emitted div.full.f32,
-    found on the H200 as e5m2 bytes one step off. Control: a plain `/` compiles to the approximate division, so the
+    torch computes, never div.full/approx. Triton 3.6 ignores fdiv's ieee_rounding flag and emits div.full.f32,
+    which leaves some e5m2 bytes one step off torch's. Control: a plain `/` compiles to the approximate division, so the
     check can see the difference. Runs in a subprocess: compiling needs TRITON_INTERPRET unset."""
     r = build_probe(_PTX_PROBE, timeout=600)
     assert r["kernel"]["rn"] > 0 and r["kernel"]["approx"] == 0, r

@@ -36,7 +36,7 @@ from .monitor import Hit, Monitor
 from .sinks import Event, Offender
 from .sites import Site, SiteRegistry, register_site, sites
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # sites

@@ -4,8 +4,8 @@ Why the reader relaxes its own mode: under the default ``cudaStreamCaptureModeGl
 uses), while *any* thread captures, a "potentially unsafe" call from *any other* thread (``cudaEventQuery``,
 ``cudaMemcpyAsync`` to pageable memory, ``cudaMalloc``...) invalidates that capture. A reader polling events
 during the engine's captures would break them. The mode is per thread: setting the reader thread's to relaxed makes
-its calls exempt without touching the engine's capture semantics. Measured in the design: 300/300 broken captures
-in global mode, 0/300 relaxed.
+its calls exempt without touching the engine's capture semantics (benchmarks/RESULTS.md, q7, counts the captures a
+plain reader thread breaks and tripwire's does not).
 
 The mode lives in the driver (the runtime entry point forwards to it), so we call the driver's
 ``cuThreadExchangeStreamCaptureMode`` from ``libcuda.so.1`` (the one library every CUDA process shares); if that is

@@ -115,19 +115,22 @@ _PARSERS = {
 
 @dataclass(frozen=True)
 class Settings:
-    """Validated settings of one :class:`tripwire.Monitor`.
+    """Validated settings of one :class:`tripwire.Monitor` (each is a ``TRIPWIRE_*`` variable and the same keyword).
 
-        ``mode``: ``raise`` (any hit arms the stop), ``warn`` (report; fatal sites arm) or ``off`` (no reader at all).
-        ``interval``: seconds between reader ticks. ``idle_tail``: seconds without a ``check()`` after which the reader
-        stops copying. ``report_every``: the least seconds between two WARNING lines of one site. ``capacity``: rows per
-        device arena, fixed for the process. ``offenders``: distinct offenders kept per row on the device (row, value,
-    request), fixed with the arena. ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
-        ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
-        can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it cannot be
-        built), ``off`` (every tick in Python: it holds the engine's GIL ~0.2 ms per tick). ``event_log``: a file that
-        gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None. ``store_poll``: seconds between
-        :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own thread (the reader's ticks stay
-        native): how late a peer's stop arrives, against the store's load (one request per rank per poll).
+    * ``mode``: ``raise`` (any hit arms the stop), ``warn`` (report; fatal sites arm) or ``off`` (no reader at all).
+    * ``interval``: seconds between reader ticks.
+    * ``idle_tail``: seconds without a ``check()`` after which the reader stops copying.
+    * ``report_every``: the least seconds between two WARNING lines of one site.
+    * ``capacity``: rows per device arena, fixed for the process.
+    * ``offenders``: distinct offenders kept per row on the device (row, value, request), fixed with the arena.
+    * ``heartbeat``: seconds between the numeric instruments' INFO heartbeats.
+    * ``native_tick``: ``auto`` (default: quiet ticks run on a small native thread that never takes the GIL, when it
+      can be built here; else Python ticks them, with one WARNING saying why), ``on`` (``start()`` raises if it
+      cannot be built), ``off`` (every tick in Python, holding the engine's GIL for the whole tick).
+    * ``event_log``: a file that gets one JSON line per event (:class:`tripwire.sinks.JsonLines`), or None.
+    * ``store_poll``: seconds between :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own
+      thread (the reader's ticks stay native): how late a peer's stop arrives, against the store's load (one request
+      per rank per poll).
     """
 
     mode: str = "warn"

@@ -22,9 +22,9 @@ collective until the NCCL watchdog fires (minutes later) and the cause drowns in
 
 Threads. The store calls run on a ``tripwire-coord`` thread, at the poll cadence (and at once to publish). A
 ``tripwire-coord-watch`` thread watches it: a TCPStore whose server is alive but stalled (SIGSTOP, a wedged host, a
-dropped network path) makes ``check()`` block indefinitely -- the client's timeout does not bound it (measured with
-torch 2.13: >40 s with a 0.3 s timeout). A call outstanding longer than ``store_timeout`` counts as a failure at
-every poll slot it occupies; a call that raises counts once. After ``max_store_failures`` consecutive failures the
+dropped network path) makes ``check()`` block indefinitely -- the client's timeout does not bound it (a SIGSTOPped
+master blocks ``check()`` far past it). A call outstanding longer than ``store_timeout`` counts as a failure at every
+poll slot it occupies; a call that raises counts once. After ``max_store_failures`` consecutive failures the
 rank arms with "coordination lost" (its peers can no longer reach it, nor it them): about ``max_store_failures x
 store_poll`` seconds of a store that refuses connections, ``store_timeout`` more of one that stopped answering. The
 abort runs on its own short-lived thread, so a hung store cannot delay it either.

@@ -73,7 +73,7 @@ def _cuda() -> Check:
     fast = (
         "the reader's driver fast path (libcuda.so.1 via ctypes)" if drv else "torch's copy path (libcuda not loadable)"
     )
-    status, consequence = (OK, "") if drv else (WARN, "every tick copies through torch (~45 us of the GIL per tick)")
+    status, consequence = (OK, "") if drv else (WARN, "every tick copies through torch: more of the GIL per tick")
     return Check("CUDA", status, f"CUDA {torch.version.cuda}; {'; '.join(names)}; {fast}", consequence)
 
 
@@ -114,7 +114,7 @@ def _native_tick() -> Check:
             "native tick",
             WARN,
             f"cannot be built or loaded: {e}",
-            "every reader tick runs in Python, holding the engine's GIL ~0.2 ms per tick (set CC to a C compiler; "
+            "every reader tick runs in Python, holding the engine's GIL for the whole tick (set CC to a C compiler; "
             "TRIPWIRE_NATIVE_TICK=off chooses this)",
         )
     try:

@@ -155,7 +155,7 @@ class Monitor:
         if tripped is not None:
             # Drop the previous raise's traceback: an engine that catches and retries must not grow it forever.
             raise tripped.with_traceback(None)
-        self._act[0] = 1  # one byte store (~20 ns); the reader (Python or native) clears it
+        self._act[0] = 1  # one byte store, no lock; the reader (Python or native) clears it
 
     @property
     def armed(self) -> GuardTripped | None:
@@ -334,7 +334,8 @@ class Monitor:
             if self.native.python_spans is not None:
                 self.native.python_spans.append((t0, time.perf_counter()))
             # While a rise waits for its confirming copy (already in flight: it was started by the tick that saw the
-            # rise), re-poll after ~1 ms instead of a full interval, so detection costs about one interval, not two.
+            # rise), re-poll after CONFIRM_REPOLL_S instead of a full interval, so detection costs about one interval,
+            # not two.
             wait = min(interval, confirm.CONFIRM_REPOLL_S) if self.confirmer.any_pending() else interval
 
     # ------------------------------------------------------------------ reading

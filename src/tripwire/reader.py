@@ -10,12 +10,12 @@ queue behind the whole compute stream, which is what has deadlocked engines whos
 CPU arenas are read directly (a numpy copy under the GIL).
 
 Fast path: the tick runs on a thread that shares the GIL with the engine, so every microsecond it holds the GIL is
-taken from the engine's Python. Issuing the copy through torch (stream context + ``copy_``) costs ~45 us per tick;
-the same driver calls through ctypes (push context, query, ``cuMemcpyDtoHAsync``, record, pop) cost a few us.
-Each ctypes call that releases the GIL hands it to the engine mid-tick, and the reader must then take it back
-(CPython forces that switch only after its 5 ms switch interval): with all five releasing, the traced tick took
-750 us on an H200 host; with none, 219 us. So the calls that cannot block -- the event query and the thread-local
-context push and pop -- keep the GIL (``ctypes.PyDLL``), like torch's own ``Event.query()``. The two that ENQUEUE
+taken from the engine's Python. Issuing the copy through torch (stream context + ``copy_``) runs far more Python per
+tick than the same driver calls through ctypes (push context, query, ``cuMemcpyDtoHAsync``, record, pop), so the
+tick uses those. Each ctypes call that releases the GIL hands it to the engine mid-tick, and the reader must then
+take it back (CPython forces that switch only after its switch interval, ``sys.getswitchinterval()``): a tick whose
+five calls all release waits for up to five switch intervals. So the calls that cannot block -- the event query and
+the thread-local context push and pop -- keep the GIL (``ctypes.PyDLL``), like torch's own ``Event.query()``. The two that ENQUEUE
 (the copy and the event record) release it (``ctypes.CDLL``): an enqueue can block, on a hardware queue shared
 with a busy or hung compute stream (``CUDA_DEVICE_MAX_CONNECTIONS=1``) or on a driver lock another thread holds,
 and blocked with the GIL it would freeze every Python thread of the engine -- or deadlock it, where the GPU's
@@ -110,7 +110,7 @@ class Driver:
 def _same_or_copy(fresh: np.ndarray, same_as: np.ndarray | None) -> np.ndarray:
     """``same_as`` itself when ``fresh`` holds the same rows byte for byte, else a private copy of ``fresh``.
 
-    ``tobytes() ==`` is a memcmp of a few KB (~0.4 us), cheaper than numpy's array_equal (~2 us of Python)."""
+    ``tobytes() ==`` is one memcmp of a few KB, cheaper than numpy's array_equal (several Python-level steps)."""
     if same_as is not None and same_as.shape == fresh.shape and same_as.tobytes() == fresh.tobytes():
         return same_as
     return fresh.copy()

@@ -142,10 +142,10 @@ class Engagement:
             if self._wanted == "on":
                 raise NativeUnavailable(f"tripwire: native_tick=on (TRIPWIRE_NATIVE_TICK) but {e}") from None
             if self.off != str(e):
-                # A WARNING: on an engine this costs the step loop ~10x more reader time (the GIL, every tick).
+                # A WARNING: on an engine every tick then holds the engine's GIL (benchmarks/RESULTS.md, q3).
                 log.warning(
                     "tripwire: no native quiet tick (%s); every reader tick runs in Python, holding the engine's GIL "
-                    "~0.2 ms per tick (set TRIPWIRE_NATIVE_TICK=off to choose this and silence the warning)",
+                    "for the whole tick (set TRIPWIRE_NATIVE_TICK=off to choose this and silence the warning)",
                     e,
                 )
             self.off = str(e)

@@ -1,8 +1,8 @@
 /* tripwire's native quiet tick.
  *
- * Why this exists: the Python reader thread shares the GIL with the engine. A tick that wakes on a cold core holds
- * the GIL for ~170 us (measured on an H200 host) even when nothing happened, and that time is taken from the engine's
- * Python: 0.3 % of a step at a 50 ms interval. Nearly every tick is quiet (the counters did not move), so this thread
+ * Why this exists: the Python reader thread shares the GIL with the engine. A Python tick that wakes on a cold core
+ * holds the GIL even when nothing happened, and that time is taken from the engine's Python (benchmarks/RESULTS.md,
+ * q3, has what it costs a step loop). Nearly every tick is quiet (the counters did not move), so this thread
  * does the quiet ones without Python: query the event of the copy in flight, compare the landed rows with the rows the
  * monitor processed last (memcmp), start the next copy. Only a change (or an error) hands the device back to Python,
  * which then runs its normal tick: the decode, the confirmation and the report stay in one place (monitor.py).

@@ -97,8 +97,7 @@ def _slot_mapping(
         slot = tl.where(ok, blk * block_size + within, -1)
         tl.store(slots_ptr + offs, slot, mask=m)
         # Record AFTER the store, behind one reduction: a reduction (shared memory + barrier) placed between the
-        # index loads and the dependent table load delayed that load (measured +14 % on an H200); clean programs
-        # now pay one reduction and no atomics.
+        # index loads and the dependent table load delays that load; clean programs pay one reduction and no atomics.
         if tl.sum(any_bad.to(tl.int32), axis=None) > 0:
             reqs = None  # the requests are read on the fault path only
             if HAS_REQ:

@@ -18,8 +18,8 @@ ONE barrier that ORs the flags of the CTA (``bar.red.or``), in inline PTX. Only 
 exceeded the stored maximum counts exactly (in registers, float32) and records, with one set of atomics per CTA.
 Elsewhere (other GPUs, fp32 or mixed inputs, tiles of fewer than 8 elements per thread, the interpreter) the
 block-level tail: a running max of ``|x|`` per thread, two thresholds, one block reduction of a flag, and a second
-read of the program's tokens where it clipped. Measured on an H200 by ``benchmarks/bench_numerics.py`` against
-``count=False`` (the same launch): RESULTS.md, q1 and "What is short".
+read of the program's tokens where it clipped. What counting costs against ``count=False`` (the same launch) is
+measured by ``benchmarks/bench_numerics.py``: benchmarks/RESULTS.md, q1 and "The fused FP8 kernel".
 
 Inline PTX (``PTX``: an NVIDIA GPU, not the interpreter): ``mul.rm.f32`` thresholds, the packed maxima, the
 per-thread tail. The portable code (float64 thresholds, float32 maxima, the block-level tail) is what the interpreter
@@ -61,8 +61,8 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # ----------------------------------------------------------------------------------------- the per-thread tail
 # On NVIDIA sm_90+ with 16-bit K and V the counting tail is inline PTX (THREAD_TAIL; the launcher decides, see
 # _launch). Why: the block-level tail (a block reduction of a flag: shared memory, three barriers, a block-uniform
-# branch) cost +11-13 % over count=False at one token per program on an H200; this one +4.8-7 % with the float32
-# grid rounding before the cast, and +0.7-2.9 % since the cast is the hardware's alone (RESULTS.md, q1).
+# branch) costs several times more over count=False at one token per program than this one, which needs no shared
+# memory on the healthy path (benchmarks/RESULTS.md, "The fused FP8 kernel", has both).
 #
 # Hot path, per thread and token: a packed tree of max.xorsign.abs over its K registers and its V registers (one
 # instruction per two elements; the abs is free, the sign it leaves is masked off), one packed compare per tensor
@@ -78,9 +78,9 @@ _SCALE_ARG, _SCALE_TENSOR, _SCALE_PER_HEAD = 0, 1, 2
 # counts exactly in float32 against the same float32 threshold as every other path (mul.rm: fp8_max * scale rounded
 # down) and takes its max magnitude (NaN left out); per warp (activemask + redux.sync) one lane adds them into the
 # shared words; a barrier; thread 0 issues the global atomics: the counts where non-zero, the maxima where they exceed
-# the stored ones. One set of atomics per CTA, as the block tail had: per-warp global atomics were measured at +110 to
-# +490 % when every token clips (contention on one address), this +27-57 % (+53-97 % against the faster count=False
-# of the hardware cast: the same atomics, a shorter kernel). Lanes outside the tile carry scale = inf
+# the stored ones. One set of atomics per CTA, as the block tail has: per-warp global atomics, cheaper when healthy,
+# contend on the row's two count words when every token clips and make that regime several times slower (the
+# designs' figures are in benchmarks/RESULTS.md, "The fused FP8 kernel"). Lanes outside the tile carry scale = inf
 # (threshold inf: never counted; they hold 0.0, never a maximum).
 #
 # Rules the launcher keeps: every thread runs the asm the same number of times (it holds barriers: one program-uniform
@@ -389,14 +389,13 @@ def _quantize_store(
 ):
     # Correctly rounded division (div.rn.f32), as torch's CUDA `x / s` with a tensor divisor computes it. Neither
     # `/` nor `tl.fdiv(..., ieee_rounding=True)` gives that on Triton 3.6: its fdiv ignores ieee_rounding and
-    # lowers to the approximate div.full.f32 (measured on an H200: 18432 / 0.6f came out 30720.0, not 30719.998,
-    # which moved 0.75 % of e5m2 bytes one step). tl.math.div_rn does not broadcast, hence the explicit one
-    # (adding 0.0 to a positive scale is exact).
+    # lowers to the approximate div.full.f32, which rounds some quotients to the wrong side of an FP8 rounding
+    # boundary (the GPU tests compare with torch bit for bit). tl.math.div_rn does not broadcast, hence the explicit
+    # one (adding 0.0 to a positive scale is exact).
     y = tl.math.div_rn(x, s + tl.zeros_like(x))
     if CVT_ASM != "":
-        # sm_89+: the hardware's cvt.rn.satfinite alone is torch's clamp-then-round (see _cvt_asm). The clamp and the
-        # grid rounding below were 28 % of the kernel's time on an H200 (16384 tokens: 37.2 -> 26.9 us, with or
-        # without counting).
+        # sm_89+: the hardware's cvt.rn.satfinite alone is torch's clamp-then-round (see _cvt_asm), which spares the
+        # clamp and the grid rounding below: a sequence of instructions per element, with or without counting.
         q = tl.inline_asm_elementwise(CVT_ASM, "=r,r,r,r,r", [y], dtype=tl.int8, is_pure=True, pack=4)
         tl.store(dst_ptrs, q.to(FP8_TYPE, bitcast=True), mask=lane)
     else:
@@ -495,8 +494,8 @@ def _fp8_kv_cache_kernel(
     # TOKENS_PER_PROGRAM tokens (one on the GPU, see _launch_config), reduced ONCE at the end. Counting on the hot
     # path is a running max of |x|. "Some element of the program clipped" is exactly "the program's max |x| exceeds
     # its threshold", so only such a program (rare: the fault case) pays for an exact count, in a second pass
-    # (_count_clipped). Counting every element in the main pass (compare, convert, add, plus a bit-pattern max) cost
-    # +42..58 % on an H200.
+    # (_count_clipped): counting every element in the main pass (compare, convert, add, plus a bit-pattern max) would
+    # add that work to every element of every healthy program.
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     src = h * D + d
@@ -552,7 +551,7 @@ def _fp8_kv_cache_kernel(
             mx_v = _max_update(mx_v, xv_in, ok, BLOCK_H, BLOCK_D, VEC, V_PACKED)
         if COUNT and THREAD_TAIL:
             # Before the quantisation, right after the loads: the warps of the CTA reach its barrier together there
-            # (measured on an H200: cheaper than at the end of the program, where they arrive apart). A token left out
+            # (at the end of the program they arrive apart, and the barrier waits for the slowest). A token left out
             # (padding, a bad slot) skips it: one program-uniform branch, so every thread meets the same barriers.
             if ok:
                 tl.inline_asm_elementwise(
@@ -579,9 +578,8 @@ def _fp8_kv_cache_kernel(
         # compare float32 bits as int32: the maxima are non-negative and never NaN, so their bits order like their
         # values, and a threshold's bits order like it when it is >= 0 (a negative threshold -- a corrupted scale
         # tensor, which the launcher cannot check without a sync -- compares below every maximum: the program acts,
-        # and the exact float test below decides). On an H200 this tail and the packed running max took the counted
-        # kernel (4 tokens per program) from +7.2..7.8 % over its twin to +3..6.7 %. At one token per program (what
-        # the launcher runs) the skip spares two contended atomics per token: 3 % of the counted kernel at 16k tokens.
+        # and the exact float test below decides). The skip of a program that neither clipped nor raised a maximum
+        # spares it two contended atomics per token at one token per program, the launcher's shape on the GPU.
         thr_k = _threshold(ks, FP8_MAX, PTX)
         thr_v = _threshold(vs, FP8_MAX, PTX)
         m_k = _max_final(mx_k, BLOCK_H, BLOCK_D, VEC, K_PACKED)
@@ -714,15 +712,12 @@ def _check_inputs(
 
 
 _DEVICE_PROPS: dict[torch.device, tuple[int, tuple[int, int]]] = {}
-# Launch shape, from H200 sweeps (benchmarks/sweep_fused.py; bf16, 8 heads x 128, 2048..32768 tokens): one token per
-# program was the fastest kernel, counted or not -- 2 warps (512 tile elements per warp), or 4 below about 32 tokens
-# per SM, where more warps per token fill the GPU. Multi-token programs (the loop, e.g. 4 warps x 4 tokens, which pays
-# the counting tail once per 4 tokens) made the counted kernel's ratio to its own twin smaller (+4..7 %) but both
-# kernels slower: counted +1..7 %, uncounted +8..18 % against one token per program. Longer programs (8 tokens, a
-# persistent grid, tokens as one 3-D tile) were slower still. So the counted and uncounted kernels share one shape,
-# and what counting costs is measured against exactly what count=False runs. Re-checked with the hardware cast
-# (CVT_ASM), count=False: 4 warps beat 2 at 2048 and 4096 tokens (4.73 vs 5.16 us, 7.30 vs 7.52), 2 beat 4 at 16384
-# (26.9 vs 27.2).
+# Launch shape, chosen by benchmarks/sweep_fused.py (warps and tokens per program; its figures are in
+# benchmarks/RESULTS.md, "The fused FP8 kernel"): one token per program, counted or not -- 2 warps (512 tile elements
+# per warp), or 4 below _SMALL_BATCH_TOKENS_PER_SM tokens per SM, where more warps per token fill the GPU.
+# Multi-token programs pay the counting tail once per several tokens, which shrinks the counted kernel's ratio to its
+# own twin, but make both kernels slower. So the counted and uncounted kernels share one shape, and what counting
+# costs is measured against exactly what count=False runs.
 _LEAN_TILE_PER_WARP = 512
 _SMALL_TILE_PER_WARP = 256
 _SMALL_BATCH_TOKENS_PER_SM = 32

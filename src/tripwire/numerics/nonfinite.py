@@ -36,9 +36,9 @@ _FLOAT_DTYPES = (
     torch.float8_e5m2,
 )
 # Launch shape: BLOCK elements per load step (4 KiB: one 16-byte load per thread at 8 warps), _ITERS steps per
-# program (their loads in flight together, one reduction per program). Chosen by a sweep on an H200: this shape read
-# [256, 152064] bf16 at 90 % of a copy's bandwidth, where 16 KiB per step x 1 (the first version) reached 47 % and
-# larger unrolled blocks fell back to ~50 % (register pressure). bench_numerics.py re-runs the sweep.
+# program (their loads in flight together, one reduction per program). Chosen by the sweep in
+# benchmarks/bench_numerics.py (its figures, against a copy's bandwidth, are in benchmarks/RESULTS.md, q1): larger
+# steps in one load, or larger unrolled blocks (register pressure), read slower.
 _BLOCK_BYTES = 4096
 _ITERS = 4
 _NUM_WARPS = 8
@@ -73,8 +73,8 @@ _BITS = {
 @triton.jit
 def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASK: tl.constexpr):
     # ITERS blocks per program, unrolled (static_range) so that all their loads are in flight at once; the test is
-    # OR-ed elementwise and reduced ONCE per program. A per-block reduction (shared memory + barrier) and one
-    # short program per 16 KiB held this read-only kernel to 44 % of a copy's bandwidth on an H200.
+    # OR-ed elementwise and reduced ONCE per program: a per-block reduction (shared memory + barrier) would stall
+    # this read-only kernel's loads behind a barrier per block.
     base = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     lanes = tl.arange(0, BLOCK)
     seen = tl.zeros([BLOCK], tl.int32)

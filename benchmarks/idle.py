@@ -1,9 +1,9 @@
 """q6. Idle: arena copies per second while the engine calls check(), then after check() stops (before and after
 the idle tail), then after check() resumes.
 
-Why it matters: a copy every interval keeps an idle GPU out of its low-power state (measured in the design: four
-idle GPUs at 450 W against 86 W). The reader still wakes up every interval (cheap, CPU only) but must start no copy
-once ``idle_tail`` has passed without a check(). The bench uses a short tail (0.25 s) and interval (5 ms) so the
+Why it matters: a copy every interval keeps an idle GPU out of its low-power state, at several times its idle
+power. The reader still wakes up every interval (cheap, CPU only) but must start no copy once ``idle_tail`` has
+passed without a check(). The bench uses a short tail (0.25 s) and interval (5 ms) so the
 phases are short; the logic is the same at the defaults (2 s, 50 ms).
 
 Target: 0 copies per second after the tail.

@@ -1,6 +1,6 @@
 """q8. Versus the debugging tools users reach for today.
 
-(a) compute-sanitizer memcheck: the same gather workload (benchmarks/_kernels.py), guarded and unguarded, timed in a
+(a) compute-sanitizer memcheck: the same gather workload (tripwire._gather), guarded and unguarded, timed in a
     child process natively and under ``compute-sanitizer --tool memcheck``. The slowdown factor is memcheck time over
     native time of the same kernel; the guard cost is guarded over unguarded, natively.
 (b) ``tl.device_assert``: a child launches a gather whose ``device_assert`` fires on a bad index (TRITON_DEBUG=1),
@@ -174,8 +174,8 @@ def _child_timing(reps: int, out: Path) -> None:
     import torch
 
     from _common import cuda_event_times_ms
-    from _kernels import gather_rows
     from tripwire import Monitor, SiteRegistry
+    from tripwire._gather import gather_rows
 
     reg = SiteRegistry(capacity=8)
     site = reg.register("bench.q8.gather")
@@ -235,8 +235,8 @@ def _child_assert(out: Path) -> None:
 def _child_guard(out: Path) -> None:
     import torch
 
-    from _kernels import gather_rows
     from tripwire import Monitor, SiteRegistry
+    from tripwire._gather import gather_rows
 
     reg = SiteRegistry(capacity=8)
     site = reg.register("bench.q8.gather")

@@ -227,7 +227,8 @@ def run(ctx: Ctx) -> dict:
 
 def _numerics(res: Result, ctx: Ctx) -> None:
     """Fold in benchmarks/bench_numerics.py (another module's measurements: the fused FP8 quantise-and-count kernel
-    counted vs bare, and the non-finite counter vs a copy). Its figures are medians over its own repeats."""
+    counted vs bare, and the non-finite counter vs a copy) through its own ``fold``, the one place that knows its
+    result's shape (``bench_numerics.py --merge`` uses it too). Its figures are medians over its own repeats."""
     try:
         mod = importlib.import_module("bench_numerics")
     except ImportError:
@@ -238,75 +239,4 @@ def _numerics(res: Result, ctx: Ctx) -> None:
     except Exception as e:
         res.note(f"bench_numerics.run failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return
-    fold_numerics(res, out)
-
-
-# What fold_numerics adds to q1 (bench_numerics.py --merge replaces exactly these in an earlier run's record).
-NUMERICS_FIGURE_PREFIXES = ("overhead_pct_fp8_", "fused_", "torch_count_over_fused_", "nonfinite_")
-NUMERICS_TARGET_PREFIXES = ("fused FP8 counter", "non-finite counter")
-NUMERICS_NOTE_PREFIXES = ("fused FP8 and non-finite figures", "bench_numerics")
-
-
-def fold_numerics(res: Result, out: dict) -> None:
-    """Figures and targets from one bench_numerics.run() result."""
-    if "skipped" in out:
-        res.note(f"bench_numerics skipped: {out['skipped']}")
-        return
-    for f in out.get("fused_fp8", []):
-        key = f"fp8_{f['tokens']}x{f['heads']}x{f['head_dim']}_{f['regime']}"
-        res.fig(
-            f"overhead_pct_{key}", single(f["overhead_pct"], unit="%", label=f"fused FP8 {key}: counted / bare - 1")
-        )
-        res.fig(f"fused_us_counted_{key}", single(f["us"]["counted"], unit="us", label=f"fused FP8 {key}, counted"))
-        res.fig(f"fused_us_bare_{key}", single(f["us"]["bare"], unit="us", label=f"fused FP8 {key}, bare"))
-        res.fig(
-            f"fused_guard_only_pct_{key}",
-            single(f["guard_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: slot guard alone / bare - 1"),
-        )
-        res.fig(
-            f"fused_count_only_pct_{key}",
-            single(
-                f["count_only_overhead_pct"],
-                unit="%",
-                label=f"fused FP8 {key}: counted / guard alone (= count=False) - 1, shape {f['config']}",
-            ),
-        )
-        res.fig(f"fused_gbs_{key}", single(f["gbps_counted"], unit="GB/s", label=f"fused FP8 {key}, counted"))
-        res.fig(
-            f"torch_count_over_fused_{key}",
-            single(f["torch_count_over_fused"], unit="x", label=f"{key}: torch-ops counting / fused kernel"),
-        )
-        if f["regime"] == "healthy":
-            res.target(
-                f"fused FP8 counter {key}",
-                f"overhead_pct_{key}",
-                f"within {f['target_pct']:g} %",
-                f["overhead_pct"],
-                f["pass"],
-            )
-            # The same question asked of the shipped calls: counted vs count=False (the guard-alone kernel).
-            res.target(
-                f"fused FP8 counter {key}, vs count=False",
-                f"fused_count_only_pct_{key}",
-                f"within {f['target_pct']:g} %",
-                f["count_only_overhead_pct"],
-                f["count_only_overhead_pct"] <= f["target_pct"],
-            )
-    nf = out.get("nonfinite")
-    if nf:
-        res.fig("nonfinite_us", single(nf["us"], unit="us", label=f"non-finite counter {nf['shape']} {nf['dtype']}"))
-        res.fig("nonfinite_pct_of_copy", single(nf["ratio_to_copy"] * 100, unit="%", label="non-finite vs D2D copy"))
-        for sw in nf.get("sweep", []):
-            shape = f"{sw['block']} x{sw['iters']} w{sw['num_warps']}"
-            res.fig(
-                f"nonfinite_sweep_pct_{sw['block']}_{sw['iters']}_{sw['num_warps']}",
-                single(sw["ratio_to_copy"] * 100, unit="%", label=f"non-finite sweep: block {shape}, vs copy"),
-            )
-        res.target(
-            "non-finite counter bandwidth",
-            "nonfinite_pct_of_copy",
-            f">= {nf['target'] * 100:g} % of a D2D copy",
-            nf["ratio_to_copy"] * 100,
-            nf["pass"],
-        )
-    res.note(f"fused FP8 and non-finite figures from benchmarks/bench_numerics.py (repeats={out.get('repeats')})")
+    mod.fold(res, out)

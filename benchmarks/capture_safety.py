@@ -70,8 +70,8 @@ def run(ctx: Ctx) -> dict:
 def _child(out: Path, n: int) -> None:
     import torch
 
-    from _kernels import gather_rows
     from tripwire import Monitor, SiteRegistry
+    from tripwire._gather import gather_rows
 
     reg = SiteRegistry(capacity=64)
     for i in range(64):

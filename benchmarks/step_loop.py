@@ -5,7 +5,7 @@ One step, as an engine's decode loop does it:
   2. scheduler-like Python work building per-request metadata (calibrated to ~300 us on this CPU),
   3. the metadata copied into a static device tensor (pinned host buffer, non_blocking),
   4. a CUDA-graph replay of a decode step: 48 layers of small elementwise launches plus one guarded gather per
-     layer (benchmarks/_kernels.py) counting into that layer's row of the arena (64 rows), then a logits matmul and
+     layer (tripwire._gather) counting into that layer's row of the arena (64 rows), then a logits matmul and
      an argmax,
   5. a host read of the sampled tokens (``.tolist()``: the per-step sync every engine has).
 
@@ -22,16 +22,18 @@ Variants, run in one process, interleaved in rotated order over several rounds (
 
 Two estimators. (1) Run means: the MEAN step time (total time / steps; a reader that costs one step in fifty would
 vanish in a median), each variant against the no-reader arms OF ITS OWN ROUND (on the GPU 42 rounds of 250 steps,
-every variant once per round in rotated order: the H200 hosts' step time moves by up to 60 % for seconds at a time,
-so runs are short and many). The judged figure is the larger of the median over rounds of that paired overhead and
-the pooled means; the noise floor is the largest of the median and pooled A/A differences (none_a vs none_b) and
-twice the median's robust standard error. On those hosts that floor is 0.7-3.9 %: run means cannot resolve 0.1 %.
-(2) Attribution (:func:`attribute`): every tick's span is traced, and the time of the few steps it touched is
+every variant once per round in rotated order: a GPU host's step time moves by tens of percent for seconds at a
+time, so runs are short and many). The judged figure is the larger of the median over rounds of that paired overhead
+and the pooled means; the noise floor is the largest of the median and pooled A/A differences (none_a vs none_b) and
+twice the median's robust standard error. That floor (the ``noise_floor_pct`` figure) is far above 0.1 % on the GPU
+hosts: run means cannot resolve the target.
+(2) Attribution (:func:`step_loop_stats.attribute`): every tick's span is traced, and the time of the few steps it touched is
 compared with the steps touched by the same ticks moved half an interval away (same selection, same host phase, no
 tick): the ticks' own cost, with the noise of a few steps per tick; its floor comes from virtual ticks on the
 no-reader runs. It is validated by the GIL-holding control (it must see the control's cost and agree with the run
 means on it), and the run means must not show more than their floor (a cost spread out in time, which the
-attribution cannot see). The mark is judged on the attribution under those conditions (:func:`judge_attributed`).
+attribution cannot see). The mark is judged on the attribution under those conditions
+(:func:`step_loop_stats.judge_attributed`). The statistics live in ``step_loop_stats.py``; this module runs the loop.
 
 The engine thread is pinned to one core with every reader thread on the others (``os.sched_setaffinity``: no
 migration, no reader sharing the engine's core). The reader thread's own CPU time per wall time is measured too.
@@ -44,18 +46,27 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from math import inf
 
-import numpy as np
 import torch
 
 from _common import Ctx, Result, calibrate_spin, capture, single, stats
+from step_loop_stats import (
+    ATTR_INTERVAL_S,
+    ATTR_MARGIN_S,
+    Run,
+    attribute,
+    attributed_pct,
+    judge,
+    judge_attributed,
+    median_and_se,
+    split_run,
+    virtual_spans,
+)
 from tripwire import Monitor, SiteRegistry
 
 N_ROWS = 64
@@ -69,18 +80,12 @@ VARIANTS = ("none_a", "tripwire_50ms", "tripwire_1ms", "none_b", "sync_50ms", "p
 READERS = tuple(v for v in VARIANTS if not v.startswith("none"))
 # tripwire's variants: (interval s, GIL-holding tick hook).
 TRIPWIRE = {"tripwire_50ms": (0.05, False), "tripwire_1ms": (0.001, False), HEAVY: (0.05, True)}
-# Attribution (see attribute()): only where ticks are far apart compared with a step; at 1 ms every step is touched.
+# Attribution (step_loop_stats.attribute): only where ticks are far apart compared with a step; at 1 ms every step is
+# touched.
 ATTRIBUTED = ("tripwire_50ms", HEAVY)
-ATTR_INTERVAL_S = 0.05
-# A tick's steps start with the one running this long before its traced start: the reader takes the GIL a little
-# before (the return from its wait).
-ATTR_MARGIN_S = 0.0005
-# Steps charged to each tick (see attribute()): the one it lands in and the three after it (~3-4 ms, more than the
-# validation control's 3 ms hold).
-ATTR_STEPS = 4
-# The long steady runs (GPU): tripwire at 50 ms, then no reader, ~50 s and ~1000 (virtual) ticks each, pooled into the
-# judged attribution and its null with the short runs' (the per-tick noise needs ~1000 ticks for a 0.1 % resolution
-# on a host whose step time jumps by 5-10 % between phases).
+# The long steady runs (GPU): tripwire at 50 ms, then no reader, about a thousand (virtual) ticks each, pooled into the
+# judged attribution and its null with the short runs' (the per-tick noise of a host whose step time jumps between
+# phases needs that many ticks to resolve 0.1 %).
 STEADY_STEPS = 60000
 
 
@@ -109,7 +114,7 @@ class _Decode:
         self.ctrs = [m.counter(reg.by_id(i), dev) for i in range(self.layers)]
         self.graph = None
         if cuda:
-            from _kernels import gather_rows
+            from tripwire._gather import gather_rows
 
             self._gather = gather_rows
             self.graph = capture(self._body)
@@ -335,84 +340,6 @@ def _run_variant(
     return t_all / steps * 1e6, times, starts
 
 
-def attribute(
-    starts: list[float],
-    durs: list[float],
-    spans: list[tuple[float, float]],
-    shift: float,
-    margin: float,
-    *,
-    sides: tuple[int, ...] = (-1, 1),
-    need_all_sides: bool = False,
-) -> tuple[float, float, int]:
-    """Time attributed to ticks: ``(time of the steps the ticks touched, the same for the control windows, ticks
-    used)``, in seconds.
-
-    A tick touches ATTR_STEPS steps: the one running ``margin`` before the tick's traced start (the reader takes
-    the GIL a little before it: the return from its wait) and the ones after it, which hold whatever the tick cost
-    the engine (waiting for the GIL, its own wake-up after the hand-off). A FIXED number of steps, not the steps
-    overlapping a time window: a delayed step covers more of a window and pushes its neighbours out, which hid 80 %
-    of a planted cost. The control is the same tick moved ``shift`` (half an interval: between ticks, untouched by
-    them) BOTH ways, averaged: steps selected in exactly the same way at a phase the reader does not act on, so the
-    same selection bias (the step running at a random time is likelier to be a long one) and the same host phase,
-    and, being symmetric, no bias from a trend in step time over the run (one side alone read a 5 % speed-up as a
-    +0.03 % cost). Near a run's ends only one side fits; that side alone is used, so the ticks there still count
-    (dropping them understated a cost by ~10 % on 250-step runs) and their one-sided biases cancel between the two
-    ends. The difference is the ticks' cost with the noise of a few steps per tick: the estimator that can resolve
-    0.1 % where run means cannot. It sees only a cost local in time to the ticks; a spread-out cost is the run
-    means' to bound. ``sides`` and ``need_all_sides`` exist for the tests' controls."""
-    if not starts:
-        return 0.0, 0.0, 0
-    if shift <= margin:
-        raise ValueError(f"the control shift ({shift} s) must exceed the margin ({margin} s)")
-    s_arr = np.asarray(starts)
-    d_arr = np.asarray(durs)
-
-    def steps_at(t: float) -> float | None:
-        i = int(np.searchsorted(s_arr, t - margin, side="right")) - 1
-        if i < 0 or i + ATTR_STEPS > len(s_arr):  # before the first step, or too near the last
-            return None
-        return float(d_arr[i : i + ATTR_STEPS].sum())
-
-    real = control = 0.0
-    used = 0
-    for a, _ in spans:
-        touched = steps_at(a)
-        if touched is None:
-            continue
-        ctrl = [c for c in (steps_at(a + side * shift) for side in sides) if c is not None]
-        if not ctrl or (need_all_sides and len(ctrl) < len(sides)):
-            continue
-        used += 1
-        real += touched
-        control += sum(ctrl) / len(ctrl)
-    return real, control, used
-
-
-def virtual_spans(starts: list[float], durs: list[float], width: float, seed: int) -> list[tuple[float, float]]:
-    """Ticks that did not happen: every ATTR_INTERVAL_S from a random phase, ``width`` long (no-reader runs' null)."""
-    if not starts:
-        return []
-    t = starts[0] + random.Random(seed).uniform(0, ATTR_INTERVAL_S)
-    end = starts[-1] + durs[-1]
-    out = []
-    while t + width < end:
-        out.append((t, t + width))
-        t += ATTR_INTERVAL_S
-    return out
-
-
-def attributed_pct(runs: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Pooled attributed overhead (%) over ``(real, control, total)`` runs, and its standard error (per-run spread)."""
-    total = sum(r[2] for r in runs)
-    if not runs or total <= 0:
-        return float("nan"), float("inf")
-    pooled = sum(r[0] - r[1] for r in runs) / total * 100
-    per_run = [(r[0] - r[1]) / r[2] * 100 for r in runs]
-    se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("inf")
-    return pooled, se
-
-
 def _reader_cpu_s(m: Monitor) -> float | None:
     """CPU seconds tripwire's reader has used so far: its Python thread's clock plus its native thread's, None if
     not available."""
@@ -421,9 +348,6 @@ def _reader_cpu_s(m: Monitor) -> float | None:
         return None
     native = m.native.cpu_s()
     return time.clock_gettime(time.pthread_getcpuclockid(t.ident)) + (native or 0.0)
-
-
-Run = tuple[list[float], list[float], list[tuple[float, float]]]  # step starts, step durations, tick spans
 
 
 def _rounds(
@@ -467,22 +391,6 @@ def _rounds(
             reads[v].append(readers.reads if not v.startswith("tripwire") else m.ticks - t0)
             ctx.log(f"round {r} {v}: mean step {mean_us:.1f} us")
     return means, pooled, reads, cpu_share, raw
-
-
-def split_run(run: Run, size: int) -> list[Run]:
-    """A long run cut into consecutive pieces of ``size`` steps (the last absorbs the remainder), each with the
-    ticks that start inside it: units like the short runs, so that the per-run standard error of the pooled
-    attribution stays right when one run is a hundred times longer than the others."""
-    starts, durs, spans = run
-    if len(starts) < 2 * size:
-        return [run]
-    cuts = list(range(0, len(starts) - size + 1, size))
-    out: list[Run] = []
-    for k, lo in enumerate(cuts):
-        hi = cuts[k + 1] if k + 1 < len(cuts) else len(starts)
-        t_lo, t_hi = starts[lo], (starts[hi] if hi < len(starts) else inf)
-        out.append((starts[lo:hi], durs[lo:hi], [sp for sp in spans if t_lo <= sp[0] < t_hi]))
-    return out
 
 
 def _attribution(res: Result, raw: dict[str, list[Run]], unit: int) -> dict[str, tuple[float, float]]:
@@ -539,7 +447,7 @@ def run(ctx: Ctx) -> dict:
     work = calibrate_spin(300.0)
     t_work = min(_timed(work) for _ in range(20)) * 1e6
     # Pinned on the GPU only: the CPU variant's eager decode step runs torch's intra-op threads, which would be
-    # created on the engine's single core (measured: 0.5 ms steps became 16 ms).
+    # created on the engine's single core and serialise every step behind them.
     split = _cpu_split() if ctx.cuda else None
     original_affinity = os.sched_getaffinity(0) if split is not None else None
     store = None
@@ -550,17 +458,17 @@ def run(ctx: Ctx) -> dict:
     readers = _Readers(m, dev, split, store)
     trace = _TickTrace(m)
     # As engines do after start-up (vLLM freezes the heap after capturing its graphs): move every object alive now
-    # out of the collector's reach, so that a full collection does not walk torch's and Triton's start-up objects.
-    # The first H200 run, without it, had 60-80 ms pauses a few times per run in EVERY variant and a noise floor
-    # of 6.4 %. Garbage made during the runs (the readers' included) is still collected, so a reader's
-    # allocations still show; the number of full collections during the runs is recorded.
+    # out of the collector's reach, so that a full collection does not walk torch's and Triton's start-up objects
+    # (such a walk pauses every variant alike, for far longer than a step, and raises the noise floor). Garbage made
+    # during the runs (the readers' included) is still collected, so a reader's allocations still show; the number
+    # of full collections during the runs is recorded.
     gc.collect()
     gc.freeze()
     full_before = gc.get_stats()[2]["collections"]
     try:
         if split is not None:
             os.sched_setaffinity(0, split[0])
-        # Bring the clocks up before the first measured round (the first rounds ran up to 30 % fast or slow).
+        # Bring the clocks up before the first measured round (a cold host's first rounds run fast or slow).
         _run_variant(dec, work, m, max(steps, 1000 if ctx.cuda else 100))
         means, pooled, reads, cpu_share, raw = _rounds(dec, work, m, readers, trace, steps, rounds, ctx)
         # The steady state of the reader alone: one long run at 50 ms, its clock read after a warm-up of several
@@ -622,7 +530,7 @@ def run(ctx: Ctx) -> dict:
         res.fig(f"overhead_se_pct_{v}", single(se, unit="%", label=f"{v}: robust standard error of that median"))
         res.fig(f"overhead_pooled_pct_{v}", single(pooled_ov, unit="%", label=f"{v} vs no reader (pooled means)"))
         # The judged figure: the larger of the two. A median alone hides a reader that costs a lot in a few rounds
-        # (sync_50ms: median 0.67 %, pooled 2.1 % on an H200); pooled means alone move with the host's phases.
+        # (sync_50ms: compare its median and pooled figures); pooled means alone move with the host's phases.
         res.fig(
             f"overhead_pct_{v}",
             single(max(med, pooled_ov), unit="%", label=f"{v} vs no reader (max of median and pooled)"),
@@ -681,6 +589,7 @@ def run(ctx: Ctx) -> dict:
         attr[HEAVY],
         (res.figures[f"overhead_pooled_pct_{HEAVY}"]["median"], heavy_direct_se),
         judge(ov50, floor),
+        control=f"the {HEAVY_HOLD_S * 1e3:.0f} ms GIL-holding control",
     )
     res.fig("attribution_floor_pct", single(verdict.floor, unit="%", label="attribution floor: max(|null|, 2 SE)"))
     why = verdict.why + f"; run means: {ov50:.3f} % against a noise floor of {floor:.3f} %"
@@ -712,84 +621,6 @@ def run(ctx: Ctx) -> dict:
             f"{m.settings.store_poll} s): its store rounds are traced and attributed with the reader's ticks"
         )
     return res.to_dict()
-
-
-@dataclass(frozen=True)
-class Verdict:
-    passed: bool | None
-    floor: float
-    why: str
-
-
-def judge_attributed(
-    attr: tuple[float, float],
-    null: tuple[float, float],
-    heavy: tuple[float, float],
-    heavy_direct: tuple[float, float],
-    direct: tuple[bool | None, str],
-    target_pct: float = 0.1,
-) -> Verdict:
-    """The mark for tripwire at 50 ms from the attribution (each argument a (value %, standard error) pair).
-
-    Evidence only when: the attribution's floor (the null's offset, twice its SE and twice the reader's SE) is under
-    the target; the attribution is validated, i.e. it sees HEAVY's cost above that floor and agrees with the run
-    means' figure for HEAVY within two combined standard errors (so it captures what the run means measure); and
-    the run means themselves (``direct``: :func:`judge`'s verdict) do not show a cost above their own floor, which
-    a cost spread out in time, invisible to the attribution, would. Then the mark is the upper (pass) or lower
-    (short) two-SE bound against the target, n/a in between. Limits: a pass certifies the cost local to the ticks;
-    a cost spread out in time is bounded only by the run means' floor (0.7-3.9 % on the H200 hosts), and the
-    agreement test is as wide as the run means' standard error on the control (about +-2.5 % on a 5 % cost)."""
-    value, se = attr
-    floor = max(abs(null[0]), 2 * null[1], 2 * se)
-    h, h_se = heavy
-    hd, hd_se = heavy_direct
-    agree = abs(h - hd) <= 2 * (h_se**2 + hd_se**2) ** 0.5
-    if not (h > floor and agree):
-        return Verdict(
-            None,
-            floor,
-            f"attribution not validated: the {HEAVY_HOLD_S * 1e3:.0f} ms GIL-holding control shows {h:.3f} +- "
-            f"{h_se:.3f} % attributed vs {hd:.3f} +- {hd_se:.3f} % in the run means (floor {floor:.3f} %)",
-        )
-    checked = (
-        f"attributed {value:.3f} +- {se:.3f} % (floor {floor:.3f} %, null {null[0]:.3f} %), validated by the control: "
-        f"{h:.3f} % attributed vs {hd:.3f} % in the run means"
-    )
-    if direct[0] is False:
-        return Verdict(False, floor, f"{checked}; but the run means show more: {direct[1]}")
-    if floor > target_pct:
-        return Verdict(None, floor, f"{checked}; the attribution's floor is above the {target_pct} % target")
-    if value + 2 * se <= target_pct:
-        return Verdict(True, floor, checked)
-    if value - 2 * se > target_pct:
-        return Verdict(False, floor, checked)
-    return Verdict(None, floor, f"{checked}; undecided: the two-SE interval straddles the {target_pct} % target")
-
-
-def median_and_se(xs: list[float]) -> tuple[float, float]:
-    """The median and its robust standard error (1.253 x 1.4826 x MAD / sqrt(n): the normal-theory SE of a median,
-    with the spread from the median absolute deviation so that a few phase-change rounds do not inflate it)."""
-    med = statistics.median(xs)
-    if len(xs) < 2:
-        return med, float("inf")
-    mad = statistics.median([abs(x - med) for x in xs])
-    return med, 1.253 * 1.4826 * mad / len(xs) ** 0.5
-
-
-def judge(overhead_pct: float, floor_pct: float, target_pct: float = 0.1) -> tuple[bool | None, str]:
-    """The mark for an overhead figure, judged against the noise floor too: when two identical no-reader runs
-    differ by more than the target, a figure under the target is luck, not evidence, so the mark is n/a (None)
-    unless the overhead clearly exceeds the floor (then it is short)."""
-    if floor_pct <= target_pct:
-        if overhead_pct <= target_pct:
-            return True, ""
-        return False, f"overhead above target with a noise floor of {floor_pct:.3f} %"
-    if overhead_pct > floor_pct:
-        return False, f"overhead {overhead_pct:.3f} % exceeds even the noise floor ({floor_pct:.3f} %)"
-    return None, (
-        f"not resolvable here: the noise floor (two no-reader runs) is {floor_pct:.3f} %, above the "
-        f"{target_pct} % target"
-    )
 
 
 def _timed(fn: Callable[[], object]) -> float:
