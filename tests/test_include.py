@@ -547,7 +547,10 @@ def _request_map(n: int, dtype: torch.dtype | None) -> torch.Tensor | None:
 
 
 def _want_offenders(hits: list[tuple[int, int]], requests: torch.Tensor | None) -> list[tuple]:
-    return sorted(((r, sat(v), None if requests is None else 3 * r - 100) for r, v in hits), key=str)
+    def req(r: int) -> int | None:  # a negative id means "no request": kept as None
+        return None if requests is None or 3 * r - 100 < 0 else 3 * r - 100
+
+    return sorted(((r, sat(v), req(r)) for r, v in hits), key=str)
 
 
 @pytest.mark.gpu
