@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tripwire import CaptureError, GuardTripped, Monitor
+from tripwire import CaptureError, GuardTripped, Monitor, SiteRegistry
 
 pytestmark = pytest.mark.gpu
 
@@ -368,3 +368,16 @@ def test_torch_fallback_path_reads_like_the_driver_path(registry, cuda_monitor):
     r.poll(len(registry))
     assert time.perf_counter() - a < 1e-3  # the fallback does not wait on the busy stream either
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_the_reader_stream_is_never_handed_out_by_torch_pool():
+    """An engine that creates streams (transformers: new ones per continuous-batching manager) must never be given
+    the reader's side stream: its compute would run where the reader copies, and be captured with it. Control:
+    torch's pool itself hands the same stream out again within 64 creations."""
+    m = Monitor(registry=SiteRegistry(capacity=8), capacity=8)
+    m.prealloc("cuda")
+    reader = m.readers()["cuda:0"]
+    handles = [torch.cuda.Stream().cuda_stream for _ in range(64)]
+    assert reader.stream.cuda_stream not in handles
+    assert len(set(handles)) < len(handles)  # the control: the pool wraps

@@ -71,6 +71,7 @@ class Driver:
 
         # Set-up calls (once per device, may initialise the context): release the GIL.
         self.device_get = fn(releases_gil, "cuDeviceGet", ctypes.POINTER(i), i)
+        self.stream_create = fn(releases_gil, "cuStreamCreate", ctypes.POINTER(vp), ctypes.c_uint)
         self.primary_ctx_retain = fn(releases_gil, "cuDevicePrimaryCtxRetain", ctypes.POINTER(vp), i)
         # Per tick, cannot block (a thread-local stack, an event's status): keep the GIL (module docstring).
         self.ctx_push = fn(keeps_gil, "cuCtxPushCurrent_v2", vp)
@@ -121,6 +122,29 @@ def _ok(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
 
 
+_CU_STREAM_NON_BLOCKING = 1
+
+
+def _private_stream(device: torch.device, driver: Driver | None) -> torch.cuda.Stream:
+    """The reader's side stream: a stream of its own, never one torch's pool hands out again.
+
+    ``torch.cuda.Stream()`` takes streams round-robin from a small per-device pool, so an engine that creates
+    streams (transformers makes new ones for each continuous-batching manager) eventually gets the reader's: its
+    compute, graph captures included, then run on the stream the reader copies and records its event on, and the copy
+    queues behind compute (and is captured, which invalidates the reader's event). A stream made with cuStreamCreate
+    is nobody else's; it is never destroyed (like the arena, it lives as long as the process). Where the driver cannot
+    be loaded, the pool's stream is the fallback, with a warning."""
+    if driver is not None:
+        handle = ctypes.c_void_p()
+        _ok(driver.stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        return torch.cuda.ExternalStream(handle.value, device=device)
+    log.warning(
+        "tripwire: libcuda could not be loaded, so the reader's side stream comes from torch's stream pool; an "
+        "engine that creates many streams may be handed the same one (the reader would then wait behind compute)"
+    )
+    return torch.cuda.Stream(device)
+
+
 class DeviceReader:
     """Reads one arena. Not thread-safe by itself: the Monitor serialises calls under its lock."""
 
@@ -158,12 +182,12 @@ class DeviceReader:
                     if offenders is not None
                     else None
                 )
-                self.stream = torch.cuda.Stream(device)
+                self.driver = Driver.get()
+                self.stream = _private_stream(device, self.driver)
                 self.event = torch.cuda.Event()
                 self.event.record(self.stream)  # materialise the event handle now, outside any capture
             # A view of the pinned mirror, made once: .numpy() per tick costs a dispatcher round trip.
             self._mirror_np = self.mirror.numpy()
-            self.driver = Driver.get()
             if self.driver is not None:
                 dev_handle = ctypes.c_int()
                 _ok(self.driver.device_get(ctypes.byref(dev_handle), device.index), "cuDeviceGet")
