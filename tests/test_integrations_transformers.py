@@ -43,18 +43,23 @@ def _configs():
     return [pytest.param(False, id="cpu")]
 
 
+def _installed(graphs, mode="warn", **install):
+    """A small Llama's clean reference run, then the model with tripwire installed (``install`` keywords) on its
+    own monitor, served by a persistent engine: (model, reference outputs, engine, monitor, handle)."""
+    model = tiny_llama("cuda" if HAS_CUDA else "cpu")
+    ref_engine = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    ref = ref_engine.run(PROMPTS, tag="ref")
+    ref_engine.close()
+    mon = Monitor(interval=0.005, report_every=0.5, mode=mode)
+    handle = tw.install(model, monitor=mon, **install)
+    return model, ref, PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs)), mon, handle
+
+
 @pytest.fixture(scope="class", params=_configs())
 def engine(request):
     """(model, reference outputs, persistent engine with tripwire installed, its monitor, handle), per config."""
     graphs = request.param
-    device = "cuda" if HAS_CUDA else "cpu"
-    model = tiny_llama(device)
-    ref_engine = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
-    ref = ref_engine.run(PROMPTS, tag="ref")
-    ref_engine.close()
-    mon = Monitor(interval=0.005, report_every=0.5)
-    handle = tw.install(model, monitor=mon)
-    eng = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    model, ref, eng, mon, handle = _installed(graphs)
     yield model, ref, eng, mon, handle, graphs
     eng.close()
     handle.uninstall()
@@ -233,15 +238,7 @@ class TestServing:
 @pytest.fixture(scope="class", params=_configs())
 def contained(request):
     """Like ``engine``, installed with ``contain=True`` on a monitor in ``raise`` mode (any uncontained hit stops)."""
-    graphs = request.param
-    device = "cuda" if HAS_CUDA else "cpu"
-    model = tiny_llama(device)
-    ref_engine = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
-    ref = ref_engine.run(PROMPTS, tag="ref")
-    ref_engine.close()
-    mon = Monitor(interval=0.005, report_every=0.5, mode="raise")
-    handle = tw.install(model, monitor=mon, contain=True)
-    eng = PersistentEngine(model, TOKENS, cb_config(cuda_graphs=graphs))
+    model, ref, eng, mon, handle = _installed(request.param, mode="raise", contain=True)
     yield model, ref, eng, mon, handle
     eng.close()
     handle.uninstall()
