@@ -586,8 +586,10 @@ def _worker(cfg: dict) -> dict:
     logging.getLogger("tripwire").addHandler(_Keep())
     logging.getLogger("tripwire").setLevel(logging.INFO)
     store = TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=30))
-    # The store polled at the reader's interval: the bound below is the reader's confirmation plus one poll.
-    mon = tripwire.configure(mode="warn", interval=INTERVAL, capacity=64, report_every=60.0, store_poll=INTERVAL)
+    # A peer's latency is the firing rank's (up to two intervals in the worst alignment, which phase B makes: the
+    # copy that holds the hit is compared a tick later) plus up to one store poll. Half an interval between polls
+    # keeps the sum inside the 3-interval bound with room for the scheduling of four ranks on two cores.
+    mon = tripwire.configure(mode="warn", interval=INTERVAL, capacity=64, report_every=60.0, store_poll=INTERVAL / 2)
     fatal = tripwire.register_site("dist.fatal", fatal=True)
     soft = tripwire.register_site("dist.soft")
     mon.prealloc("cpu")
