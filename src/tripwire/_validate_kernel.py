@@ -83,6 +83,37 @@ def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
 
 
 @triton.jit
+def _check(
+    ctr_ptr,
+    t_ptr,
+    offs,
+    m,
+    v,
+    rows,
+    lo,
+    hi,
+    pad,
+    safe,
+    rq_ptr,
+    rqn,
+    sg_ptr,
+    sgn,
+    HAS_PAD: tl.constexpr,
+    REQ: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """The bounds rule over one block of entries ``v`` (live lanes ``m``): count each entry outside ``[lo, hi)`` that
+    is not the padding value, against ``rows`` (the row of each lane, for offenders and requests), and with ``MASK``
+    overwrite it in place with ``safe``."""
+    bad = m & ((v < lo) | (v >= hi))
+    if HAS_PAD:
+        bad = bad & (v != pad)
+    _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
+    if MASK:
+        tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit
 def _index_block(
     ctr_ptr,
     t_ptr,
@@ -112,12 +143,7 @@ def _index_block(
         # Clamped on read: a length past the width checks the whole row, a negative one checks nothing.
         ln = tl.load(a_ptr + row, mask=m, other=0).to(tl.int64)
         m = m & ((offs - row * w) < ln)
-    bad = m & ((v < lo) | (v >= hi))
-    if HAS_PAD:
-        bad = bad & (v != pad)
-    _record(ctr_ptr, bad, row, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
-    if MASK:
-        tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
+    _check(ctr_ptr, t_ptr, offs, m, v, row, lo, hi, pad, safe, rq_ptr, rqn, sg_ptr, sgn, HAS_PAD, REQ, MASK)
 
 
 @triton.jit
@@ -156,13 +182,8 @@ def _csr_block(
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < used
     v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
-    bad = m & ((v < lo) | (v >= hi))
-    if HAS_PAD:
-        bad = bad & (v != pad)
     # A CSR rule's requests are per row of its layout: the segments are its own indptr.
-    _record(ctr_ptr, bad, offs, v, rq_ptr, rqn, a_ptr, an, REQ)
-    if MASK:
-        tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
+    _check(ctr_ptr, t_ptr, offs, m, v, offs, lo, hi, pad, safe, rq_ptr, rqn, a_ptr, an, HAS_PAD, REQ, MASK)
 
 
 @triton.jit
