@@ -412,9 +412,21 @@ def _first_distinct(hits):
     return out
 
 
+def _claim_order(lanes, block):
+    """The hits of ``lanes`` (one ``(row, value, request)`` per lane in lane order, None where the lane is not bad)
+    in the order the helpers claim offenders: program by program (the interpreter runs programs in order), and
+    within a program lowest (row, value, request) first, "no request" lowest (its word is 0)."""
+    out = []
+    for p in range(0, len(lanes), block):
+        hits = [h for h in lanes[p : p + block] if h is not None]
+        out += sorted(hits, key=lambda h: (h[0], h[1], -1 if h[2] is None else h[2]))
+    return out
+
+
 def _check_kept(hit, hits, k):
-    """The kept offenders of ``hit`` against the hits in arrival order: the first ``k`` distinct ones (exactly, in
-    order, under the interpreter; on the GPU some ``min(k, distinct)`` of them, all of them when they fit)."""
+    """The kept offenders of ``hit`` against the hits in claim order (:func:`_claim_order`): the first ``k``
+    distinct ones (exactly, in order, under the interpreter; on the GPU, where programs race, some ``min(k,
+    distinct)`` of them, all of them when they fit)."""
     distinct = _first_distinct(hits)
     kept = [tuple(o) for o in hit.offenders]
     assert hit.count == len(hits)
@@ -439,14 +451,15 @@ _req_pool = st.one_of(st.integers(-3, 3), st.sampled_from([2**62, -(2**63), 2**3
 )
 def test_offenders_first_k_distinct(make_monitor, hit_of, lanes, block, k, has_req):
     """Random bad sets over one or several programs (block 1: a program per lane; 16: most in one program), drawn
-    from small pools so that repeats are common: the row keeps the first K distinct (row, value, request) in arrival
-    order, the count is exact; without a request map every request is None."""
+    from small pools so that repeats are common: the row keeps the first K distinct (row, value, request) in claim
+    order (:func:`_claim_order`), the count is exact; without a request map every request is None."""
     mon = make_monitor(offenders=k)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ctr = mon.counter(mon.registry.register("t.offenders"), dev)
     _record(dev, ctr, lanes, block, has_req)
     sat = lambda q: max(VALUE_MIN, min(VALUE_MAX, q))  # noqa: E731
-    hits = [(r, v, sat(q) if has_req and q >= 0 else None) for b, r, v, q in lanes if b]  # negative: no request
+    # A negative request: no request.
+    hits = _claim_order([(r, v, sat(q) if has_req and q >= 0 else None) if b else None for b, r, v, q in lanes], block)
     hit = hit_of(mon, "t.offenders")
     if not hits:
         assert hit is None
@@ -662,6 +675,104 @@ def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_pat
         out = torch.full((4,), 5, dtype=torch.int64)
         mod.control[(1,)](out, BLOCK=4)
         assert out.tolist() == [0, 0, 0, 0]
+
+
+_REGISTERS_PROBE = r"""
+import json, os, re, subprocess, tempfile
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # each variant below is a different fault path under one cache key
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
+import tripwire.triton as tt
+from tripwire import layout
+from tripwire.kernels import slot_mapping as sm
+from tripwire.numerics import nonfinite as nf
+
+_H, _E, _D = tl.constexpr(layout.OFF_HEADER), tl.constexpr(layout.OFF_ENTRY), tl.constexpr(layout.OFF_DONE)
+_ER, _EV, _EQ = tl.constexpr(layout.E_ROW), tl.constexpr(layout.E_VALUE), tl.constexpr(layout.E_REQ)
+
+
+@triton.jit
+def no_offenders(ctr_ptr, n, b, rb, vb, qb):
+    # The baseline: the fault path's count, extremes and first pair, no offenders.
+    tl.atomic_add(ctr_ptr + 6, n * 0)
+
+
+@triton.jit
+def per_lane_offenders(ctr_ptr, n, b, rb, vb, qb):
+    # The control: every lane claims at once (a key and a compare-and-swap result per lane, live across the block).
+    addr = tl.load(ctr_ptr + 7)
+    if addr != 0:
+        blk = addr.to(tl.pointer_type(tl.int64))
+        k = tl.load(blk + 1)
+        if tl.load(blk + _H + (k - 1) * _E) == 0:
+            key = tt._offender_key(rb, vb, qb)
+            active = b
+            for j in range(0, k):
+                if tl.sum(active.to(tl.int32), axis=None) > 0:
+                    slot = blk + _H + j * _E
+                    old = tl.atomic_cas(tl.where(active, slot, blk), tl.where(active, 0, -1).to(tl.int64), key)
+                    won = active & (old == 0)
+                    tl.store(slot + _EQ + rb * 0, qb, mask=won)
+                    tl.store(slot + _EV + rb * 0, vb, mask=won)
+                    tl.atomic_xchg(slot + _ER + rb * 0, rb, mask=won, sem="release", scope="sys")
+                    active = active & (old != 0) & (old != key)
+        tl.atomic_add(blk + _D, n)
+
+
+def regs(fn, types, consts, warps):
+    names = fn.arg_names
+    sig = {a: ("constexpr" if a in consts else types.get(a, "*i64" if a.endswith("_ptr") else "i32")) for a in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in consts.items()})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    r = int(re.search(r"REG:(\d+)", res).group(1))
+    # Programs per SM on an H100/H200 (sm_90): 64K registers, allocated per warp in units of 8 per thread.
+    return {"regs": r, "programs_per_sm": min(65536 // (warps * 32 * (-(-r // 8) * 8)), 2048 // (warps * 32))}
+
+
+# The launchers' default shapes: the non-finite counter over bf16 (a wide read), the slot mapping's guarded path.
+KERNELS = {
+    "nonfinite": (nf._nonfinite_kernel, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"},
+                  dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80), nf._NUM_WARPS),
+    "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},
+                     dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), 4),
+}
+try:
+    shipped = tt._record_offenders
+    out = {}
+    for variant, fn in (("shipped", shipped), ("none", no_offenders), ("per_lane", per_lane_offenders)):
+        tt._record_offenders = fn  # _fault resolves it by name when it is compiled
+        out[variant] = {name: regs(*spec) for name, spec in KERNELS.items()}
+    tt._record_offenders = shipped
+except CompilationError:
+    raise  # a kernel that does not compile is a failure, never a skip
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print(json.dumps(out))
+"""
+
+
+def test_offender_claims_cost_the_hot_path_no_occupancy(build_probe):
+    """Registers are allocated for a kernel's hungriest path, taken or not, so a compiled-in fault path can slow a
+    clean launch. Compiled for sm_90 (no GPU needed) at the launchers' default shapes, the non-finite counter (a wide
+    read) and the guarded slot mapping need no more registers (within one allocation unit) and fit as many programs
+    per SM with the shipped offender claims as with none at all. Control: claims made by every lane at once (per-lane
+    keys and compare-and-swap results live across the block) need more, and fit one program fewer of the wide read,
+    so the comparison can fail."""
+    r = build_probe(_REGISTERS_PROBE)
+    for name in ("nonfinite", "slot_mapping"):
+        shipped, none, per_lane = (r[v][name] for v in ("shipped", "none", "per_lane"))
+        # Within one allocation unit (8 registers per thread) of no claims at all, and never fewer programs.
+        assert shipped["regs"] <= none["regs"] + 8 and shipped["programs_per_sm"] >= none["programs_per_sm"], r
+        assert per_lane["regs"] > none["regs"] + 8, (name, r)
+    # ... which, for the wide read, is one program per SM fewer.
+    assert r["per_lane"]["nonfinite"]["programs_per_sm"] < r["none"]["nonfinite"]["programs_per_sm"], r
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

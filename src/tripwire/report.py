@@ -73,7 +73,8 @@ class Hit:
 
     ``kind``: the row's kind (``"guard"``, ``"nonfinite"``: the guard layout; ``"clip"``: ``count`` is the K plus V
     elements clipped, and the other fields are None: ``ClipCounter.totals()`` has the split and the maxima).
-    ``offenders``: the first K distinct offenders kept on the device (``TRIPWIRE_OFFENDERS``), in arrival order:
+    ``offenders``: the first K distinct offenders kept on the device (``TRIPWIRE_OFFENDERS``), in claim order
+    (:mod:`tripwire.layout`):
     :class:`tripwire.sinks.Offender` (row, value, request: None where the kernel had no row-to-request map). More
     than K distinct offenders keep the first K; the count stays exact."""
 
@@ -103,7 +104,7 @@ class Hit:
 
 
 def decode_offenders(block: np.ndarray) -> tuple[Offender, ...]:
-    """The offenders of a row's offender block (tripwire.layout), in arrival order: the claimed entries whose owner's
+    """The offenders of a row's offender block (tripwire.layout), in claim order: the claimed entries whose owner's
     words have landed (a claimed entry still being written is left out)."""
     out = []
     for entry in block[OFF_HEADER:].reshape(-1, OFF_ENTRY):

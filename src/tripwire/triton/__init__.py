@@ -24,10 +24,12 @@ compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so (slot 4,
 program wins the CAS.
 
 Offenders: the fault path also keeps the row's first K distinct (row, value, request) offenders in the row's
-offender block (:mod:`tripwire.layout`), in arrival order; ``req``/``reqs`` name the request of each hit (a
-row-to-request map the kernel loads; omit it when the kernel has none; a negative id means not known). Distinct means a distinct 64-bit key of the
-three: a repeat of an offender already kept claims nothing. A kept offender, like the first pair, is written after
-the count, so the reader waits for it the same way.
+offender block (:mod:`tripwire.layout`): programs in the order they arrive, a program's own lowest (row, value,
+request) first. ``req``/``reqs`` name the request of each hit (a row-to-request map the kernel loads; omit it when the
+kernel has none; a negative id means not known). Distinct means a distinct 64-bit key of the three: a repeat of an
+offender already kept claims nothing. A kept offender, like the first pair, is written after the count, so the
+reader waits for it the same way. The claims run one offender at a time (scalar code), so the compiled fault path
+adds no per-lane state to a kernel's register budget, taken or not.
 
 Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs. Values
 beyond the encodable range (|v| >= 2**62, e.g. junk int64 metadata) are recorded saturated at +-(2**62 - 1);
@@ -101,37 +103,53 @@ def _offender_key(rb, vb, qb):
 
 @triton.jit
 def _record_offenders(ctr_ptr, n, b, rb, vb, qb):
-    """Keep the true lanes of ``b`` among the row's first K distinct offenders (tripwire.layout): per entry slot, the
-    still-unplaced lanes compare-and-swap their key into it; the one that finds it empty owns it and writes its words,
-    those that find their own key there are repeats. Lanes that must not claim aim at the block's scratch word with a
-    comparand (-1) it never holds. A full block is read once and left alone: a fault storm costs one load. Then the
-    block's OFF_DONE count takes the ``n`` hits (the reader's sign that their offenders are all in)."""
+    """Keep the true lanes of ``b`` among the row's first K distinct offenders (tripwire.layout), then add the ``n``
+    hits to the block's OFF_DONE count (the reader's sign that their offenders are all in). A full block is read
+    once and left alone: a fault storm costs one load."""
     addr = tl.load(ctr_ptr + _OFF_SLOT)
     # 0: a counter row that is not an arena's (a caller's own [8] tensor) has no offender block.
     if addr != 0:
         blk = addr.to(tl.pointer_type(tl.int64))
-        _claim_offenders(blk, b, rb, vb, qb)
+        k = tl.load(blk + 1)
+        if tl.load(blk + _HEADER + (k - 1) * _ENTRY) == 0:
+            _claim_offenders(blk, k, b, rb, vb, qb)
         # Last, after the claims and their words (an atomic: ordered after them): these hits' offenders are in.
         tl.atomic_add(blk + _DONE, n)
 
 
 @triton.jit
-def _claim_offenders(blk, b, rb, vb, qb):
-    k = tl.load(blk + 1)
-    if tl.load(blk + _HEADER + (k - 1) * _ENTRY) == 0:
-        key = _offender_key(rb, vb, qb)
-        active = b
-        for j in range(0, k):
-            if tl.sum(active.to(tl.int32), axis=None) > 0:
-                slot = blk + _HEADER + j * _ENTRY
-                old = tl.atomic_cas(tl.where(active, slot, blk), tl.where(active, 0, -1).to(tl.int64), key)
-                won = active & (old == 0)
-                # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word ("not
-                # known"), so it cannot tell a reader that it landed; ROW (never 0 once written) tells for all three.
-                tl.store(slot + _EREQ + rb * 0, qb, mask=won)
-                tl.store(slot + _EVALUE + rb * 0, vb, mask=won)
-                tl.atomic_xchg(slot + _EROW + rb * 0, rb, mask=won, sem="release", scope="sys")
-                active = active & (old != 0) & (old != key)
+def _claim_offenders(blk, k, b, rb, vb, qb):
+    """The program's distinct offenders one at a time, lowest (row, value, request) first like the first pair: each
+    candidate is three reductions over the block, then a SCALAR walk over the ``k`` entries (compare-and-swap its key
+    into each; the entry it finds empty is its own, one holding its key means a repeat). Scalar, not one claim per
+    lane: per-lane keys and compare-and-swap results are live across the whole block, and in a kernel whose hot path
+    is a wide read that extra register pressure (a compiled-in fault path counts, taken or not) cut the occupancy.
+    At most 2k candidates matter: each either takes an empty entry (k of them) or repeats a kept key (k distinct);
+    the walk stops early once an entry is found and the loop once the block is full or the lanes are used up."""
+    active = b
+    full = k * 0 != 0
+    for _ in range(0, 2 * k):
+        if (tl.sum(active.to(tl.int32), axis=None) > 0) & (full == 0):
+            cr = tl.min(tl.where(active, rb, _NO_ROW), axis=None)
+            at_r = active & (rb == cr)
+            cv = tl.min(tl.where(at_r, vb, _NO_ROW), axis=None)
+            at_v = at_r & (vb == cv)
+            cq = tl.min(tl.where(at_v, qb, _NO_ROW), axis=None)
+            active = active & ((at_v & (qb == cq)) == 0)  # every lane of this offender is handled by this claim
+            key = _offender_key(cr, cv, cq)
+            pending = full == 0
+            for j in range(0, k):
+                if pending:
+                    slot = blk + _HEADER + j * _ENTRY
+                    old = tl.atomic_cas(slot, key * 0, key)
+                    if old == 0:
+                        # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word
+                        # ("not known"), so it cannot tell a reader that it landed; ROW (never 0) tells for all three.
+                        tl.store(slot + _EREQ, cq)
+                        tl.store(slot + _EVALUE, cv)
+                        tl.atomic_xchg(slot + _EROW, cr, sem="release", scope="sys")
+                    pending = (old != 0) & (old != key)
+            full = pending  # every entry holds another key
 
 
 @triton.jit
