@@ -17,8 +17,8 @@ Fixtures:
 * ``captured``: ``captured(fn, monitor)`` runs ``fn`` once (compiles, loads), resets ``monitor``, captures ``fn`` in a
   CUDA graph and checks the capture counted nothing; returns the graph.
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
-  JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). A
-  script must let a kernel's own CompilationError escape (the run then fails): a kernel that does not compile is a
+  JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). The
+  script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a kernel's own CompilationError escape (the run then fails): a kernel that does not compile is a
   failure, never a skip.
 """
 
@@ -97,13 +97,32 @@ def hit_of():
     return get
 
 
+# Given to every build probe: what a kernel compiled for sm_90 occupies (registers read back from its cubin).
+_SM90_PRELUDE = r"""
+def sm90_usage(compiled, warps):
+    import os, re, subprocess, tempfile
+    import triton
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    smem = compiled.metadata.shared
+    # Programs per SM on an H100/H200 (sm_90): 64K registers (allocated per warp in units of 8 per thread),
+    # 228 KiB of shared memory (plus 1 KiB reserved per block), 2048 threads.
+    by_regs = 65536 // (warps * 32 * (-(-regs // 8) * 8))
+    by_smem = 233472 // (smem + 1024)
+    return {"regs": regs, "smem": smem, "programs_per_sm": min(by_regs, by_smem, 2048 // (warps * 32), 32)}
+"""
+
+
 @pytest.fixture
 def build_probe(tmp_path):
     def run(source: str, timeout: float = 900) -> dict:
         # A file (@triton.jit reads its function's source) run without TRITON_INTERPRET: compiling needs the real
         # compiler, which the interpreter replaces in this process.
         probe = tmp_path / "build_probe.py"
-        probe.write_text(source)
+        probe.write_text(_SM90_PRELUDE + source)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         p = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=timeout)
         assert p.returncode == 0, p.stderr[-2000:]

@@ -300,7 +300,7 @@ def test_sites():
 
 # ---------------------------------------------------------------------------------------------- sm_90 build
 _BUILD_PROBE = r"""
-import json, re, subprocess, sys, os, tempfile
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -322,18 +322,8 @@ def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warp
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if types.get(n, "").startswith("*")}
     src = ASTSource(k, sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    smem = c.metadata.shared
-    # Programs per SM on an H100/H200 (sm_90): 64K registers (allocated per warp in units of 8 per thread),
-    # 228 KiB of shared memory (plus 1 KiB reserved per block), 2048 threads.
-    by_regs = 65536 // (warps * 32 * (-(-regs // 8) * 8))
-    by_smem = 233472 // (smem + 1024)
-    occupancy = min(by_regs, by_smem, 2048 // (warps * 32), 32)
-    return {"regs": regs, "smem": smem, "occupancy": occupancy,
+    use = sm90_usage(c, warps)
+    return {"regs": use["regs"], "smem": use["smem"], "occupancy": use["programs_per_sm"],
             "cp_async": c.asm["ptx"].count("cp.async.cg.shared.global")}
 
 from triton.compiler.errors import CompilationError

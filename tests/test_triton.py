@@ -678,7 +678,7 @@ def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_pat
 
 
 _REGISTERS_PROBE = r"""
-import json, os, re, subprocess, tempfile
+import json, os
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # each variant below is a different fault path under one cache key
 import triton
 import triton.language as tl
@@ -726,14 +726,7 @@ def regs(fn, types, consts, warps):
     names = fn.arg_names
     sig = {a: ("constexpr" if a in consts else types.get(a, "*i64" if a.endswith("_ptr") else "i32")) for a in names}
     src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in consts.items()})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    r = int(re.search(r"REG:(\d+)", res).group(1))
-    # Programs per SM on an H100/H200 (sm_90): 64K registers, allocated per warp in units of 8 per thread.
-    return {"regs": r, "programs_per_sm": min(65536 // (warps * 32 * (-(-r // 8) * 8)), 2048 // (warps * 32))}
+    return sm90_usage(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)), warps)
 
 
 # The launchers' default shapes: the non-finite counter over bf16 (a wide read), the slot mapping's guarded path.
