@@ -18,8 +18,9 @@ Fixtures:
   CUDA graph and checks the capture counted nothing; returns the graph.
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
   JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). The
-  script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a kernel's own CompilationError escape (the run then fails): a kernel that does not compile is a
-  failure, never a skip.
+  script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a
+  kernel's own CompilationError escape (the run then fails): a kernel that does not compile is a failure, never a
+  skip.
 """
 
 from __future__ import annotations

@@ -342,9 +342,9 @@ print(json.dumps(out))
 def test_sm90_build_guard_costs_no_occupancy(build_probe):
     """Compiled ahead of time for an H100/H200 (sm_90; no GPU needed), at the launcher's default shape: the guarded
     kernel, with and without a request map, fits as many programs per SM as the twin (registers and shared memory),
-    and its hot loop is pipelined like the twin's (16-byte async copies of K and V). Registers are allocated for a kernel's worst path, so the fault
-    path must not be the hungrier one. Control: a fault loop shaped like the hot one (64-token tiles) needs so many
-    more registers that fewer programs fit, so the comparison can fail."""
+    and its hot loop is pipelined like the twin's (16-byte async copies of K and V). Registers are allocated for a
+    kernel's worst path, so the fault path must not be the hungrier one. Control: a fault loop shaped like the hot
+    one (64-token tiles) needs so many more registers that fewer programs fit, so the comparison can fail."""
     r = build_probe(_BUILD_PROBE)
     twin, control = r["twin"], r["control"]
     for guarded in (r["guarded"], r["guarded_req"]):  # without and with a request map

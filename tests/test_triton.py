@@ -214,7 +214,7 @@ def test_control_unsaturated_bias_wraps(kernel_device):
     assert decoded(ctr)["max_value"] is None
 
 
-# ---------------------------------------------------------------------------------------------- count=: entries, not lanes
+# ------------------------------------------------------------------------------------------ count=: entries, not lanes
 @triton.jit
 def _paged_tile_kernel(
     ctr, table_ptr, lens_ptr, out_ptr, W, N, BS: tl.constexpr, BLOCK_P: tl.constexpr, H, COUNT: tl.constexpr

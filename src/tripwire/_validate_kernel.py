@@ -3,7 +3,8 @@
 A rule is a tuple slot of the kernel: its tensors and sizes are the ``i``-th elements of tuple arguments, its kind,
 flags, bounds and counter rows the ``i``-th elements of constexpr tuples, and ``tl.static_range`` unrolls one branch
 per rule. The grid is the rules' programs laid end to end: rule ``i`` owns ``cdiv(N[i], BLOCK)`` programs for its
-entries plus, when it owns its auxiliary tensor (a lengths or an indptr), one more program that checks that tensor. Every entry is read by exactly one program, so a bad entry counts exactly once per call.
+entries plus, when it owns its auxiliary tensor (a lengths or an indptr), one more program that checks that tensor.
+Every entry is read by exactly one program, so a bad entry counts exactly once per call.
 
 Kinds:
 * ``INDEX``: a 1-D or 2-D tensor (flattened row-major, ``W`` columns; 1-D has ``W == 1``). An entry is bad when it is

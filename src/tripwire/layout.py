@@ -26,7 +26,8 @@ the owner then writes ``REQ`` (the request id biased, 0 = not known) and ``VALUE
 ``ROW`` (biased) LAST, with release ordering: ``REQ`` may legally be 0, so only ``ROW`` (never 0 once written) can
 tell a reader that the entry is complete. So the block holds the first ``K`` DISTINCT offenders in claim order
 (programs, or warps in ``guard.cuh``, as they arrive; a Triton program claims its own lowest (row, value, request)
-first), and a reader that sees a claimed key waits (like for the first pair) until its ``ROW`` and ``VALUE`` have landed.
+first), and a reader that sees a claimed key waits (like for the first pair) until its ``ROW`` and ``VALUE`` have
+landed.
 The key (:func:`offender_key`; the Triton helpers and ``guard.cuh`` compute it bit for bit the same) chains
 MurmurHash3's 64-bit finalizer ``fmix`` (a bijection: xor-shifts by 33, multiplies by ``KEY_MIX``, mod 2**64) over
 the biased row, value and request words::
@@ -35,8 +36,8 @@ the biased row, value and request words::
 
 Not a linear mix: the encoding's special words (the bias 2**62 of a known request against 0 for "not known", the
 saturated values +-(2**62 - 1)) differ in their top bits, and a linear combination of them collides outright (two
-distinct offenders would share one entry, and one request would go unreported). Writing offenders is the fault path only: a row
-without hits is never touched.
+distinct offenders would share one entry, and one request would go unreported). Writing offenders is the fault path
+only: a row without hits is never touched.
 
 Encoding: a stored word is ``v + GUARD_BIAS`` with ``GUARD_BIAS = 2**62``. A zeroed buffer then means "nothing
 recorded" and atomic_max works for negative values too. The round-trip holds for ``-2**62 < v < 2**62``
