@@ -1,13 +1,23 @@
 #!/usr/bin/env python
-"""Fuzz the transformers integration on the real engine: random fault kind, step, request, value and entry per run.
+"""Fuzz the transformers integration on the real engine, with containment: an ESCAPE is a failure.
 
-    python scripts/fuzz_transformers.py --runs 200 [--cuda-graphs] [--json PATH] [--seed N]
+    python scripts/fuzz_transformers.py --runs 250 [--cuda-graphs] [--interval S] [--seed N] [--json PATH]
 
-Each run serves the prompts through one persistent continuous-batching manager (a new one after a run the engine
-failed) with exactly one corrupted metadata entry, and checks: the entry was injected; it was counted exactly once at
-its site; no request failed with anything but tripwire's stop (a write fault, the FATAL site) and no masked read
-failed any request; the requests a read fault did not touch produced the clean run's tokens; the device still works
-(no poisoned context). Prints a summary line per failure and a total; exit status 1 on any failure.
+Each run serves the same prompts through one persistent continuous-batching manager (so a later run serves the same
+prompts again on an engine whose cache saw the earlier victims), with 1 to 10 corrupted metadata entries written into
+the engine's own prepared step (a read index, a write index; one step, one or several victims; just past the end,
+far past, negative), at any step from the prefill to the last token's. It checks:
+
+* every injected entry was counted exactly once at its site;
+* ESCAPES (failures): a request a masked access touched handed back as a success, or a request handed back as a
+  success whose tokens differ from the clean run;
+* engine stops (failures): the stop armed or the generation loop ended, for faults that name their requests;
+* deaths (a request missing or failed with anything but containment's error) and poisoned contexts;
+* ``failed_closed``: runs with more than K distinct offenders in one step, where every request of that step fails
+  (allowed: fail closed, the engine goes on).
+
+The block-table path is not fuzzed: the engine takes it only on its decode fast path, which needs flash-attn.
+Prints one line per failing run and a JSON summary; exit status 1 on any failure.
 """
 
 from __future__ import annotations
@@ -23,21 +33,40 @@ from pathlib import Path
 import torch
 
 
+def _plan(rng: random.Random, n_prompts: int, tokens: int, multi_share: float, tag: str) -> list:
+    from tripwire.demo_transformers import Injection
+
+    step = rng.randrange(1, tokens + 1)
+    n = rng.randrange(2, 11) if rng.random() < multi_share else 1
+    victims = rng.sample(range(n_prompts), min(n, n_prompts))
+    kinds = ["write" if rng.random() < 0.35 else "read" for _ in range(n)]
+    out, used = [], set()
+    for i in range(n):
+        victim = victims[i % len(victims)]
+        # A distinct offset per entry of a request: two injections never land on one entry (counted once).
+        offset = rng.randrange(1 << 16)
+        while (victim, kinds[i], offset) in used:
+            offset += 1
+        used.add((victim, kinds[i], offset))
+        out.append(Injection(kinds[i], step, f"{tag}-{victim}", rng.choice(["end", "far", "negative"]), offset))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=200)
+    p.add_argument("--runs", type=int, default=250)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--write-share", type=float, default=0.3, help="the share of runs with a write fault")
-    p.add_argument("--contain", action="store_true", help="install with contain=True: a read fault fails its request")
+    p.add_argument("--interval", type=float, default=None, help="the reader's interval (default: TRIPWIRE_INTERVAL's)")
+    p.add_argument("--multi-share", type=float, default=0.3, help="the share of runs with 2 to 10 bad entries")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     logging.getLogger("tripwire").setLevel(logging.ERROR)
 
     import tripwire
-    from tripwire.demo_transformers import PROMPTS, FaultInjector, Injection, PersistentEngine, cb_config, tiny_llama
+    from tripwire.demo_transformers import PROMPTS, FaultInjector, PersistentEngine, cb_config, tiny_llama
     from tripwire.integrations import transformers as tw
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,48 +74,57 @@ def main(argv: list[str] | None = None) -> int:
     ref_eng = PersistentEngine(model, a.tokens, cb_config(cuda_graphs=a.cuda_graphs))
     ref = ref_eng.run(PROMPTS, tag="ref")
     ref_eng.close()
-    mon = tripwire.Monitor(interval=0.005, report_every=60.0)
-    handle = tw.install(model, monitor=mon, contain=a.contain)
+    mon = tripwire.Monitor(interval=a.interval, report_every=60.0, mode="raise", contain=True)
+    handle = tw.install(model, monitor=mon, contain=True)
     eng = PersistentEngine(model, a.tokens, cb_config(cuda_graphs=a.cuda_graphs))
+    k = mon.settings.offenders
     rng = random.Random(a.seed)
     failures: list[str] = []
-    tally = {
-        "read": 0,
-        "write": 0,
-        "late_stops": 0,
-        "contained": 0,
-        "finished_first": 0,
-        "deaths": 0,
-        "poisoned": 0,
-        "uncounted": 0,
-        "changed_others": 0,
-    }
+    tally = dict.fromkeys(
+        (
+            "entries",
+            "read",
+            "write",
+            "multi",
+            "victims",
+            "contained",
+            "escapes",
+            "stops",
+            "deaths",
+            "poisoned",
+            "miscounted",
+            "changed_others",
+            "failed_closed",
+            "steps_first",
+            "steps_last",
+        ),
+        0,
+    )
     t0 = time.time()
     for run in range(a.runs):
-        kind = "write" if rng.random() < a.write_share else "read"
-        victim = rng.randrange(len(PROMPTS))
         tag = f"f{run}"
-        inj = Injection(
-            kind,
-            rng.randrange(2, a.tokens - 1),
-            f"{tag}-{victim}",
-            rng.choice(["end", "far", "negative"]),
-            rng.randrange(1 << 16),
-        )
+        plan = _plan(rng, len(PROMPTS), a.tokens, a.multi_share, tag)
+        tally["multi"] += len(plan) > 1
+        tally["steps_first"] += plan[0].step == 1
+        tally["steps_last"] += plan[0].step == a.tokens
         mon.reset()
-        fi = FaultInjector([inj])
+        rebuilds = eng.rebuilds
+        fi = FaultInjector(plan)
         with fi.active():
             out = eng.run(PROMPTS, tag=tag)
         mon.drain()
-        site = tw.SITE_READ_INDEX if kind == "read" else tw.SITE_WRITE_INDEX
-        count = sum(h.count for (_, s), h in mon.snapshot().items() if s == site)
-        tally[kind] += 1
-        problems = []
-        if len(fi.injected) != 1:
-            problems.append("not injected")
-        if count != 1:
-            tally["uncounted"] += 1
-            problems.append(f"count {count}")
+        problems: list[str] = []
+        if len(fi.injected) != len(plan):
+            problems.append(f"injected {len(fi.injected)} of {len(plan)}")
+        snap = mon.snapshot()
+        for kind, site in (("read", tw.SITE_READ_INDEX), ("write", tw.SITE_WRITE_INDEX)):
+            want = sum(1 for i in fi.injected if i.injection.kind == kind)
+            tally[kind] += want
+            got = sum(h.count for (_, s), h in snap.items() if s == site)
+            if got != want:
+                tally["miscounted"] += 1
+                problems.append(f"{site}: counted {got}, injected {want}")
+        tally["entries"] += len(fi.injected)
         try:
             x = torch.ones(8, device=device) * 3
             if device == "cuda":
@@ -95,46 +133,43 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a poisoned context
             healthy = False
             problems.append(f"device: {type(e).__name__}: {e}")
-        if not healthy:
-            tally["poisoned"] += 1
-        errors = [o.error if o is not None else "missing" for o in out]
-        if kind == "read":
-            failed = [i for i, e in enumerate(errors) if e]
-            if a.contain:
-                # Exactly the victim may fail, with containment's error (it may also have finished first).
-                if any(i != victim for i in failed) or (failed and "contained" not in str(errors[victim])):
-                    tally["deaths"] += 1
-                    problems.append(f"containment failed other requests: {failed}")
-                elif failed:
-                    tally["contained"] += 1
+        tally["poisoned"] += not healthy
+        if mon.armed is not None or eng.rebuilds != rebuilds:
+            tally["stops"] += 1
+            problems.append(f"engine stopped: {mon.armed}")
+        victims = {int(i.injection.request.rsplit("-", 1)[1]) for i in fi.injected}
+        tally["victims"] += len(victims)
+        # More than K distinct offenders at one site in the step: the step fails whole (fail closed).
+        per_site = [
+            len({(i.position, i.injection.request) for i in fi.injected if i.injection.kind == kd})
+            for kd in ("read", "write")
+        ]
+        closed = max(per_site) > k
+        tally["failed_closed"] += closed
+        for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+            if o is None:
+                tally["deaths"] += 1
+                problems.append(f"request {i} missing")
+                continue
+            contained_error = o.error is not None and "tripwire contained a masked fault" in o.error
+            if o.error is not None and not contained_error:
+                tally["deaths"] += 1
+                problems.append(f"request {i} failed otherwise: {o.error[:120]}")
+            elif i in victims:
+                if o.error is None:
+                    tally["escapes"] += 1
+                    problems.append(f"ESCAPE: victim {i} handed back as a success")
                 else:
-                    tally["finished_first"] += 1
-            elif failed:
-                tally["deaths"] += 1
-                problems.append(f"a masked read failed requests: {[e for e in errors if e][:1]}")
-            changed = [
-                i
-                for i, (o, r) in enumerate(zip(out, ref, strict=True))
-                if i != victim and o is not None and o.generated_tokens != r.generated_tokens
-            ]
-            if changed:
+                    tally["contained"] += 1
+            elif o.error is None and o.generated_tokens != r.generated_tokens:
+                tally["escapes"] += 1
                 tally["changed_others"] += 1
-                problems.append(f"requests {changed} changed")
-        else:
-            # The stop is late by up to about two reader intervals: a fast engine may finish the batch first, and
-            # then the next batch is refused. Either way the only failures are the stop's, and it is armed.
-            armed = mon.armed
-            failed = [e for e in errors if e]
-            if armed is None or armed.site != site or not all(site in e for e in failed):
+                problems.append(f"ESCAPE: request {i}, untouched, changed")
+            elif o.error is not None and not closed:
                 tally["deaths"] += 1
-                problems.append(f"a write fault did not stop cleanly: armed={armed is not None} {failed[:1]}")
-            elif not failed:
-                tally["late_stops"] += 1
-                refused = eng.run(PROMPTS[:1], tag=f"{tag}-refused")
-                if not (refused[0] is not None and refused[0].error and site in refused[0].error):
-                    problems.append("the stop armed after the batch but did not refuse the next one")
+                problems.append(f"untouched request {i} failed: {o.error[:120]}")
         if problems:
-            failures.append(f"run {run} {inj}: {'; '.join(problems)}")
+            failures.append(f"run {run} {plan}: {'; '.join(problems)}")
             print(failures[-1], flush=True)
     handle.uninstall()
     eng.close()
@@ -143,18 +178,22 @@ def main(argv: list[str] | None = None) -> int:
         "runs": a.runs,
         "device": device,
         "cuda_graphs": a.cuda_graphs,
-        "contain": a.contain,
+        "interval": mon.settings.interval,
+        "seed": a.seed,
         "transformers": __import__("transformers").__version__,
         "torch": torch.__version__,
         "seconds": round(time.time() - t0, 1),
-        "engine_rebuilds": eng.rebuilds,
+        "verdicts": handle.verdicts,
+        "verdicts_dirty": handle.verdicts_dirty,
         **tally,
-        "failures": failures,
+        "failures": len(failures),
+        "failure_lines": failures[:20],
     }
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
+    print(json.dumps({k: v for k, v in summary.items() if k != "failure_lines"}))
     print(
-        f"fuzz: {a.runs} runs ({tally['read']} read, {tally['write']} write faults): {len(failures)} failures, "
-        f"{tally['deaths']} engine deaths, {tally['poisoned']} poisoned contexts, {tally['uncounted']} miscounted"
+        f"fuzz: {a.runs} runs, {tally['entries']} bad entries ({tally['read']} read, {tally['write']} write), "
+        f"{tally['victims']} victims: {len(failures)} failures, {tally['escapes']} escapes, {tally['stops']} engine "
+        f"stops, {tally['deaths']} deaths, {tally['poisoned']} poisoned, {tally['miscounted']} miscounted"
     )
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

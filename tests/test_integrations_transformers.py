@@ -85,16 +85,14 @@ def _cache(eng):
 
 
 def _assert_stopped(eng, mon, out, tag):
-    """A write fault armed the stop, and the engine failed requests only through it. The stop is late by up to about
-    two reader intervals (its contract), so a fast engine may finish the batch first: then the next batch is the one
-    refused (the stop is sticky until reset)."""
+    """A write fault without containment armed the stop IN ITS STEP (the same-step verdict): every request in flight
+    failed with tripwire's error, none was handed back as a success; the stop is sticky until reset."""
     armed = mon.armed
     assert isinstance(armed, GuardTripped) and armed.site == tw.SITE_WRITE_INDEX and armed.fatal
-    errors = [o.error for o in out if o is None or o.error is not None]
+    errors = [o.error if o is not None else "missing" for o in out]
     assert all(e is not None and tw.SITE_WRITE_INDEX in e for e in errors), errors[:2]
-    if not errors:
-        refused = eng.run(PROMPTS[:2], tag=f"{tag}-refused")
-        assert all(o.error is not None and tw.SITE_WRITE_INDEX in o.error for o in refused)
+    refused = eng.run(PROMPTS[:2], tag=f"{tag}-refused")
+    assert all(o.error is not None and tw.SITE_WRITE_INDEX in o.error for o in refused)
     return armed
 
 
@@ -245,72 +243,161 @@ def contained(request):
     mon.stop()
 
 
-def _assert_contained(out, ref, victim, handle, site, tag):
-    """Exactly the victim failed, with containment's error naming the site; every other request is the clean run's.
-    Containment acts about two reader intervals after the fault (tripwire.contain): a victim that finished sooner
-    completed with the masked result, and its offender still names it."""
-    rid = f"{tag}-{victim}"
+def _assert_contained(out, ref, victims, handle, site, tag, eng=None, rebuilds=None):
+    """Exactly the victims failed, each with containment's error naming the site, in the step of the fault (the
+    same-step verdict: none was handed back first); every other request is the clean run's; the engine goes on."""
     for i, (o, r) in enumerate(zip(out, ref, strict=True)):
-        if i == victim:
-            continue
-        assert o.error is None, (i, o.error)
-        assert o.generated_tokens == r.generated_tokens, f"request {i} changed"
-    named = [t for r, t in handle.contained if r == rid]
-    if out[victim].error is not None:
-        assert "tripwire contained a masked fault" in out[victim].error and site in out[victim].error
-        assert len(named) == 1 and named[0].site == site
-    else:
-        assert len(out[victim].generated_tokens) == TOKENS  # it finished before the taint was confirmed
+        if i in victims:
+            assert o is not None and o.error is not None, f"victim {i} was handed back as a success: an escape"
+            assert "tripwire contained a masked fault" in o.error and site in o.error, o.error
+            named = [t for rid, t in handle.contained if rid == f"{tag}-{i}"]
+            assert len(named) == 1 and named[0].site == site
+        else:
+            assert o is not None and o.error is None, (i, o and o.error)
+            assert o.generated_tokens == r.generated_tokens, f"request {i} changed"
+    if eng is not None:
+        assert eng.rebuilds == rebuilds, "containment must not end the engine's loop"
+
+
+# Step 1 is the prefill (every prompt fits one batch), step 16 the last token's. The prefill has no past to read, so
+# the engine passes it no read index: a read fault exists from step 2 on; a write fault at every step.
+STEPS = list(range(1, TOKENS + 1))
+READ_STEPS = STEPS[1:]
 
 
 class TestContainment:
-    @pytest.mark.parametrize("value_kind", ["end", "far", "negative"])
-    def test_a_read_fault_fails_only_its_request(self, contained, value_kind):
+    @pytest.mark.parametrize("step", READ_STEPS)
+    def test_a_read_fault_at_every_step_fails_only_its_request(self, contained, step):
         model, ref, eng, mon, handle = contained
-        victim, tag = 3, f"cr-{value_kind}"
-        out, inj = _serve(eng, mon, [Injection("read", 3, f"{tag}-{victim}", value_kind, offset=1)], tag)
-        assert len(inj.injected) == 1
+        victim, tag = step % len(PROMPTS), f"cr{step}"
+        rebuilds = eng.rebuilds
+        out, inj = _serve(eng, mon, [Injection("read", step, f"{tag}-{victim}", "far", offset=step)], tag)
+        assert [i.step for i in inj.injected] == [step]
         assert _count(mon, tw.SITE_READ_INDEX) == 1
         assert mon.armed is None, "an attributed hit must not arm the stop (raise mode)"
-        _assert_contained(out, ref, victim, handle, tw.SITE_READ_INDEX, tag)
+        _assert_contained(out, ref, {victim}, handle, tw.SITE_READ_INDEX, tag, eng, rebuilds)
         (offender,) = mon.snapshot()[(str(model.device), tw.SITE_READ_INDEX)].offenders
-        assert handle.requests.ids[offender.request] == f"{tag}-{victim}"
+        assert offender.request == f"{tag}-{victim}", "offenders name the engine's request id"
         assert _healthy(model.device)
 
-    def test_a_write_fault_still_stops(self, contained):
-        model, _ref, eng, mon, _handle = contained
-        out, inj = _serve(eng, mon, [Injection("write", 2, "cw-4", "far")], "cw")
-        assert len(inj.injected) == 1
-        _assert_stopped(eng, mon, out, "cw")
-        assert _healthy(model.device)
-
-    def test_fuzz_with_containment(self, contained):
-        """Random kind, step, request, value: every read fault fails exactly its request (or the request finished
-        first), every write fault stops cleanly, no other request changes, the device stays healthy."""
+    @pytest.mark.parametrize("step", STEPS)
+    def test_a_write_fault_at_every_step_fails_only_its_request(self, contained, step):
+        """A masked write went to the trash slot: only its own request's token is missing, so under containment it
+        fails that request alone (the site is fatal: without containment it stops, TestServing)."""
         model, ref, eng, mon, handle = contained
-        rng = random.Random(99)
-        for run in range(24):
-            kind = "write" if rng.random() < 0.25 else "read"
-            victim = rng.randrange(len(PROMPTS))
-            tag = f"cf{run}"
-            inj = Injection(
-                kind,
-                rng.randrange(2, TOKENS // 2),
-                f"{tag}-{victim}",
-                rng.choice(["end", "far", "negative"]),
-                rng.randrange(64),
-            )
-            out, fi = _serve(eng, mon, [inj], tag)
-            assert len(fi.injected) == 1, (run, inj)
-            site = tw.SITE_READ_INDEX if kind == "read" else tw.SITE_WRITE_INDEX
-            assert _count(mon, site) == 1, (run, inj)
-            if kind == "read":
-                assert mon.armed is None, (run, inj)
-                _assert_contained(out, ref, victim, handle, site, tag)
-            else:
-                _assert_stopped(eng, mon, out, tag)
-            assert _healthy(model.device), (run, inj)
-        mon.reset()
+        victim, tag = (step + 3) % len(PROMPTS), f"cw{step}"
+        rebuilds = eng.rebuilds
+        out, inj = _serve(eng, mon, [Injection("write", step, f"{tag}-{victim}", "end", offset=step)], tag)
+        assert [i.step for i in inj.injected] == [step]
+        assert _count(mon, tw.SITE_WRITE_INDEX) == 1
+        assert mon.armed is None
+        _assert_contained(out, ref, {victim}, handle, tw.SITE_WRITE_INDEX, tag, eng, rebuilds)
+        assert _healthy(model.device)
+
+    def test_several_victims_in_one_step(self, contained):
+        _model, ref, eng, mon, _handle = contained
+        tag, victims = "cs", {1, 4, 6}
+        injections = [Injection("read", 7, f"{tag}-{v}", "negative", offset=v) for v in sorted(victims)]
+        injections.append(Injection("write", 7, f"{tag}-4", "far"))
+        rebuilds = eng.rebuilds
+        out, inj = _serve(eng, mon, injections, tag)
+        assert len(inj.injected) == 4 and {i.step for i in inj.injected} == {7}
+        for i in (1, 6):
+            assert tw.SITE_READ_INDEX in out[i].error
+        assert tw.SITE_READ_INDEX in out[4].error or tw.SITE_WRITE_INDEX in out[4].error
+        for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+            if i not in victims:
+                assert o.error is None and o.generated_tokens == r.generated_tokens, i
+        assert mon.armed is None and eng.rebuilds == rebuilds
+
+    def test_more_than_k_offenders_in_one_step_fail_that_step_and_later_faults_are_attributed_again(self, contained):
+        """Nine distinct bad entries in one step (K = 8 kept): the ninth may name another request, so every request
+        of that step fails (fail closed) and the engine goes on; the next run's single fault fails only its victim,
+        because the verdict consumed the step's offenders."""
+        _model, ref, eng, mon, handle = contained
+        assert mon.settings.offenders == 8
+        injections = [Injection("read", 6, f"ck-{r}", "far", offset=o) for r in (0, 2, 4) for o in (0, 1, 2)]
+        rebuilds = eng.rebuilds
+        out, inj = _serve(eng, mon, injections, "ck")
+        assert len(inj.injected) == 9 and _count(mon, tw.SITE_READ_INDEX) == 9
+        assert all(o.error is not None and "tripwire contained" in o.error for o in out)
+        assert mon.armed is None and eng.rebuilds == rebuilds
+        out, _ = _serve(eng, mon, [Injection("read", 9, "ca-5", "far", offset=3)], "ca")
+        _assert_contained(out, ref, {5}, handle, tw.SITE_READ_INDEX, "ca", eng, rebuilds)
+
+
+@pytest.fixture(scope="class", params=_configs())
+def reader_only(request):
+    """The control: containment left to the reader (``verdicts=False``), as before same-step verdicts."""
+    model, ref, eng, mon, handle = _installed(request.param, mode="raise", contain=True, verdicts=False)
+    yield model, ref, eng, mon, handle
+    eng.close()
+    handle.uninstall()
+    mon.stop()
+
+
+class TestReaderOnlyControl:
+    def test_a_last_step_read_fault_escapes(self, reader_only):
+        """The reader's verdict comes about two intervals after the step: a fault in the step that produces the
+        requests' last token is handed back as a success with the masked result. The same fault fails its victim
+        with same-step verdicts (TestContainment)."""
+        _model, _ref, eng, mon, handle = reader_only
+        out, inj = _serve(eng, mon, [Injection("read", TOKENS, "ce-2", "far", offset=5)], "ce")
+        assert [i.step for i in inj.injected] == [TOKENS]
+        assert _count(mon, tw.SITE_READ_INDEX) == 1
+        assert out[2].error is None, "the control must show the escape the verdict closes"
+        assert handle.contained == []
+
+
+# ---------------------------------------------------------------------------------------------- shared state
+def _hashed_blocks(cache) -> int:
+    """Blocks the engine's prefix cache holds by content hash (what a later request with the same tokens adopts)."""
+    allocators = getattr(cache, "cache_allocators", None)
+    if allocators is not None:  # 5.18+
+        return sum(len(a.ledger.hash_to_block) for a in allocators.values())
+    return len(cache._block_manager._hash_to_id)  # 5.17
+
+
+@pytest.mark.parametrize("contain", [False, True], ids=["mask", "contain"])
+def test_a_victims_blocks_never_enter_the_prefix_cache(contain):
+    """A masked read's victim completes its first block (prompt + generated tokens) with KV computed from a masked
+    read; the prefix cache registers completed blocks by their TOKENS, so a later request with the same prompt would
+    adopt that block (the engine's de-duplication) and read the masked KV. Every request's first block completes in
+    this run: the victim's must not be registered, and the same prompts served again must equal the clean run.
+    Control: containment left to the reader under mask (verdicts=False), where nothing marks the victim in time and
+    its block is registered like the others. (Without attribution, ``attribute=False``, a step's hit taints every
+    request of the step: fail closed.)"""
+    graphs = HAS_CUDA
+    injection = Injection("read", 6, "pc-0", "far", offset=2)
+    hashed = {}
+    for verdicts in (False, True):
+        if contain and not verdicts:
+            continue
+        model, ref, eng, mon, handle = _installed(graphs, contain=contain, verdicts=verdicts, attribute=True)
+        try:
+            _serve(eng, mon, [], "pc-clean")
+            clean = _hashed_blocks(_cache(eng))
+            eng.close()
+            out, inj = _serve(eng, mon, [injection], "pc")
+            assert len(inj.injected) == 1
+            hashed[verdicts] = (clean, _hashed_blocks(_cache(eng)))
+            again = eng.run(PROMPTS, tag="pc-again")
+            changed = [
+                i for i, (o, r) in enumerate(zip(again, ref, strict=True)) if o.generated_tokens != r.generated_tokens
+            ]
+            assert (out[0].error is not None) == contain
+            hashed[verdicts] += (changed,)
+        finally:
+            eng.close()
+            handle.uninstall()
+            mon.stop()
+    if not contain:
+        clean, control, changed = hashed[False]
+        assert control == clean, "the control: the victim's block registered like every other request's"
+        assert changed == [0], "the control: the same prompt served again adopted the victim's block"
+    clean, fixed, changed = hashed[True]
+    assert fixed == clean - 1, f"the victim's first block must stay out of the prefix cache ({fixed} of {clean})"
+    assert changed == [], f"requests {changed} changed after the victim"
 
 
 # ---------------------------------------------------------------------------------------------- controls

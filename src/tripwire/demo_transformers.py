@@ -235,6 +235,8 @@ class FaultInjector:
             batch = [fs.state.request_id for fs in target.requests_in_batch]
             if inj.request not in batch or (inj.kind == "block_table") != bool(target.use_block_table):
                 continue  # not in this step, or not this path: try the next step
+            if inj.kind == "read" and getattr(target, "max_kv_read", 1) == 0:
+                continue  # a step with no past to read (a first prefill) passes no read index: try the next step
             b = batch.index(inj.request)
             if inj.kind == "block_table":
                 width = target.block_table.shape[-1]

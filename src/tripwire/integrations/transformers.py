@@ -3,8 +3,8 @@
 ::
 
     from tripwire.integrations import transformers as tw_transformers
-    handle = tw_transformers.install(model, policy="mask")    # before generate_batch / init_continuous_batching
-    outputs = model.generate_batch(inputs, generation_config)
+    handle = tw_transformers.install(model, policy="mask", contain=True)   # before generate_batch / init_continuous_batching
+    outputs = model.generate_batch(inputs, generation_config)               # a right answer or an error per request
     handle.uninstall()
 
 What it does:
@@ -17,14 +17,31 @@ What it does:
   engine's CUDA graphs and replayed with them (and traced by ``torch.compile`` through the ``tripwire::validate``
   op). Under ``mask`` a bad write index is rewritten to the engine's write-trash slot (never read) and a bad read
   index to its zeroed read-trash slot, so torch's ``index_copy_``/``index_select`` never see an out-of-range index.
-* **Sites.** ``transformers.write_index`` (FATAL: a masked write leaves that token's K/V missing from the cache,
-  durable damage), ``transformers.read_index``, ``transformers.block_table``.
-* **The lifecycle.** ``prealloc`` at install; the reader starts at the engine's first step (after its warm-up and
-  graph captures; later captures are safe too, the reader relaxes its capture mode); ``check()`` at the top of every
-  step; ``drain()`` when the engine's generation loop ends. A stop (a fatal site, any hit under ``raise``) raises
+* **Takes a verdict every step, before any request of that step is handed back** (:mod:`tripwire.verdict`): after the
+  step's kernels, one small copy of the three sites' rows on the engine's compute stream; after the engine's own wait
+  for its sampled tokens (sync: it synchronises the compute stream; async batching: the pair's copy event), the
+  verdict is read in microseconds, before ``update_batch`` hands any request back (finished or streamed). Eager, CUDA
+  graphs and async batching alike.
+* **Containment** (``contain=True``): the requests a masked access touched fail with :class:`ContainedFault` (site and
+  entry) through the engine's per-request error path in that same step, reads and masked WRITES alike (a masked
+  write went to the trash slot: the damage is the writer's own token); every other request goes on, bit-identical to
+  a clean run. More than ``TRIPWIRE_OFFENDERS`` distinct offenders in one step, or a hit that names no request,
+  fails every request of that step (fail closed); the engine goes on. Without containment a write stays FATAL: the
+  verdict arms the stop in the same step and the engine fails every request in flight; a read is reported and served
+  masked (the ``mask`` policy).
+* **No shared state from a masked computation**: a request a masked access touched never registers its blocks for
+  prefix sharing from that step on, and a failed one frees its blocks uncached, under ``mask`` as under containment.
+* **Sites.** ``transformers.write_index`` (fatal), ``transformers.read_index``, ``transformers.block_table``; reports,
+  events and taints name the engine's request ids.
+* **The lifecycle.** ``prealloc`` and the verdict ring at install; the reader starts at the engine's first step (after
+  its warm-up and graph captures; later captures are safe too, the reader relaxes its capture mode); ``check()`` at
+  the top of every step; ``drain()`` when the engine's generation loop ends. A stop raises
   :class:`tripwire.GuardTripped` inside the step, and the engine fails it through its own failure path: every
   request in flight ends with the error, the process and the GPU stay healthy, and the next ``generate_batch``
   raises again until ``tripwire.reset()`` (the stop is sticky).
+
+``verdicts=False`` leaves containment to the reader (late by about two reader intervals: a request that finishes
+sooner is handed back masked); it is the control the tests compare against, not a mode to serve with.
 
 Why a pre-hook on the model and not a wrapper of the attention function: from transformers 5.24 the attention
 module calls ``cache.update`` (the first ``index_copy_``) BEFORE the attention function, so a wrapper there validates
@@ -40,7 +57,6 @@ path is validated wherever the engine takes it (the decode fast path needs flash
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import weakref
@@ -54,7 +70,11 @@ from ..contain import Taint
 from ..errors import GuardTripped
 from ..monitor import Monitor
 from ..validate import POLICIES
+from . import _transformers_engine as _engine
 from ._transformers_cache import (
+    _DESC_READ,
+    _DESC_TABLE,
+    _DESC_WRITE,
     SITE_BLOCK_TABLE,
     SITE_READ_INDEX,
     SITE_WRITE_INDEX,
@@ -103,63 +123,22 @@ def check_version(version: str) -> None:
 # ---------------------------------------------------------------------------------------------- the engine's hooks
 _lock = threading.Lock()
 _handles: weakref.WeakKeyDictionary[torch.nn.Module, Handle] = weakref.WeakKeyDictionary()
-# The batch processors whose steps a handle has seen (containment runs before their next batch is prepared).
-_processors: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
-# (class, attribute) -> the original function, restored exactly when the last handle is uninstalled.
-_originals: dict[tuple[type, str], Any] = {}
+# The engine objects whose steps a handle has seen: batch processors (reader containment before their next batch),
+# IO objects (the verdict's ticket) and caches (the prefix-cache guard). Weak: the engine owns them.
+_seen: dict[str, weakref.WeakKeyDictionary[Any, Handle]] = {
+    "processor": weakref.WeakKeyDictionary(),
+    "io": weakref.WeakKeyDictionary(),
+    "cache": weakref.WeakKeyDictionary(),
+}
 # Request numbers one step can hold (the device table of the step's requests is allocated at install, before any
-# capture, at this size; an engine configured for more requests per batch is refused at its first forward).
+# capture, at this size; an engine configured for more requests per batch is refused at its first step).
 MAX_REQUESTS = 4096
+# Requests kept out of the prefix cache / dropped from later updates, remembered for this many of the newest.
+_KEEP = 1 << 16
 
 
-def _engine_classes() -> tuple[type, type]:
-    from transformers.generation.continuous_batching import continuous_api
-
-    return continuous_api.ContinuousBatchProcessor, continuous_api.ContinuousBatchingManager
-
-
-def _patch_engine() -> None:
-    processor_cls, manager_cls = _engine_classes()
-    step = processor_cls.__dict__["_generation_step"]
-    prepare = processor_cls.__dict__["prepare_next_batch"]
-    loop = manager_cls.__dict__["_run_generation_loop"]
-
-    @functools.wraps(prepare)
-    def prepare_next_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handle = _processors.get(self)
-        if handle is not None:
-            handle._contain(self)  # fail tainted requests before the batch that would include them is built
-        return prepare(self, *args, **kwargs)
-
-    @functools.wraps(step)
-    def _generation_step(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        handle = _handles.get(model)
-        if handle is not None:
-            handle._before_step(self)  # raises GuardTripped: the engine fails the step through its own error path
-        return step(self, model, *args, **kwargs)
-
-    @functools.wraps(loop)
-    def _run_generation_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return loop(self, *args, **kwargs)
-        finally:
-            handle = _handles.get(self.model)
-            if handle is not None:
-                handle._after_loop()
-
-    for cls, name, fn in (
-        (processor_cls, "_generation_step", _generation_step),
-        (processor_cls, "prepare_next_batch", prepare_next_batch),
-        (manager_cls, "_run_generation_loop", _run_generation_loop),
-    ):
-        _originals[(cls, name)] = cls.__dict__[name]
-        setattr(cls, name, fn)
-
-
-def _unpatch_engine() -> None:
-    for (cls, name), fn in _originals.items():
-        setattr(cls, name, fn)
-    _originals.clear()
+def _lookup(kind: str, obj: Any) -> Handle | None:
+    return _handles.get(obj) if kind == "model" else _seen[kind].get(obj)
 
 
 class ContainedFault(RuntimeError):
@@ -172,35 +151,21 @@ class ContainedFault(RuntimeError):
 
 
 class _RequestTable:
-    """The step's request numbers on the device, in batch order, for the validators' attribution: filled before each
-    step from a pinned ring (the engine's next step may be enqueued before this one's copy ran, in async batching),
-    with a non-blocking copy on the engine's compute stream, so the step's kernels (replayed graphs included) read
-    this step's numbers. Numbers map back to the engine's request ids (a bounded map of the recent ones)."""
+    """The step's request numbers (:class:`tripwire.contain.RequestNames`) on the device, in batch order, for the
+    validators' attribution: filled before each step from a pinned ring (the engine's next step may be enqueued before
+    this one's copy ran, in async batching), with a non-blocking copy on the engine's compute stream, so the step's
+    kernels (replayed graphs included) read this step's numbers."""
 
     RING = 4
-    KEEP = 1 << 16
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, names: Any) -> None:
         # Allocated at install, before the engine captures anything: the validators' graphs hold its address.
         self.device = torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = [torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(self.RING)]
         self._np = [h.numpy() for h in self._host]
         self._turn = 0
-        self._numbers: dict[str, int] = {}
-        self.ids: OrderedDict[int, str] = OrderedDict()
-        self._next = 0
-
-    def number(self, request_id: str) -> int:
-        n = self._numbers.get(request_id)
-        if n is None:
-            n = self._numbers[request_id] = self._next
-            self._next += 1
-            self.ids[n] = request_id
-            while len(self.ids) > self.KEEP:  # the oldest requests finished long ago
-                _, old = self.ids.popitem(last=False)
-                self._numbers.pop(old, None)
-        return n
+        self.names = names
 
     def fill(self, request_ids: list[str], stream: Any) -> None:
         k = len(request_ids)
@@ -208,7 +173,7 @@ class _RequestTable:
             raise RuntimeError(f"tripwire: a step of {k} requests exceeds the request table ({MAX_REQUESTS})")
         host, buf = self._host[self._turn], self._np[self._turn]
         self._turn = (self._turn + 1) % self.RING
-        buf[:k] = [self.number(r) for r in request_ids]  # numpy assignment into pinned memory: no torch allocation
+        buf[:k] = [self.names.number(r) for r in request_ids]  # numpy assignment into pinned memory: no allocation
         if self.device.device.type == "cuda":
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.device[:k].copy_(host[:k], non_blocking=True)
@@ -216,24 +181,47 @@ class _RequestTable:
             self.device[:k].copy_(host[:k])
 
 
+class _Bounded(OrderedDict):  # type: ignore[type-arg]
+    """A set of the newest ``_KEEP`` request ids (older ones finished long ago)."""
+
+    def add(self, key: Any) -> None:
+        self[key] = None
+        self.move_to_end(key)
+        while len(self) > _KEEP:
+            self.popitem(last=False)
+
+
 class Handle:
     """An installed integration. ``uninstall()`` removes the pre-hook and, with the last handle, restores the
     engine's methods exactly. ``sites`` names the sites it counts at. ``contained`` lists the requests containment
-    failed (their engine ids, with the taint), newest last."""
+    failed (their engine ids, with the taint), newest last; ``tainted`` the requests a masked access touched (kept out
+    of the prefix cache), newest last; ``verdicts`` the verdicts taken (``verdicts_dirty`` those that were not clean)."""
 
     sites = (SITE_WRITE_INDEX, SITE_READ_INDEX, SITE_BLOCK_TABLE)
 
-    def __init__(self, model: torch.nn.Module, policy: str, monitor: Monitor, contain: bool, attribute: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, policy: str, monitor: Monitor, contain: bool, attribute: bool, verdicts: bool
+    ) -> None:
         self.model_ref = weakref.ref(model)
         self.policy = policy
         self.monitor = monitor
         self.contain = contain
         self.device = torch.device(model.device)  # type: ignore[call-overload]  # a PreTrainedModel attribute
-        self.requests = _RequestTable(self.device) if attribute else None
+        self.requests = _RequestTable(self.device, monitor.requests) if attribute else None
         self.contained: list[tuple[str, Taint]] = []
+        self.tainted: _Bounded = _Bounded()
+        self._failed: _Bounded = _Bounded()  # failed by a verdict: dropped from any later update (async batching)
         self._validators: CacheValidators | None = None
         self._started = False
         self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self.verdicts = 0
+        self.verdicts_dirty = 0
+        # The step's verdict ring over the integration's three sites (registered here with the attributes the cache
+        # validators give them), allocated now, before the engine captures anything; depth 4 covers async batching's
+        # two steps in flight. A ticket per IO object: (ticket, the step's request ids).
+        self.ring = _ring(monitor, self.device) if verdicts else None
+        self._tickets: weakref.WeakKeyDictionary[Any, tuple[Any, list[str]]] = weakref.WeakKeyDictionary()
+        self._processor_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     @property
     def installed(self) -> bool:
@@ -251,25 +239,109 @@ class Handle:
         v(kwargs)
         return None
 
+    # ------------------------------------------------------------------ the step, in the engine's order
     def _before_step(self, processor: Any) -> None:
         if not self._started:
             # The first step comes after the engine's warm-up and first captures.
             self._started = True
             self.monitor.start()
         self.monitor.check()
-        _processors[processor] = self
+        io = processor.inputs_and_outputs
+        _seen["processor"][processor] = self
+        _seen["io"][io] = self
+        _seen["cache"][processor.cache] = self
+        host = _host_io(io)
+        for obj in (io, *(p.host_io for p in getattr(io, "io_pairs", ())), host):
+            _seen["io"][obj] = self
+            self._processor_of[obj] = processor
         if self.requests is not None:
-            io = processor.inputs_and_outputs
-            host = io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
             self.requests.fill([fs.state.request_id for fs in host.requests_in_batch], io.compute_stream)
 
-    def _contain(self, processor: Any) -> None:
-        """Fail the requests masked faults hit since the last step (containment on), before the next batch is
-        built; a hit that names no request stops the engine (fail closed)."""
+    def _enqueue(self, io: Any) -> None:
+        """After the step's kernels, before the engine waits for them: the verdict copy, on the compute stream."""
+        if self.ring is None:
+            return
+        host = _host_io(io)
+        ids = [fs.state.request_id for fs in host.requests_in_batch]
+        # The ticket goes with the IO object whose prepare_batch_update hands this step back (async: the pair's).
+        self._tickets[host] = (self.ring.enqueue(io.compute_stream), ids)
+
+    def _verdict(self, io: Any, result: Any) -> Any:
+        """The engine waited for the step and is about to hand its requests back: take its verdict and drop what
+        must not be handed back (failed here, or failed by an earlier step's verdict in async batching)."""
+        entry = self._tickets.pop(io, None)
+        if entry is None:
+            return self._drop_failed(result) if self._failed else result
+        ticket, ids = entry
+        assert self.ring is not None
+        verdict = self.ring.take(ticket)  # after the engine's wait: an event query, no sync
+        self.verdicts += 1
+        if verdict.clean:
+            return self._drop_failed(result) if self._failed else result
+        self.verdicts_dirty += 1
+        if verdict.stop is not None:
+            # Without containment: a fatal site, or raise mode. Raised inside update_batch, the engine fails every
+            # request in flight through its own error path (no result of this step is handed back).
+            raise verdict.stop
+        touched = ids if verdict.fail_all else [r for r in ids if r in verdict.tainted]
+        for rid in touched:
+            self.tainted.add(rid)
         if not self.contain:
+            return result  # mask without containment: reported, served masked, kept out of the prefix cache
+        processor = self._processor_of[io]
+        failed = {}
+        for rid in touched:
+            taint = verdict.failure(rid)
+            if taint is not None:
+                failed[rid] = taint
+        for rid, taint in failed.items():
+            self._fail(processor, rid, taint)
+        return self._drop_failed(result)
+
+    def _fail(self, processor: Any, rid: str, taint: Taint) -> None:
+        state = processor.scheduler.active_requests.get(rid)
+        if state is None:
+            return  # finished or cancelled between scheduling and this update (async batching)
+        processor._handle_request_error(ContainedFault(taint, rid), state)
+        _free_no_cache(processor.cache, rid)
+        processor.scheduler.finish_request(rid)
+        self._failed.add(rid)
+        self.contained.append((rid, taint))
+        log.warning("tripwire: %s", taint.message().replace("this request", f"request {rid}"))
+
+    def _drop_failed(self, result: Any) -> Any:
+        """``prepare_batch_update``'s result without the failed requests (their tokens taken out in step, so the
+        rest stay aligned: only requests with a new token have one)."""
+        states, tokens, logprobs = result
+        if not any(fs.state.request_id in self._failed for fs in states):
+            return result
+        keep_s: list[Any] = []
+        keep_t: list[Any] = []
+        keep_l: list[Any] | None = [] if logprobs is not None else None
+        i = 0
+        for fs in states:
+            drop = fs.state.request_id in self._failed
+            if fs.has_new_token:
+                if not drop:
+                    keep_t.append(tokens[i])
+                    if keep_l is not None:
+                        keep_l.append(logprobs[i])
+                i += 1
+            if not drop:
+                keep_s.append(fs)
+        return keep_s, keep_t, keep_l
+
+    def _keeps_out(self, request_id: str) -> bool:
+        return request_id in self.tainted
+
+    def _contain(self, processor: Any) -> None:
+        """Reader-only containment (``verdicts=False``): fail the requests the reader's confirmed taints name, before
+        the next batch is built (late: a request that finished first was handed back masked); a hit that names no
+        request stops the engine (fail closed)."""
+        if not self.contain or self.ring is not None:
             return
         for taint in self.monitor.take_tainted():
-            rid = None if taint.request is None or self.requests is None else self.requests.ids.get(int(taint.request))
+            rid = taint.request if isinstance(taint.request, str) else None
             if rid is None:
                 raise GuardTripped(
                     f"tripwire: a masked fault at site {taint.site!r} on {taint.device} (row {taint.row}, value "
@@ -281,20 +353,13 @@ class Handle:
                     first_row=taint.row,
                     first_value=taint.value,
                 )
-            state = processor.scheduler.active_requests.get(rid)
-            if state is None:
+            self.tainted.add(rid)
+            if rid not in processor.scheduler.active_requests:
                 log.warning(
                     "tripwire: request %s hit at %s had finished before containment could fail it", rid, taint.site
                 )
                 continue
-            processor._handle_request_error(ContainedFault(taint, rid), state)
-            try:  # 5.18+: keep its blocks out of the prefix cache (their KV came from a masked computation)
-                processor.cache.free_blocks(rid, no_cache=True)
-            except TypeError:
-                pass  # 5.17 has no such switch: finish_request frees them as usual
-            processor.scheduler.finish_request(rid)
-            self.contained.append((rid, taint))
-            log.warning("tripwire: %s", taint.message().replace("this request", f"request {rid}"))
+            self._fail(processor, rid, taint)
 
     def _after_loop(self) -> None:
         try:
@@ -312,8 +377,47 @@ class Handle:
             model = self.model_ref()
             if model is not None and _handles.get(model) is self:
                 del _handles[model]
+            for seen in _seen.values():
+                for obj in [o for o, h in seen.items() if h is self]:
+                    del seen[obj]
             if not _handles:
-                _unpatch_engine()
+                _engine.unpatch()
+
+
+def _host_io(io: Any) -> Any:
+    """The IO object whose ``prepare_batch_update`` hands the current step back: the current pair's host IOs in
+    async batching, the IOs themselves otherwise."""
+    return io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
+
+
+def _free_no_cache(cache: Any, rid: str) -> None:
+    try:  # 5.18+: the blocks go straight back to the pool, never cached (their KV came from a masked computation)
+        cache.free_blocks(rid, no_cache=True)
+    except TypeError:
+        pass  # 5.17 has no such switch: its blocks after the fault were never registered (Handle._keeps_out)
+
+
+# One verdict ring per monitor and device (a site belongs to one ring): handles installed on the same monitor share
+# it. Two engines served at once on one monitor and device share the sites too: one's verdict may consume the
+# other's offenders, whose step then fails closed (every request of it), never open.
+_rings: weakref.WeakKeyDictionary[Monitor, dict[torch.device, Any]] = weakref.WeakKeyDictionary()
+
+
+def _ring(monitor: Monitor, device: torch.device) -> Any:
+    rings = _rings.setdefault(monitor, {})
+    if device not in rings:
+        rings[device] = monitor.verdicts(device, register_sites(monitor))
+    return rings[device]
+
+
+def register_sites(monitor: Monitor) -> list[Any]:
+    """The integration's three sites, registered with the attributes its cache validators give them."""
+    reg = monitor.registry
+    return [
+        reg.register(SITE_WRITE_INDEX, description=_DESC_WRITE, fatal=True),
+        reg.register(SITE_READ_INDEX, description=_DESC_READ),
+        reg.register(SITE_BLOCK_TABLE, description=_DESC_TABLE),
+    ]
 
 
 def install(
@@ -323,15 +427,18 @@ def install(
     monitor: Monitor | None = None,
     contain: bool = False,
     attribute: bool | None = None,
+    verdicts: bool = True,
 ) -> Handle:
     """Install tripwire into ``model``'s continuous batching (see the module docstring). Call it before
     ``generate_batch``/``init_continuous_batching``. ``monitor`` defaults to the default monitor; its arena for the
     model's device is allocated here.
 
-    ``contain``: a masked fault at a non-fatal site fails the requests it hit (each with a :class:`ContainedFault`
-    naming the site and the entry, its blocks kept out of the prefix cache) and the rest of the batch goes on; a
-    fatal site, or a hit that names no request, still stops the engine. ``attribute`` (default: ``contain``): the
-    offenders carry the engine's request (a small per-step copy of the batch's request numbers to the device)."""
+    ``contain``: a masked fault fails the requests it hit, in the step it happened (each with a
+    :class:`ContainedFault` naming the site and the entry, its blocks kept out of the prefix cache), a masked write
+    included, and the rest of the batch goes on; a hit that names no request fails the whole step. ``attribute``
+    (default: ``contain``): the offenders carry the engine's request (a small per-step copy of the batch's request
+    numbers to the device). ``verdicts`` (default True): same-step verdicts; False leaves containment to the reader
+    (late: the tests' control)."""
     check_version(_installed_version())
     if not isinstance(model, torch.nn.Module) or not all(
         callable(getattr(model, a, None)) for a in ("generate_batch", "init_continuous_batching")
@@ -352,12 +459,12 @@ def install(
                 f"tripwire is already installed on this {type(model).__name__}; uninstall the first handle before "
                 f"installing again"
             )
-        handle = Handle(model, policy, mon, contain, attribute)
-        mon.prealloc(handle.device)  # before the engine's warm-up captures anything
+        mon.prealloc(torch.device(model.device))  # type: ignore[call-overload]  # before the engine captures anything
+        handle = Handle(model, policy, mon, contain, attribute, verdicts)
         if contain:
-            mon.pipeline.containment.enabled = True
+            mon.pipeline.containment.enabled = True  # explicit: the caller asked for containment
         if not _handles:
-            _patch_engine()
+            _engine.patch(_lookup)
         handle._hook = model.register_forward_pre_hook(handle._pre_forward, with_kwargs=True)
         _handles[model] = handle
     return handle
