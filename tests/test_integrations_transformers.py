@@ -373,7 +373,7 @@ def test_a_victims_blocks_never_enter_the_prefix_cache(contain):
     for verdicts in (False, True):
         if contain and not verdicts:
             continue
-        model, ref, eng, mon, handle = _installed(graphs, contain=contain, verdicts=verdicts, attribute=True)
+        _model, ref, eng, mon, handle = _installed(graphs, contain=contain, verdicts=verdicts, attribute=True)
         try:
             _serve(eng, mon, [], "pc-clean")
             clean = _hashed_blocks(_cache(eng))
