@@ -13,8 +13,18 @@ def test_engine_demo_passes_every_scenario(capsys):
     assert main(["demo", "--engine", "transformers", "--tokens", "12"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0] + " " + line.split()[1]: line for line in out.splitlines() if line.endswith("PASS")}
-    assert set(rows) == {"clean, installed", "read fault", "write fault", "clean after", "contained read"}
+    assert set(rows) == {
+        "clean, installed",
+        "read fault",
+        "write fault",
+        "clean after",
+        "contained read",
+        "contained write",
+    }
     assert "stopped by tripwire" in rows["write fault"]
+    # The contained read is in the step of the last token (12): the victim fails anyway, in that step.
+    assert "at step 12" in rows["contained read"] and "1 request failed" in rows["contained read"]
+    assert "transformers.write_index" in rows["contained write"] and "1 request failed" in rows["contained write"]
     assert "transformers.read_index" in rows["read fault"] and "transformers.write_index" in rows["write fault"]
     assert "FAIL" not in out
 

@@ -187,9 +187,15 @@ def test_a_copy_that_has_not_landed_is_refused_and_stays_takeable():
     mon = _monitor(contain=True)
     v, ring = _setup(mon, "cuda")
     side = torch.cuda.Stream()
+    slots = torch.arange(8, device="cuda")
+    slots[4] = 1004
+    req = torch.tensor([mon.requests.number(i) for i in ("a", "b", "c")], device="cuda")
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
     with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # the stream stays busy: the copy cannot have landed yet
-        _step(v, mon, "cuda", [4])
+        # Only device work from here: the stream stays busy, so the verdict's copy cannot have landed at the take.
+        torch.cuda._sleep(500_000_000)
+        v(slots=slots, req=req, cu=cu)
         t = ring.enqueue(side)
     with pytest.raises(RuntimeError, match="has not landed"):
         ring.take(t)

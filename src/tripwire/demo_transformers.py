@@ -5,7 +5,8 @@ run without tripwire (the reference), then with :func:`tripwire.integrations.tra
 (identical tokens), a read index corrupted at one step (masked, counted once, the other requests' tokens identical),
 a write index corrupted at one step (the FATAL site: the stop arms and the engine fails the batch through its own
 error path, the process and the device stay healthy), a clean run after ``reset()`` (identical again), and, installed
-with ``contain=True``, a read fault that fails only the request it hit. A summary
+with ``contain=True``, a read fault in the step of the last token and a write fault, each failing only the request it
+hit, in its step. A summary
 table closes the run; the exit status is 0 when every expectation held. CPU by default (the validator runs in the
 Triton interpreter); on a GPU the engine runs with CUDA graphs.
 
@@ -352,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         if expect_stop:
             passed = healthy and count == expected and stopped
         elif contained:
-            # Only the victim may fail, with containment's error (a fast engine may finish it first).
+            # Exactly the victim fails, with containment's error, in the step of the fault (the same-step verdict:
+            # the last step's included); every other request is the clean run's.
             assert inj is not None
-            victim_ok = failed == 0 or (failed == 1 and "contained" in (out[inj.request].error or ""))
+            victim_ok = failed == 1 and "contained" in (out[inj.request].error or "")
             engine = "served, 1 request failed" if failed == 1 else engine
-            passed = healthy and count == expected and victim_ok and changed <= 1
+            passed = healthy and count == expected and victim_ok and changed == 0
         else:
             passed = healthy and count == expected and failed == 0 and changed <= (1 if inj else 0)
-        what = f"{inj.kind} index of {inj.request} at step {inj.step}" if inj else "-"
+        what = f"{inj.kind} of {inj.request} at step {inj.step}" if inj else "-"
         if inj and not injector.injected:
             what, passed = f"{what} (NOT INJECTED)", False
         rows.append(Scenario(name, what, site or "-", count, expected, engine, ok, failed, changed, passed))
@@ -381,12 +383,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     scenario("clean after reset", None, "", 0, expect_stop=False)
     handle.uninstall()
-    # Containment: the same kind of read fault fails only the request it hit; the batch goes on.
+    # Containment: a fault fails only the request it hit, in its own step; the batch goes on. A read in the step that
+    # produces the last token (the reader alone would be too late for it), and a masked write (its damage is the
+    # writer's own token: under containment it fails that request instead of stopping the engine).
     handle = tw.install(model, policy="mask", monitor=monitor, contain=True)
     scenario(
         "contained read",
-        Injection("read", 3, ids[rng.randrange(len(ids))], "far"),
+        Injection("read", args.tokens, ids[rng.randrange(len(ids))], "far", offset=1),
         tw.SITE_READ_INDEX,
+        1,
+        expect_stop=False,
+        contained=True,
+    )
+    scenario(
+        "contained write",
+        Injection("write", 5, ids[rng.randrange(len(ids))], "end"),
+        tw.SITE_WRITE_INDEX,
         1,
         expect_stop=False,
         contained=True,

@@ -38,6 +38,7 @@ fails closed (``fail_all``). CPU arenas are read directly (no copy, ``stream`` i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -169,18 +170,43 @@ class Verdicts:
         # Per site: the count the last verdict accounted for (a reset's zeroing re-baselines it: see _decode).
         self._last = np.zeros(n, dtype=np.int64)
         self._seq = 0
+        self._clean = Verdict(self.name)
+        self._copy: Any = None
+        self._driver: Any = None
         self._open: list[Ticket | None] = [None] * depth
         if self._cuda:
             from . import _verdict_kernel as _vk
 
             # Allocated here, before any capture; the graph of a captured enqueue holds these addresses.
-            self._staging = torch.zeros((depth, n, width), dtype=torch.int64, device=device)
             self._host = torch.zeros((depth, n, width), dtype=torch.int64, pin_memory=True)
             self._np = self._host.numpy()
             self._dev_ids = torch.tensor(self._ids, dtype=torch.int64, device=device)
+            self.zero_copy = _vk.zero_copy(device, n, width)
+            if self.zero_copy:
+                # The kernel writes the pinned slot itself: one kernel node per verdict.
+                self._launch = _vk.bind(self._rows_t, self._off_t, self._dev_ids, self._host, width)
+                self._copy = None
+                scratch = torch.zeros((1, n, width), dtype=torch.int64, pin_memory=True)
+            else:
+                staging = torch.zeros((depth, n, width), dtype=torch.int64, device=device)
+                self._launch = _vk.bind(self._rows_t, self._off_t, self._dev_ids, staging, width)
+                pairs = [(self._host[i], staging[i]) for i in range(depth)]
+
+                def copy(slot: int) -> None:
+                    # Pinned destination, non_blocking: an async copy in stream order (capturable), never a wait.
+                    pairs[slot][0].copy_(pairs[slot][1], non_blocking=True)
+
+                self._copy = copy
+                scratch = torch.zeros((1, n, width), dtype=torch.int64, device=device)
+            self._graphs = _vk.slot_graphs(self._launch, depth, device, self._copy, scratch)
             self._events = [torch.cuda.Event() for _ in range(depth)]
-            self._launch = _vk.bind(self._rows_t, self._off_t, self._dev_ids, self._staging, width)
-            self._graphs = _vk.slot_graphs(self._launch, self._staging, self._host, depth, device)
+            for e in self._events:
+                e.record()  # creates the event now (torch creates it lazily), so the driver calls below have a handle
+            torch.cuda.synchronize(device)
+            self._driver = _vk.Driver.make(self._graphs)
+            if self._driver is not None:
+                self._execs = [ctypes.c_void_p(g.raw_cuda_graph_exec()) for g in self._graphs]
+                self._cu_events = [ctypes.c_void_p(e.cuda_event) for e in self._events]
         else:
             self._np = np.zeros((depth, n, width), dtype=np.int64)
 
@@ -201,16 +227,26 @@ class Verdicts:
             off[self._ids, OFF_HEADER:] = 0
             return self._issue(slot, captured=False)
         captured = is_capturing()
-        cur = torch.cuda.current_stream(self.device)
-        s = cur if stream is None else stream
-        with torch.cuda.stream(s) if s != cur else _NULL:
-            if captured:
-                # Recorded into the caller's graph: the kernel (gather into the staging slot, then zero the copied
-                # entries) and the copy to the pinned slot, an async copy in stream order, never a wait.
+        if captured:
+            # Recorded into the caller's graph (on the stream it captures): the kernel, and on the staging path the
+            # copy to the pinned slot.
+            cur = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream) if stream is not None and stream != cur else _NULL:
                 self._launch(slot)
-                self._host[slot].copy_(self._staging[slot], non_blocking=True)
-            else:
-                self._graphs[slot].replay()  # the same two, captured per slot at construction: one graph launch
+                if self._copy is not None:
+                    self._copy(slot)
+            return self._issue(slot, captured=True)
+        s = torch.cuda.current_stream(self.device) if stream is None else stream
+        drv = self._driver
+        if drv is not None:
+            # The slot's graph and its event through the driver: two C calls, no Python stream switch.
+            handle = ctypes.c_void_p(s.cuda_stream)
+            rc = drv.launch(self._execs[slot], handle) or drv.record(self._cu_events[slot], handle)
+            if rc != 0:
+                raise RuntimeError(f"tripwire: the verdict's graph launch on {self.name} failed (CUDA error {rc})")
+        else:
+            with torch.cuda.stream(s):
+                self._graphs[slot].replay()
                 self._events[slot].record(s)
         return self._issue(slot, captured=captured)
 
@@ -235,7 +271,7 @@ class Verdicts:
                         raise ValueError("take(wait=True) of a captured ticket needs the stream the graph replayed on")
                     event.record(stream)
                     self._wait(event, timeout)
-            elif not event.query():
+            elif not self._landed(ticket.slot):
                 if not wait:
                     raise RuntimeError(
                         f"the verdict copy of {ticket!r} on {self.name} has not landed: take it after the engine's "
@@ -269,6 +305,15 @@ class Verdicts:
         self._open[slot] = t
         return t
 
+    def _landed(self, slot: int) -> bool:
+        drv = self._driver
+        if drv is None:
+            return bool(self._events[slot].query())
+        rc = drv.query(self._cu_events[slot])
+        if rc not in (0, drv.NOT_READY):
+            raise RuntimeError(f"tripwire: the verdict's event query on {self.name} failed (CUDA error {rc})")
+        return rc == 0
+
     def _wait(self, event: Any, timeout: float) -> None:
         # A bounded poll, not event.synchronize(): a wedged device must not hang the engine's loop forever.
         deadline = time.monotonic() + timeout
@@ -280,8 +325,8 @@ class Verdicts:
     def _decode(self, slot: np.ndarray) -> Verdict:
         counts = slot[:, COUNT]
         last = self._last
-        if np.array_equal(counts, last):
-            return Verdict(self.name)  # the common step: one comparison of a few words
+        if counts.tobytes() == last.tobytes():
+            return self._clean  # the common step: one comparison of a few words, no allocation of a verdict
         mon = self.monitor
         names = mon.requests
         contain = mon.pipeline.containment.enabled

@@ -107,7 +107,7 @@ def patch(lookup: Callable[[str, Any], Any]) -> None:
     @functools.wraps(mark)
     def mark_complete(self: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
         handle = lookup("cache", self)
-        if handle is not None and handle._keeps_out(state.request_id):
+        if handle is not None and handle._keeps_out(state):
             return None  # a masked access touched this request: its blocks must never be shared
         return mark(self, state, *args, **kwargs)
 

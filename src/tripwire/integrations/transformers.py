@@ -181,14 +181,20 @@ class _RequestTable:
             self.device[:k].copy_(host[:k])
 
 
-class _Bounded(OrderedDict):  # type: ignore[type-arg]
-    """A set of the newest ``_KEEP`` request ids (older ones finished long ago)."""
+class _States(OrderedDict):  # type: ignore[type-arg]
+    """A set of the newest ``_KEEP`` request STATES, by identity (older ones finished long ago). By the state, not the
+    request id: engines reuse ids across runs (``generate_batch`` names its requests ``req_0``, ``req_1``, ...), and a
+    new request under an old id must not inherit what happened to the old one. Holds the states, so their ids are not
+    reused while kept."""
 
-    def add(self, key: Any) -> None:
-        self[key] = None
-        self.move_to_end(key)
+    def add(self, state: Any) -> None:
+        self[id(state)] = state
+        self.move_to_end(id(state))
         while len(self) > _KEEP:
             self.popitem(last=False)
+
+    def has(self, state: Any) -> bool:
+        return self.get(id(state)) is state
 
 
 class Handle:
@@ -209,8 +215,8 @@ class Handle:
         self.device = torch.device(model.device)  # type: ignore[call-overload]  # a PreTrainedModel attribute
         self.requests = _RequestTable(self.device, monitor.requests) if attribute else None
         self.contained: list[tuple[str, Taint]] = []
-        self.tainted: _Bounded = _Bounded()
-        self._failed: _Bounded = _Bounded()  # failed by a verdict: dropped from any later update (async batching)
+        self.tainted = _States()
+        self._failed = _States()  # failed by a verdict: dropped from any later update (async batching)
         self._validators: CacheValidators | None = None
         self._started = False
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -220,7 +226,7 @@ class Handle:
         # validators give them), allocated now, before the engine captures anything; depth 4 covers async batching's
         # two steps in flight. A ticket per IO object: (ticket, the step's request ids).
         self.ring = _ring(monitor, self.device) if verdicts else None
-        self._tickets: weakref.WeakKeyDictionary[Any, tuple[Any, list[str]]] = weakref.WeakKeyDictionary()
+        self._tickets: weakref.WeakKeyDictionary[Any, tuple[Any, list[Any]]] = weakref.WeakKeyDictionary()
         self._processor_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     @property
@@ -262,9 +268,9 @@ class Handle:
         if self.ring is None:
             return
         host = _host_io(io)
-        ids = [fs.state.request_id for fs in host.requests_in_batch]
+        states = [fs.state for fs in host.requests_in_batch]
         # The ticket goes with the IO object whose prepare_batch_update hands this step back (async: the pair's).
-        self._tickets[host] = (self.ring.enqueue(io.compute_stream), ids)
+        self._tickets[host] = (self.ring.enqueue(io.compute_stream), states)
 
     def _verdict(self, io: Any, result: Any) -> Any:
         """The engine waited for the step and is about to hand its requests back: take its verdict and drop what
@@ -272,7 +278,7 @@ class Handle:
         entry = self._tickets.pop(io, None)
         if entry is None:
             return self._drop_failed(result) if self._failed else result
-        ticket, ids = entry
+        ticket, states = entry
         assert self.ring is not None
         verdict = self.ring.take(ticket)  # after the engine's wait: an event query, no sync
         self.verdicts += 1
@@ -283,29 +289,26 @@ class Handle:
             # Without containment: a fatal site, or raise mode. Raised inside update_batch, the engine fails every
             # request in flight through its own error path (no result of this step is handed back).
             raise verdict.stop
-        touched = ids if verdict.fail_all else [r for r in ids if r in verdict.tainted]
-        for rid in touched:
-            self.tainted.add(rid)
+        touched = states if verdict.fail_all else [st for st in states if st.request_id in verdict.tainted]
+        for st in touched:
+            self.tainted.add(st)
         if not self.contain:
             return result  # mask without containment: reported, served masked, kept out of the prefix cache
         processor = self._processor_of[io]
-        failed = {}
-        for rid in touched:
-            taint = verdict.failure(rid)
+        for st in touched:
+            taint = verdict.failure(st.request_id)
             if taint is not None:
-                failed[rid] = taint
-        for rid, taint in failed.items():
-            self._fail(processor, rid, taint)
+                self._fail(processor, st, taint)
         return self._drop_failed(result)
 
-    def _fail(self, processor: Any, rid: str, taint: Taint) -> None:
-        state = processor.scheduler.active_requests.get(rid)
-        if state is None:
+    def _fail(self, processor: Any, state: Any, taint: Taint) -> None:
+        rid = state.request_id
+        if processor.scheduler.active_requests.get(rid) is not state:
             return  # finished or cancelled between scheduling and this update (async batching)
         processor._handle_request_error(ContainedFault(taint, rid), state)
         _free_no_cache(processor.cache, rid)
         processor.scheduler.finish_request(rid)
-        self._failed.add(rid)
+        self._failed.add(state)
         self.contained.append((rid, taint))
         log.warning("tripwire: %s", taint.message().replace("this request", f"request {rid}"))
 
@@ -313,14 +316,14 @@ class Handle:
         """``prepare_batch_update``'s result without the failed requests (their tokens taken out in step, so the
         rest stay aligned: only requests with a new token have one)."""
         states, tokens, logprobs = result
-        if not any(fs.state.request_id in self._failed for fs in states):
+        if not any(self._failed.has(fs.state) for fs in states):
             return result
         keep_s: list[Any] = []
         keep_t: list[Any] = []
         keep_l: list[Any] | None = [] if logprobs is not None else None
         i = 0
         for fs in states:
-            drop = fs.state.request_id in self._failed
+            drop = self._failed.has(fs.state)
             if fs.has_new_token:
                 if not drop:
                     keep_t.append(tokens[i])
@@ -331,8 +334,8 @@ class Handle:
                 keep_s.append(fs)
         return keep_s, keep_t, keep_l
 
-    def _keeps_out(self, request_id: str) -> bool:
-        return request_id in self.tainted
+    def _keeps_out(self, state: Any) -> bool:
+        return self.tainted.has(state)
 
     def _contain(self, processor: Any) -> None:
         """Reader-only containment (``verdicts=False``): fail the requests the reader's confirmed taints name, before
@@ -353,13 +356,14 @@ class Handle:
                     first_row=taint.row,
                     first_value=taint.value,
                 )
-            self.tainted.add(rid)
-            if rid not in processor.scheduler.active_requests:
+            state = processor.scheduler.active_requests.get(rid)
+            if state is None:
                 log.warning(
                     "tripwire: request %s hit at %s had finished before containment could fail it", rid, taint.site
                 )
                 continue
-            self._fail(processor, rid, taint)
+            self.tainted.add(state)
+            self._fail(processor, state, taint)
 
     def _after_loop(self) -> None:
         try:
