@@ -35,6 +35,7 @@ from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
 from .monitor import Hit, Monitor
 from .sinks import Event, Offender
 from .sites import Site, SiteRegistry, register_site, sites
+from .verdict import Verdict, Verdicts
 
 __version__ = "0.2.0"
 
@@ -59,10 +60,12 @@ __all__ = [
     "poll",
     "health",
     "Hit",
-    # events (tripwire.sinks has the sinks), offenders and containment (Monitor.take_tainted)
+    # events (tripwire.sinks has the sinks), offenders, containment and same-step verdicts (Monitor.verdicts)
     "Event",
     "Offender",
     "Taint",
+    "Verdict",
+    "Verdicts",
     # monitor and settings
     "Monitor",
     "default_monitor",
