@@ -1,0 +1,326 @@
+"""What a kernel occupies on the GPU, beside its unguarded twin: registers, spills, stack, shared memory and
+programs per SM, known before anything is measured.
+
+A guard whose fault path raises a kernel's registers or shared memory can cost a clean launch its occupancy, taken
+or not (registers are allocated for the hungriest path). So before timing a guarded kernel, compare its resources
+with its twin's:
+
+* Triton kernels: :func:`capture_launches` runs a callable (a launcher called with CPU tensors, as an engine would
+  call it) and records each ``kernel[grid](...)`` launch instead of running it; :func:`triton_usage` compiles a
+  recorded launch ahead of time for a GPU target (default sm_90, an H100/H200) with the ptxas that ships inside
+  Triton. No GPU is needed.
+* CUDA extensions: :func:`cuda_usage` reads a built extension (``.so``) or cubin with ``cuobjdump -res-usage``.
+* :func:`compare` pairs guarded and twin usages; :func:`format_table` prints them. ``tripwire resources`` is the
+  command for both (``tripwire resources --help``).
+
+Limits: occupancy is computed for sm_90 (64K registers per SM allocated per warp in units of 8 per thread, 228 KiB
+of shared memory with 1 KiB reserved per block, 2048 threads, 32 blocks); other targets compile, but their
+``programs_per_sm`` uses the same table. Triton launches are specialised like a real launch for the usual cases
+(16-byte aligned pointers and multiples of 16, integers equal to 1 as constants); a kernel that is autotuned must be
+given one config (call the kernel the autotuner wraps). The process must not run Triton's interpreter
+(``TRITON_INTERPRET=1`` replaces the compiler): the command clears it for itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+__all__ = [
+    "Launch",
+    "Usage",
+    "capture_launches",
+    "compare",
+    "cuda_usage",
+    "format_table",
+    "programs_per_sm",
+    "triton_usage",
+]
+
+# sm_90 (H100/H200) per-SM limits.
+_REGS_PER_SM = 65536
+_REG_UNIT = 8  # registers per thread are allocated in units of 8 (256 per warp)
+_SMEM_PER_SM = 233472  # 228 KiB
+_SMEM_RESERVED = 1024  # per block
+_THREADS_PER_SM = 2048
+_BLOCKS_PER_SM = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """One compiled kernel's resources. ``spill_bytes``: ptxas's spill stores plus loads per thread (None where it
+    was not reported: a cuobjdump read); ``stack``: bytes of stack frame per thread; ``smem``: static plus Triton's
+    dynamic shared memory per block; ``limit``: what bounds ``programs_per_sm`` ("regs", "smem", "threads",
+    "blocks")."""
+
+    kernel: str
+    regs: int
+    spill_bytes: int | None
+    stack: int
+    smem: int
+    warps: int
+    programs_per_sm: int
+    limit: str
+
+    @property
+    def reg_units(self) -> int:
+        """Registers per thread in allocation units (what occupancy sees)."""
+        return -(-self.regs // _REG_UNIT)
+
+
+def programs_per_sm(regs: int, smem: int, warps: int) -> tuple[int, str]:
+    """``(programs, limit)``: how many blocks of ``warps`` warps using ``regs`` registers per thread and ``smem``
+    bytes of shared memory fit on one sm_90 SM, and which resource bounds it."""
+    threads = warps * 32
+    per_block_regs = threads * (-(-max(regs, 1) // _REG_UNIT) * _REG_UNIT)
+    bounds = {
+        "regs": _REGS_PER_SM // per_block_regs,
+        "smem": _SMEM_PER_SM // (smem + _SMEM_RESERVED),
+        "threads": _THREADS_PER_SM // threads,
+        "blocks": _BLOCKS_PER_SM,
+    }
+    limit = min(bounds, key=lambda k: bounds[k])
+    return bounds[limit], limit
+
+
+# ------------------------------------------------------------------------------------------------------ Triton
+@dataclasses.dataclass
+class Launch:
+    """One recorded ``kernel[grid](*args, **kwargs)``: the JITFunction and what it was called with."""
+
+    fn: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.fn.__name__)
+
+
+@contextlib.contextmanager
+def _recording(out: list[Launch]) -> Iterator[None]:
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("capture_launches needs Triton's compiler: unset TRITON_INTERPRET for this process")
+    saved = JITFunction.run
+
+    def record(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> None:
+        out.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        JITFunction.run = saved  # type: ignore[method-assign]
+
+
+def capture_launches(fn: Callable[[], object]) -> list[Launch]:
+    """Run ``fn()`` with every Triton launch recorded instead of run (nothing executes on any device; pass CPU
+    tensors of the real shapes and dtypes). Returns the launches in order."""
+    out: list[Launch] = []
+    with _recording(out):
+        fn()
+    return out
+
+
+_DTYPES = {
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "bool": "i1",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float64": "fp64",
+    "float8_e4m3fn": "fp8e4nv",
+    "float8_e5m2": "fp8e5",
+}
+
+
+def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
+    import torch
+
+    fn = launch.fn
+    sig: dict[str, str] = {}
+    consts: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
+    for i, p in enumerate(fn.params):
+        if i < len(launch.args):
+            v = launch.args[i]
+        elif p.name in launch.kwargs:
+            v = launch.kwargs[p.name]
+        else:
+            v = p.default
+        spec = not getattr(p, "do_not_specialize", False)
+        if p.is_constexpr or v is None:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[str(v.dtype).removeprefix("torch.")]
+            if spec and v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            if spec and v == 1:
+                sig[p.name] = "constexpr"
+                consts[(i,)] = 1
+                continue
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if spec and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{launch.name}: argument {p.name!r} of type {type(v).__name__} is not supported")
+    return sig, consts, attrs
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if os.path.isfile(bundled):
+        return bundled
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"no {name}: neither Triton's bundled one ({bundled}) nor one on PATH")
+    return found
+
+
+def _res_usage(binary: str) -> dict[str, dict[str, int]]:
+    """cuobjdump -res-usage of a cubin, fatbinary or shared library: ``{function: {REG, STACK, SHARED, LOCAL}}``."""
+    out = subprocess.run([_tool("cuobjdump"), "-res-usage", binary], capture_output=True, text=True, check=True)
+    res: dict[str, dict[str, int]] = {}
+    name = None
+    for line in out.stdout.splitlines():
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        if name is not None and "REG:" in line:
+            res[name] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+            name = None
+    return res
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton itself compiles ``sm_<arch>`` with (Triton 3.9 picks its newer bundled one for sm_90 too)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return str(get_ptxas(arch).path)
+    except (ImportError, AttributeError):
+        return _tool("ptxas")
+
+
+def _spills(ptx: str, arch: int) -> int | None:
+    """Spill stores plus loads per thread of the kernel in ``ptx``, from ``ptxas -v`` (None if it says nothing)."""
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        p = subprocess.run(
+            [_ptxas(arch), "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)
+    return int(m.group(1)) + int(m.group(2)) if m else None
+
+
+def triton_usage(launch: Launch, *, arch: int = 90) -> Usage:
+    """Compile ``launch`` for ``sm_<arch>`` (no GPU needed) and read back what it occupies. A kernel that does not
+    compile raises Triton's CompilationError."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs = _signature(launch)
+    opts = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "num_ctas", "maxnreg") if k in launch.kwargs}
+    compiled = triton.compile(
+        ASTSource(launch.fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32), options=opts
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        res = _res_usage(f.name)
+    finally:
+        os.unlink(f.name)
+    name = compiled.metadata.name
+    r = res.get(name) or next(iter(res.values()))
+    warps = int(compiled.metadata.num_warps)
+    # Triton's shared memory is dynamic (in the metadata); the cubin's static SHARED is the target's reservation.
+    smem = int(compiled.metadata.shared)
+    progs, limit = programs_per_sm(r["REG"], smem, warps)
+    spills = _spills(compiled.asm["ptx"], arch)
+    return Usage(launch.name, r["REG"], spills, r.get("STACK", 0), smem, warps, progs, limit)
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA
+def cuda_usage(binary: str, *, block_threads: int | dict[str, int] = 256, match: str | None = None) -> list[Usage]:
+    """The kernels of a built CUDA extension (``.so``), fatbinary or cubin (``cuobjdump -res-usage``), one Usage
+    per function whose (mangled) name matches the regex ``match``. ``block_threads``: the launch's threads per
+    block (one number, or per function name substring), which occupancy needs and a binary does not hold; shared
+    memory is the static part only (a launch's dynamic shared memory is not in the binary). ``spill_bytes`` is
+    None (cuobjdump does not report spills; ``LOCAL`` bytes show as ``stack``)."""
+    out = []
+    for name, r in _res_usage(binary).items():
+        if match is not None and not re.search(match, name):
+            continue
+        if isinstance(block_threads, dict):
+            threads = next((t for k, t in block_threads.items() if k in name), 256)
+        else:
+            threads = block_threads
+        warps = -(-threads // 32)
+        progs, limit = programs_per_sm(r["REG"], r.get("SHARED", 0), warps)
+        stack = max(r.get("STACK", 0), r.get("LOCAL", 0))
+        out.append(Usage(name, r["REG"], None, stack, r.get("SHARED", 0), warps, progs, limit))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ both
+def compare(guarded: Sequence[Usage], twin: Sequence[Usage]) -> list[tuple[Usage, Usage, bool]]:
+    """Pair guarded and twin usages in order, each with whether the guard is free by the register rule: within one
+    allocation unit of the twin's registers, no more spills or stack, and as many programs per SM."""
+    if len(guarded) != len(twin):
+        raise ValueError(f"{len(guarded)} guarded kernels against {len(twin)} twins: pair them one to one")
+    rows = []
+    for g, t in zip(guarded, twin, strict=True):
+        free = (
+            g.reg_units <= t.reg_units + 1
+            and (g.spill_bytes or 0) <= (t.spill_bytes or 0)
+            and g.programs_per_sm >= t.programs_per_sm
+        )
+        rows.append((g, t, free))
+    return rows
+
+
+def format_table(rows: Sequence[tuple[Usage, Usage, bool]]) -> str:
+    """The comparison as a plain-text table (what ``tripwire resources`` prints)."""
+    head = f"{'kernel':40s} {'regs':>9s} {'spills':>9s} {'stack':>9s} {'smem':>13s} {'programs/SM':>13s}  verdict"
+    lines = [head, "-" * len(head)]
+    for g, t, free in rows:
+
+        def pair(a: object, b: object) -> str:
+            return f"{a}/{b}"
+
+        lines.append(
+            f"{g.kernel[:40]:40s} {pair(g.regs, t.regs):>9s} {pair(g.spill_bytes, t.spill_bytes):>9s} "
+            f"{pair(g.stack, t.stack):>9s} {pair(g.smem, t.smem):>13s} "
+            f"{pair(g.programs_per_sm, t.programs_per_sm):>9s} ({g.limit})  "
+            + ("ok" if free else "COSTS OCCUPANCY OR SPILLS")
+        )
+    lines.append("(guarded/twin; sm_90 occupancy; 'ok' = within one 8-register unit, no more spills, same programs)")
+    return "\n".join(lines)
