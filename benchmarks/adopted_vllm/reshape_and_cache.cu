@@ -3,7 +3,8 @@
 // one block per token, min(num_heads * head_size, 512) threads), for an unquantized (bf16/fp16, "auto") cache.
 #include <torch/extension.h>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,7 +29,7 @@ void launch(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor&
   const int kv_scale_stride = (k_scale.numel() > 1) ? 1 : 0;
   dim3 grid(num_tokens);
   dim3 block(std::min(num_heads * head_size, 512));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto* k = reinterpret_cast<const T*>(key.data_ptr());
   auto* v = reinterpret_cast<const T*>(value.data_ptr());
   auto* kc = reinterpret_cast<T*>(key_cache.data_ptr());

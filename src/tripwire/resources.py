@@ -171,6 +171,10 @@ def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], An
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, bool):
             sig[p.name] = "i1"
+        elif isinstance(v, int) and getattr(p, "annotation_type", ""):
+            sig[p.name] = str(p.annotation_type)  # `x: tl.int64`: that type, whatever the value
+            if spec and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, int):
             if spec and v == 1:
                 sig[p.name] = "constexpr"
