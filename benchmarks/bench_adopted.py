@@ -124,14 +124,16 @@ def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]]
         cuda_ext.build()
         ctr = _counters((cuda_ext.SITE,))
 
-        def body(name: str, guard: bool) -> Callable[[], None]:
+        def body(name: str, guard: bool | str) -> Callable[[], None]:
             kc, vc = caches[name]
             return lambda: cuda_ext.reshape_and_cache_flash(
                 c["key"], c["value"], kc, vc, c["slots"], one, one, guard=guard, ctr=ctr
             )
 
+        caches["vote"] = _caches(c)
         bodies = {"original": body("original", False), "guarded": body("guarded", True)}
         bodies["original_b"] = body("original_b", False)
+        bodies["vote"] = body("vote", "vote")  # the profiler's control (adopted_vllm/vote_variant.cuh)
     else:
         from adopted_vllm import load
 
@@ -162,13 +164,17 @@ def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]]
 
             threads = min(CACHE["kv_heads"] * CACHE["head_dim"], 512)
             found = rs.cuda_usage(cuda_ext.library_path(), block_threads=threads, match="reshape_and_cache_flash")
-            return [("guarded" if "guarded" in u.kernel else "original", u) for u in found]
+            return [(_cuda_variant(u.kernel), u) for u in found]
         usage = []
         for name in ("original", "guarded"):
             usage += [(name, rs.triton_usage(launch)) for launch in rs.capture_launches(bodies[name])]
         return usage
 
     return bodies, check
+
+
+def _cuda_variant(kernel: str) -> str:
+    return "vote" if "_vote" in kernel else "guarded" if "vllm_guarded" in kernel else "original"
 
 
 def _counters(sites: tuple) -> torch.Tensor:
@@ -198,6 +204,7 @@ def run_case(name: str, rounds: int, rep_ms: int) -> dict:
     times = paired_replay_ms(bodies, per_graph=PER_GRAPH.get(name, 20), repeats=rounds, rep_ms=rep_ms)
     cost = _pct(times["guarded"], times["original"])
     aa = _pct(times["original_b"], times["original"])
+    vote = _pct(times["vote"], times["original"]) if "vote" in times else None
     res = {
         "original_us": statistics.median(times["original"]) * 1e3,
         "guarded_us": statistics.median(times["guarded"]) * 1e3,
@@ -209,6 +216,9 @@ def run_case(name: str, rounds: int, rep_ms: int) -> dict:
         "pass": statistics.median(cost) <= TARGET_PCT,
         "resources": [dict(variant=v, **dataclasses.asdict(u)) for v, u in usage],
     }
+    if vote is not None:
+        res["vote_us"] = statistics.median(times["vote"]) * 1e3
+        res["vote_cost_pct"] = statistics.median(vote)
     by = {}
     for v, u in usage:
         by.setdefault(v, []).append(u)
@@ -244,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"{name:22s} original {r['original_us']:8.2f} us  guarded {r['guarded_us']:8.2f} us  "
-                f"cost {r['cost_pct']:+6.2f} %  A/A {r['aa_pct']:+6.2f} %  [{regs}]  ({time.time() - t:.0f} s)",
+                f"cost {r['cost_pct']:+6.2f} %  A/A {r['aa_pct']:+6.2f} %"
+                + (f"  vote control {r['vote_cost_pct']:+6.2f} %" if "vote_cost_pct" in r else "")
+                + f"  [{regs}]  ({time.time() - t:.0f} s)",
                 flush=True,
             )
         except Exception as e:  # one case failing must not lose the others' figures

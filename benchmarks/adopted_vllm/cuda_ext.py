@@ -48,7 +48,12 @@ def _build(verbose: bool) -> ModuleType:
         )
     # Without ninja, setuptools' build_ext (as examples/cuda_gather does), cached by the sources' hash.
     key = hashlib.sha256()
-    for f in (SOURCE, HERE / "original" / "cache_kernels.cuh", HERE / "guarded" / "cache_kernels.cuh"):
+    for f in (
+        SOURCE,
+        HERE / "vote_variant.cuh",
+        HERE / "original" / "cache_kernels.cuh",
+        HERE / "guarded" / "cache_kernels.cuh",
+    ):
         key.update(f.read_bytes())
     key.update((Path(tripwire.include_dir()) / "tripwire" / "guard.cuh").read_bytes())
     key.update(f"{torch.__version__} {torch.version.cuda} {sys.version} {FLAGS}".encode())
@@ -91,16 +96,18 @@ def reshape_and_cache_flash(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     *,
-    guard: bool,
+    guard: bool | str,
     ctr: torch.Tensor | None = None,
     requests: torch.Tensor | None = None,
 ) -> None:
-    """vLLM's kernel (``guard=False``) or the guarded copy (``guard=True``: ``ctr`` defaults to SITE's row of the
-    default monitor; ``requests``: int64, one per token). No sync, no allocation once built: capturable."""
+    """vLLM's kernel (``guard=False``), the guarded copy (``guard=True``: ``ctr`` defaults to SITE's row of the
+    default monitor; ``requests``: int64, one per token) or ``guard="vote"``, the profiler's control
+    (vote_variant.cuh). No sync, no allocation once built: capturable."""
     mod = build()
-    if guard and ctr is None:
+    variant = 2 if guard == "vote" else int(bool(guard))
+    if variant and ctr is None:
         ctr = tripwire.counter(SITE, key.device)
     mod.reshape_and_cache_flash(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, bool(guard),
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, variant,
         slot_mapping if ctr is None else ctr, requests,
     )  # fmt: skip
