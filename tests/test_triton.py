@@ -738,7 +738,7 @@ KERNELS = {
     "nonfinite": (nf._nonfinite_kernel, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"},
                   dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80), nf._NUM_WARPS),
     "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},
-                     dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), 4),
+                     dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), sm._NUM_WARPS),
 }
 try:
     shipped = tt._record_offenders
