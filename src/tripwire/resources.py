@@ -147,6 +147,11 @@ _DTYPES = {
 }
 
 
+def _annotated(p: Any) -> str:
+    """The type a parameter's annotation fixes (``x: tl.int64`` -> ``"i64"``), or ""."""
+    return str(getattr(p, "annotation_type", "") or "")
+
+
 def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
     import torch
 
@@ -171,8 +176,8 @@ def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], An
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, bool):
             sig[p.name] = "i1"
-        elif isinstance(v, int) and getattr(p, "annotation_type", ""):
-            sig[p.name] = str(p.annotation_type)  # `x: tl.int64`: that type, whatever the value
+        elif isinstance(v, int) and _annotated(p):
+            sig[p.name] = _annotated(p)  # `x: tl.int64`: that type, whatever the value
             if spec and v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, int):
