@@ -38,6 +38,7 @@ __all__ = [
     "Usage",
     "capture_launches",
     "compare",
+    "fault_path",
     "cuda_usage",
     "format_table",
     "programs_per_sm",
@@ -152,11 +153,9 @@ def _annotated(p: Any) -> str:
     return str(getattr(p, "annotation_type", "") or "")
 
 
-def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
-    import torch
-
+def _signature(launch: Launch) -> tuple[dict[str, Any], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
     fn = launch.fn
-    sig: dict[str, str] = {}
+    sig: dict[str, Any] = {}
     consts: dict[tuple[int, ...], Any] = {}
     attrs: dict[tuple[int, ...], Any] = {}
     for i, p in enumerate(fn.params):
@@ -166,33 +165,46 @@ def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], An
             v = launch.kwargs[p.name]
         else:
             v = p.default
-        spec = not getattr(p, "do_not_specialize", False)
-        if p.is_constexpr or v is None:
+        if p.is_constexpr:
             sig[p.name] = "constexpr"
             consts[(i,)] = v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + _DTYPES[str(v.dtype).removeprefix("torch.")]
-            if spec and v.data_ptr() % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, bool):
-            sig[p.name] = "i1"
-        elif isinstance(v, int) and _annotated(p):
-            sig[p.name] = _annotated(p)  # `x: tl.int64`: that type, whatever the value
-            if spec and v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, int):
-            if spec and v == 1:
-                sig[p.name] = "constexpr"
-                consts[(i,)] = 1
-                continue
-            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-            if spec and v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        else:
-            raise TypeError(f"{launch.name}: argument {p.name!r} of type {type(v).__name__} is not supported")
+            continue
+        spec = not getattr(p, "do_not_specialize", False)
+        align = spec and not getattr(p, "do_not_specialize_on_alignment", False)
+        sig[p.name] = _arg_type(launch, p, v, (i,), spec, align, consts, attrs)
     return sig, consts, attrs
+
+
+def _arg_type(launch: Launch, p: Any, v: Any, path: tuple[int, ...], spec: bool, align: bool, consts: dict,
+              attrs: dict) -> Any:  # fmt: skip
+    """The signature entry of one (possibly tuple) argument, filling in its constants and attributes by path."""
+    import torch
+
+    if isinstance(v, tuple):
+        return tuple(_arg_type(launch, p, x, (*path, j), spec, align, consts, attrs) for j, x in enumerate(v))
+    if v is None:
+        consts[path] = None
+        return "constexpr"
+    if isinstance(v, torch.Tensor):
+        if align and v.data_ptr() % 16 == 0:
+            attrs[path] = [["tt.divisibility", 16]]
+        return "*" + _DTYPES[str(v.dtype).removeprefix("torch.")]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        if _annotated(p) and len(path) == 1:
+            typ = _annotated(p)  # `x: tl.int64`: that type, whatever the value
+        elif spec and v == 1:
+            consts[path] = 1
+            return "constexpr"
+        else:
+            typ = "i32" if -(2**31) <= v < 2**31 else "i64"
+        if spec and v % 16 == 0:
+            attrs[path] = [["tt.divisibility", 16]]
+        return typ
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"{launch.name}: argument {p.name!r} of type {type(v).__name__} is not supported")
 
 
 def _tool(name: str) -> str:
@@ -275,6 +287,64 @@ def triton_usage(launch: Launch, *, arch: int = 90) -> Usage:
     progs, limit = programs_per_sm(r["REG"], smem, warps)
     spills = _spills(compiled.asm["ptx"], arch)
     return Usage(launch.name, r["REG"], spills, r.get("STACK", 0), smem, warps, progs, limit)
+
+
+# The helpers' out-of-line functions (tripwire.triton): what fault_path("inline") compiles inline.
+_COLD = ("_record_words", "_offender_block", "_claim", "_offenders_done", "_record_one")
+
+
+@contextlib.contextmanager
+def fault_path(mode: str) -> Iterator[None]:
+    """Compile (inside the block) kernels that use tripwire's Triton helpers with their fault path changed:
+
+    * ``"stub"``: reduced to the count (one atomic add: no extremes, no first pair, no offenders). The twin of a
+      kernel that has no ``GUARD`` switch of its own (the numeric counters, the validator): the same checks and
+      vote, without the fault path.
+    * ``"inline"``: inlined into the caller instead of called: the control that shows what the out-of-line fault
+      path saves.
+
+    For tests and tools, never for kernels that run: compiles inside the block go to a private cache and always
+    recompile (a kernel's cache key does not see the helpers swapped), and the helpers are restored after it.
+    """
+    import triton
+    import triton.language as tl
+
+    from . import triton as tt
+
+    if mode == "stub":
+
+        # The count alone (one atomic): the vote and the data it reads stay live, as in a kernel that counts and
+        # keeps nothing else; a stub doing nothing would let the compiler drop the checks with it.
+        @triton.jit
+        def _fault(ctr_ptr, n, b, r, v, qb):  # type: ignore[no-untyped-def]
+            tl.atomic_add(ctr_ptr, n)
+
+        @triton.jit
+        def _record_one(ctr_ptr, r, v, qb):  # type: ignore[no-untyped-def]
+            tl.atomic_add(ctr_ptr, 1)
+
+        swap = {"_fault": _fault, "_record_one": _record_one}
+    elif mode == "inline":
+        swap = {name: triton.jit(getattr(tt, name).fn) for name in _COLD}
+    else:
+        raise ValueError(f"fault_path mode must be 'stub' or 'inline', got {mode!r}")
+    saved = {name: getattr(tt, name) for name in swap}
+    env = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")}
+    with tempfile.TemporaryDirectory(prefix="tripwire-fault-path-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+        for name, fn in swap.items():
+            setattr(tt, name, fn)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(tt, name, fn)
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 # ------------------------------------------------------------------------------------------------------ CUDA

@@ -43,7 +43,7 @@ from vllm.triton_utils import tl, triton
 
 import tripwire
 from tripwire.kernels import counters
-from tripwire.triton import record_hit, record_hits
+from tripwire.triton import record_hit
 
 # Adjacent rows (the kernels reach the length site at Ctr + 8).
 SITE_PAGE = tripwire.register_site(
@@ -75,34 +75,25 @@ def tanh(x):
 
 
 @triton.jit
-def _check_len(Ctr, Req, cur_batch, seq_len, max_len, COUNT, HAS_REQ: tl.constexpr):
-    """The sequence length, or 0 when it is outside [0, max_len] (the whole sequence masked); recorded by the one
-    program of the sequence that has ``COUNT``, its request read on the fault path only."""
-    len_ok = (seq_len >= 0) & (seq_len <= max_len)
-    if (len_ok == 0) & COUNT:
-        req = None
-        if HAS_REQ:
-            req = tl.load(Req + cur_batch)
-        record_hit(Ctr + 8, cur_batch, seq_len, req)
-    return tl.where(len_ok, seq_len, 0)
-
-
-@triton.jit
-def _record_pages(Ctr, Req, Req_to_tokens, row_base, cur_batch, split_kv_start, split_kv_end, num_pages, COUNT,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_REQ: tl.constexpr):
-    """The fault path: the split's page ids read again, tile by tile, and the bad ones recorded. A page counts in
-    the split that holds its FIRST token (token splits are not page-aligned: a page straddling two splits is read
-    by both and counted by one), and only in the program of the sequence that has ``COUNT`` (head programs read
-    the same pages)."""
+def _record_faults(Ctr, Req, Req_to_tokens, row_base, cur_batch, raw_len, bad_len, split_kv_start, split_kv_end,
+                   num_pages, COUNT_LEN, COUNT_PAGES, PAGE_SIZE: tl.constexpr, HAS_REQ: tl.constexpr):
+    """The fault path, called from one place at the end of the program (one call site: each extra one cost the
+    kernel registers). A bad length is recorded by the one program of the sequence that has ``COUNT_LEN``. The
+    split's page ids are read again one at a time (scalars, so the record is out of line as a whole and adds no
+    per-lane state) and the bad ones recorded: a page counts in the split that holds its FIRST token (token splits
+    are not page-aligned: a page straddling two splits is read by both and counted by one), and only in the
+    program of the sequence that has ``COUNT_PAGES`` (head programs read the same pages). Requests are read here
+    only."""
     req = None
     if HAS_REQ:
         req = tl.load(Req + cur_batch)
-    for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        live = offs_n < split_kv_end
-        page = tl.load(Req_to_tokens + row_base + offs_n // PAGE_SIZE, mask=live, other=0)
-        bad = live & ((page < 0) | (page >= num_pages)) & (offs_n % PAGE_SIZE == 0)
-        record_hits(Ctr, tl.where(COUNT, bad, False), cur_batch, page, req)
+    if bad_len & COUNT_LEN:
+        record_hit(Ctr + 8, cur_batch, raw_len, req)
+    if COUNT_PAGES:
+        for p in range(tl.cdiv(split_kv_start, PAGE_SIZE), tl.cdiv(split_kv_end, PAGE_SIZE)):
+            page = tl.load(Req_to_tokens + row_base + p)
+            if (page < 0) | (page >= num_pages):
+                record_hit(Ctr, cur_batch, page, req)
 
 
 def _page_stride(buf, page_size):
@@ -164,9 +155,11 @@ def _fwd_kernel_stage1(
     mask_dv = offs_dv < Lv
     cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
     cur_batch_req_idx = cur_batch
-    # tripwire: head program 0, split 0 records a bad length; every program masks it.
-    cur_batch_seq_len = _check_len(Ctr, Req, cur_batch, cur_batch_seq_len, max_len,
-                                   (cur_head == 0) & (split_kv_id == 0), HAS_REQ)
+    # tripwire: a bad length masks the whole sequence (recorded at the end, by one of its programs).
+    raw_len = cur_batch_seq_len
+    bad_len = (raw_len < 0) | (raw_len > max_len)
+    cur_batch_seq_len = tl.where(bad_len, 0, raw_len)
+    bad_pages = bad_len & False
 
     off_q = cur_batch * stride_qbs + cur_head * stride_qh + offs_d
     q = tl.load(Q + off_q, mask=mask_d, other=0.0)
@@ -246,10 +239,8 @@ def _fwd_kernel_stage1(
             e_sum = e_sum * re_scale + tl.sum(p, 0)
             e_max = n_e_max
 
-        # tripwire: the vote, once per program; the fault path reads the split's page ids again.
-        if tl.max(bad_seen.to(tl.int32), axis=0) > 0:
-            _record_pages(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b * cur_batch_req_idx, cur_batch,
-                          split_kv_start, split_kv_end, num_pages, cur_head == 0, PAGE_SIZE, BLOCK_N, HAS_REQ)
+        # tripwire: the vote, once per program (the fault path, at the end, reads the split's page ids again).
+        bad_pages = tl.max(bad_seen.to(tl.int32), axis=0) > 0
 
         offs_mid_o = (
             cur_batch * stride_mid_ob
@@ -275,6 +266,12 @@ def _fwd_kernel_stage1(
             Att_Out + offs_mid_o_1,
             e_max + tl.log(e_sum),
         )
+
+    # tripwire: the fault path, one call site.
+    if bad_len | bad_pages:
+        _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b * cur_batch_req_idx, cur_batch, raw_len,
+                       bad_len, split_kv_start, split_kv_end, num_pages, (cur_head == 0) & (split_kv_id == 0),
+                       cur_head == 0, PAGE_SIZE, HAS_REQ)
 
 
 def _guard_args(q, k_buffer, req_to_tokens, page_size, ctr, requests):
@@ -416,9 +413,11 @@ def _fwd_grouped_kernel_stage1(
     mask_dv = offs_dv < Lv
     cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
     cur_batch_req_idx = cur_batch
-    # tripwire: head program 0, split 0 records a bad length; every program masks it.
-    cur_batch_seq_len = _check_len(Ctr, Req, cur_batch, cur_batch_seq_len, max_len,
-                                   (cur_head_id == 0) & (split_kv_id == 0), HAS_REQ)
+    # tripwire: a bad length masks the whole sequence (recorded at the end, by one of its programs).
+    raw_len = cur_batch_seq_len
+    bad_len = (raw_len < 0) | (raw_len > max_len)
+    cur_batch_seq_len = tl.where(bad_len, 0, raw_len)
+    bad_pages = bad_len & False
 
     offs_q = cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(
@@ -539,10 +538,8 @@ def _fwd_grouped_kernel_stage1(
             e_sum = e_sum * re_scale + tl.sum(p, 1)
             e_max = n_e_max
 
-        # tripwire: the vote, once per program; the fault path reads the split's page ids again.
-        if tl.max(bad_seen.to(tl.int32), axis=0) > 0:
-            _record_pages(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b * cur_batch_req_idx, cur_batch,
-                          split_kv_start, split_kv_end, num_pages, cur_head_id == 0, PAGE_SIZE, BLOCK_N, HAS_REQ)
+        # tripwire: the vote, once per program (the fault path, at the end, reads the split's page ids again).
+        bad_pages = tl.max(bad_seen.to(tl.int32), axis=0) > 0
 
         offs_mid_o = (
             cur_batch * stride_mid_ob
@@ -569,6 +566,12 @@ def _fwd_grouped_kernel_stage1(
             e_max + tl.log(e_sum),
             mask=mask_h,
         )
+
+    # tripwire: the fault path, one call site.
+    if bad_len | bad_pages:
+        _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b * cur_batch_req_idx, cur_batch, raw_len,
+                       bad_len, split_kv_start, split_kv_end, num_pages, (cur_head_id == 0) & (split_kv_id == 0),
+                       cur_head_id == 0, PAGE_SIZE, HAS_REQ)
 
 
 def _decode_grouped_att_m_fwd(
