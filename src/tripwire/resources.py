@@ -312,7 +312,6 @@ def fault_path(mode: str) -> Iterator[None]:
     from . import triton as tt
 
     if mode == "stub":
-
         # The count alone (one atomic): the vote and the data it reads stay live, as in a kernel that counts and
         # keeps nothing else; a stub doing nothing would let the compiler drop the checks with it.
         @triton.jit
@@ -403,3 +402,81 @@ def format_table(rows: Sequence[tuple[Usage, Usage, bool]]) -> str:
         )
     lines.append("(guarded/twin; sm_90 occupancy; 'ok' = within one 8-register unit, no more spills, same programs)")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ command
+def _load_callable(spec: str) -> Callable[[], object]:
+    """``module:function`` or ``path/to/file.py:function``: a zero-argument callable that launches the kernels."""
+    import importlib
+    import importlib.util
+
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+    if target.endswith(".py"):
+        modname = "_tripwire_resources_" + os.path.basename(target)[:-3]
+        loader = importlib.util.spec_from_file_location(modname, target)
+        if loader is None or loader.loader is None:
+            raise ValueError(f"cannot load {target}")
+        mod = importlib.util.module_from_spec(loader)
+        import sys
+
+        sys.modules[modname] = mod  # @triton.jit reads its function's source through the module
+        loader.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(target)
+    fn = getattr(mod, name)
+    if not callable(fn):
+        raise TypeError(f"{spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tripwire resources``: see ``--help``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="tripwire resources",
+        description="Registers, spills, shared memory and programs per SM of guarded kernels beside their twins, "
+        "before measuring anything. Triton: each of --guarded/--twin is MODULE:FUNCTION or FILE.py:FUNCTION, a "
+        "zero-argument callable that launches the kernels with CPU tensors of the real shapes (compiled for the "
+        "target on this machine; no GPU). CUDA: --cuda LIB.so [--cuda-twin LIB2.so] (cuobjdump).",
+    )
+    p.add_argument("--guarded", help="Triton: the callable launching the guarded kernels")
+    p.add_argument("--twin", help="Triton: the callable launching their unguarded twins (same order)")
+    p.add_argument("--inline-control", action="store_true", help="Triton: also the guarded kernels, fault path inlined")
+    p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90)")
+    p.add_argument("--cuda", help="CUDA: a built extension (.so), fatbinary or cubin")
+    p.add_argument("--cuda-twin", help="CUDA: the twins' binary (default: --cuda, with --match-twin)")
+    p.add_argument("--match", default=None, help="CUDA: regex on the guarded kernels' (mangled) names")
+    p.add_argument("--match-twin", default=None, help="CUDA: regex on the twins' names")
+    p.add_argument("--threads", type=int, default=256, help="CUDA: threads per block of the launches (default 256)")
+    a = p.parse_args(argv)
+    if a.cuda:
+        g = cuda_usage(a.cuda, block_threads=a.threads, match=a.match)
+        if a.cuda_twin or a.match_twin:
+            t = cuda_usage(a.cuda_twin or a.cuda, block_threads=a.threads, match=a.match_twin)
+            print(format_table(compare(g, t)))
+            return 0 if all(ok for *_, ok in compare(g, t)) else 1
+        for u in g:
+            print(f"{u.kernel}: {u.regs} registers, stack {u.stack} B, shared {u.smem} B, {u.programs_per_sm} "
+                  f"programs/SM of {u.warps} warps ({u.limit})")  # fmt: skip
+        return 0
+    if not a.guarded:
+        p.error("give --guarded (Triton) or --cuda")
+    os.environ.pop("TRITON_INTERPRET", None)
+    guarded = [triton_usage(x, arch=a.arch) for x in capture_launches(_load_callable(a.guarded))]
+    if a.twin is None:
+        for u in guarded:
+            print(f"{u.kernel}: {u.regs} registers, {u.spill_bytes} B spilled, shared {u.smem} B, "
+                  f"{u.programs_per_sm} programs/SM of {u.warps} warps ({u.limit})")  # fmt: skip
+        return 0
+    twin = [triton_usage(x, arch=a.arch) for x in capture_launches(_load_callable(a.twin))]
+    rows = compare(guarded, twin)
+    print(format_table(rows))
+    if a.inline_control:
+        with fault_path("inline"):
+            inline = [triton_usage(x, arch=a.arch) for x in capture_launches(_load_callable(a.guarded))]
+        print("\nwith the fault path inlined (the control):")
+        print(format_table(compare(inline, twin)))
+    return 0 if all(ok for *_, ok in rows) else 1
