@@ -80,7 +80,8 @@ def _decode_case(q_heads: int, kv_heads: int) -> tuple[dict[str, Callable[[], An
         for b in bodies.values():
             b()
         torch.cuda.synchronize()
-        assert torch.equal(outs["original"], outs["guarded"]), "guarded decode attention differs on clean input"
+        # Not bitwise: the guarded kernel's -inf-safe softmax may be scheduled (contracted) differently.
+        torch.testing.assert_close(outs["guarded"], outs["original"], rtol=2e-2, atol=2e-3)
         assert int(ctr[:, 0].sum()) == 0, ctr
         from tripwire import resources as rs
 
