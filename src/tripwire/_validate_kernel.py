@@ -189,14 +189,17 @@ def _csr_block(
 
 
 @triton.jit
-def _lengths_check(ctr_ptr, a_ptr, an, w, MASK: tl.constexpr, ABLOCK: tl.constexpr):
-    """A per-row count outside ``[0, W]`` is bad (row = the table row); mask clamps it into the range."""
+def _lengths_check(
+    ctr_ptr, a_ptr, an, w, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr, MASK: tl.constexpr, ABLOCK: tl.constexpr
+):
+    """A per-row count outside ``[0, W]`` is bad (row = the table row, with the table rule's request of that row);
+    mask clamps it into the range."""
     for s in range(0, an, ABLOCK):
         k = s + tl.arange(0, ABLOCK).to(tl.int64)
         valid = k < an
         ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
         bad = valid & ((ln < 0) | (ln > w))
-        record_hits(ctr_ptr, bad, k, ln)
+        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ)
         if MASK:
             tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
 
@@ -309,7 +312,9 @@ def _validate(
         if OWN_AUX[i]:
             if local == nb:
                 if KIND[i] == 1:
-                    _lengths_check(ctr_ptr + AC[i], A[i], AN[i], W[i], MASK, ABLOCK)
+                    _lengths_check(
+                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK
+                    )
                 else:
                     _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK)
         beg += nb + OWN_AUX[i]
