@@ -50,6 +50,7 @@ CONTROL = {"3.6": ("vllm_decode_mha", "_fwd_kernel_stage1")}
 def usage(tmp_path_factory) -> dict:
     cache = tmp_path_factory.getbasetemp().parent / "tripwire-register-rule-cache"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(PROBE.parents[1] / "src"), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_CACHE_DIR", str(cache))  # compiles cached across the module's tests and runs
     p = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0 and ("ptxas" in p.stderr or "cuobjdump" in p.stderr) and "CompilationError" not in p.stderr:
