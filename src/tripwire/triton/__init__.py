@@ -11,6 +11,12 @@ calls one of:
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
 
+Cost: the fault path is out of line (called ``noinline`` functions, not code inlined into the kernel), so a clean
+launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
+Triton's ``noinline`` functions take scalars only: ``record_hit`` is out of line as a whole; ``record_hits`` and
+``guard_index`` reduce their block in the caller (after the vote, which is the whole hot path) and call out for
+the rest. ``tripwire resources`` shows what a guarded kernel occupies beside its twin (docs/guarding.md).
+
 Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
 ``record_hits`` counts LANES. A count should mean bad ENTRIES: where one entry is held by several lanes (a page id
 broadcast over the token lanes of its page) or read by several programs (head or split programs of one sequence),

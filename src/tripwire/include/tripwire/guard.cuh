@@ -38,6 +38,11 @@
 // warp's hits to the block's OFF_DONE word: a reader that sees it reach the row's count has every offender of those
 // hits. offender_key() is the Triton helpers' key bit for bit.
 //
+// Cost: the fault path (detail::fault) is __noinline__, a call the clean path jumps over; the hot path is one
+// compare and one ballot. A call still keeps the caller's live values across it: for an index that is one per
+// block, branch on it and record from one thread right before returning (docs/guarding.md), and check the kernel
+// with `tripwire resources --cuda` beside its twin.
+//
 // Build: add `tripwire.include_dir()` to the include path (torch.utils.cpp_extension's extra_include_paths) and
 // `#include <tripwire/guard.cuh>`. Needs sm_50+ (64-bit atomicMax) and CUDA 9+ (the *_sync warp intrinsics).
 // Outside nvcc only the constants and the encoding are defined (host tools, and a plain C++ syntax check).
