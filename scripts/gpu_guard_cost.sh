@@ -7,7 +7,8 @@
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$OUT/.torch_extensions}
+# The extension build tree outside $OUT: build trees need not come back.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tripwire-torch-extensions}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || export PYTHONPATH=$PWD/src
 SUM="$OUT/summary.txt"; : >"$SUM"
 T0=$(date +%s)
