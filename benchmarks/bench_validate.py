@@ -12,9 +12,12 @@ measured alternately over ``--repeats`` rounds):
   graph);
 * ``validator_beside_empty``: per call, a graph alternating [empty, validator], minus the empty-only graph: what the
   validator adds next to other kernels of a step;
-* ``eager_host_us``: the host time of an eager call (Python checks and the launch), per call over 2000 calls.
+* ``eager_host_us``: the host time of an eager call (Python checks and the launch), per call over 2000 calls
+  (target: at most 20 us); beside it ``host_breakdown_us``: the bound launch alone, the same launch through the
+  JITFunction (what every call paid before the launch was bound), and an empty Triton kernel's launch (the floor
+  of any Triton launch).
 
-``python benchmarks/bench_validate.py [--repeats N] [--json PATH]`` prints a table and writes the JSON.
+``python benchmarks/bench_validate.py [--repeats N] [--host-only] [--json PATH]`` prints a table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
 
 PER_GRAPH = 20
+HOST_TARGET_US = 20.0
 
 
 @triton.jit
@@ -56,7 +60,35 @@ def _metadata(device: str) -> dict[str, torch.Tensor]:
     }
 
 
-def run(repeats: int = 7, rep_ms: int = 200) -> dict:
+def _host_us(fn, n: int = 2000) -> float:  # type: ignore[no-untyped-def]
+    """Host microseconds per call of ``fn`` (the GPU runs behind; one sync at the end, not timed)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def host_costs(v: Validator, md: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The eager call's host cost and its parts (see the module docstring)."""
+    from tripwire import _validate_kernel as k
+
+    plan = v._plan if v._plan is not None else v._build_plan()
+    ordered = [md[n] for n in plan.names]
+    x = torch.zeros(1, device="cuda")
+    return {
+        "call": _host_us(lambda: v(**md)),
+        "bound_launch": _host_us(lambda: plan.launch(ordered)),
+        "jit_launch": _host_us(lambda: k.launch(v._arena, plan.rules, ordered, mask=v.policy == "mask")),
+        "empty_triton_launch": _host_us(lambda: _empty[(1,)](x)),
+    }
+
+
+def run(repeats: int = 7, rep_ms: int = 200, host_only: bool = False) -> dict:
     dev = "cuda"
     mon = Monitor(registry=SiteRegistry(capacity=64), capacity=64)
     v = Validator("bench", dev, policy="mask", monitor=mon)
@@ -76,6 +108,11 @@ def run(repeats: int = 7, rep_ms: int = 200) -> dict:
         _empty[(1,)](x)
         v(**md)
 
+    host = host_costs(v, md)
+    if host_only:
+        assert mon.snapshot() == {}, "clean metadata must count nothing"
+        return {"env": env_info(), "eager_host_us": host["call"], "host_breakdown_us": host,
+                "host_target_us": HOST_TARGET_US, "host_pass": host["call"] <= HOST_TARGET_US}  # fmt: skip
     graphs = {
         "validator": capture(call, warm=3, repeat=PER_GRAPH).replay,
         "empty": capture(empty, warm=3, repeat=PER_GRAPH).replay,
@@ -86,16 +123,7 @@ def run(repeats: int = 7, rep_ms: int = 200) -> dict:
         for k, fn in graphs.items():
             samples[k].append(float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3 / PER_GRAPH)
     med = {k: statistics.median(s) for k, s in samples.items()}
-    # Eager host cost: Python checks + the Triton launch (the GPU runs far ahead; one sync at the end).
-    for _ in range(50):
-        call()
-    torch.cuda.synchronize()
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    host_us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
+    host_us = host["call"]
     assert mon.snapshot() == {}, "clean metadata must count nothing"
     return {
         "env": env_info(),
@@ -110,6 +138,9 @@ def run(repeats: int = 7, rep_ms: int = 200) -> dict:
         "empty_us": {"median": med["empty"], "min": min(samples["empty"]), "max": max(samples["empty"])},
         "validator_beside_empty_us": med["both"] - med["empty"],
         "eager_host_us": host_us,
+        "host_breakdown_us": host,
+        "host_target_us": HOST_TARGET_US,
+        "host_pass": host_us <= HOST_TARGET_US,
         "samples_us": samples,
     }
 
@@ -118,18 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--host-only", action="store_true", help="only the eager host cost and its parts")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_validate: needs a CUDA GPU", file=sys.stderr)
         return 2
-    r = run(a.repeats)
+    r = run(a.repeats, host_only=a.host_only)
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in r["host_breakdown_us"].items())
+    print(f"eager host cost of a call:        {r['eager_host_us']:7.2f} us (target <= {HOST_TARGET_US} us; {parts})")
+    if a.host_only:
+        if a.json:
+            write_json(a.json, r)
+        return 0
     print(
         f"validator, graph-replayed:        {r['validator_us']['median']:7.2f} us per call "
         f"(min {r['validator_us']['min']:.2f}, max {r['validator_us']['max']:.2f})"
     )
     print(f"empty Triton kernel, same graphs: {r['empty_us']['median']:7.2f} us per call")
     print(f"validator beside an empty kernel: {r['validator_beside_empty_us']:7.2f} us per call")
-    print(f"eager host cost of a call:        {r['eager_host_us']:7.2f} us")
     if a.json:
         write_json(a.json, r)
     else:

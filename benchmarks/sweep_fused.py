@@ -3,7 +3,7 @@
 Each pair is the same kernel on both sides. The data is healthy bf16, 8 heads x 128, e4m3, at 2048/16384/32768
 tokens. It is the sweep behind the fused kernel's launch shape (``_launch_config`` in
 ``tripwire/numerics/fused.py``), not a question of the suite. Run ``python benchmarks/sweep_fused.py
-[OUT_JSON]`` on a GPU: it prints one line per configuration.
+[OUT_JSON [TOKENS,...]]`` on a GPU: it prints one line per configuration.
 
 Timings are as in bench_numerics.py: CUDA-graph replays of 20 calls, do_bench medians, alternated over 7 rounds.
 """
@@ -43,10 +43,10 @@ def _launcher(tokens: int, nw: int, tpp: int, count: bool) -> Callable[[], None]
     return lambda: F._launch(key, value, kc, vc, slots, ks, vs, c, count=count, guard=count, config=(nw, tpp))
 
 
-def main(out: str) -> None:
+def main(out: str, tokens_list: tuple[int, ...] = (2048, 16384, 32768)) -> None:
     results: dict[str, list[float]] = {}
     configs = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (4, 4), (8, 4), (4, 8)]
-    for tokens in (2048, 16384, 32768):
+    for tokens in tokens_list:
         fns = {(nw, tpp, count): _launcher(tokens, nw, tpp, count) for nw, tpp in configs for count in (False, True)}
         for f in fns.values():
             f()  # compile
@@ -71,4 +71,8 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "sweep_fused.json")
+    # python benchmarks/sweep_fused.py [OUT_JSON [TOKENS,...]]
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "sweep_fused.json",
+        tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (2048, 16384, 32768),
+    )

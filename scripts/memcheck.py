@@ -41,6 +41,9 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The metadata validator in front of kernels it cannot edit: torch's index_select / index_copy_ and an unguarded
 # gather (paged_gather's twin). "--guard 1" validates (mask) first, "--guard 0" is the consumer on the raw metadata.
 VALIDATED = ("validate.index_select", "validate.index_copy", "validate.gather")
+# vLLM's own kernels (benchmarks/adopted_vllm): "--guard 1" runs the copy guarded from the docs, "--guard 0" vLLM's.
+ADOPTED = ("adopted.decode_gqa", "adopted.decode_mha", "adopted.reshape_triton", "adopted.reshape_cuda")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FAR = 1 << 24
 
@@ -83,9 +86,71 @@ def _validated_child(consumer: str, validate: bool, dev: str = "cuda") -> int:
     return 0
 
 
+def _adopted_child(case: str, guard: bool, dev: str = "cuda") -> int:
+    import torch
+
+    import tripwire
+    from tripwire.kernels import counters
+
+    sys.path.insert(0, BENCH)
+    from adopted_vllm import load
+
+    tripwire.prealloc(dev)
+    req = torch.arange(100, 164, dtype=torch.int64, device=dev) if guard else None
+    if case.startswith("adopted.decode"):
+        mod = load("guarded" if guard else "original", "triton_decode_attention")
+        B, Hq, Hkv, D, PS, W, S = 8, 32, 8 if case.endswith("gqa") else 32, 128, 16, 16, 8
+        N = B * W
+        q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16)
+        kb, vb = (torch.randn(N, PS, Hkv, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.arange(N, dtype=torch.int32, device=dev).reshape(B, W)
+        lens = torch.full((B,), 200, dtype=torch.int32, device=dev)  # 25 tokens per split: pages straddle splits
+        for b, col, v in ((1, 3, N + 5), (2, 1, -9), (5, 12, INT32_MAX), (6, 0, INT32_MIN)):  # used columns (< 13)
+            table[b, col] = v
+        lens[B - 1] = 100_000  # past the table's width: the original reads past the table
+        o, lse = torch.empty_like(q), torch.empty(B, Hq, device=dev)
+        logits = torch.empty(B, Hq, S, D + 1, device=dev)
+        kw = dict(ctr=counters(mod.SITES, dev), requests=req[:B]) if guard else {}
+        mod.decode_attention_fwd(q, kb, vb, o, lse, table, lens, logits, S, D**-0.5, PS, **kw)
+        ctr, expect = kw.get("ctr"), [4, 1]
+    else:
+        T, H, D, PS, NB = 64, 8, 128, 16, 8
+        k, v = (torch.randn(T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        kc, vc = (torch.zeros(NB, PS, H, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.randperm(NB * PS, device=dev)[:T]
+        slots[3], slots[10], slots[20], slots[40] = -1, NB * PS + 3, -7, FAR  # padding, then three bad slots
+        one = torch.ones(1, device=dev)
+        if case.endswith("cuda"):
+            from adopted_vllm import cuda_ext
+
+            ctr = tripwire.counter(cuda_ext.SITE, dev) if guard else None
+            cuda_ext.reshape_and_cache_flash(k, v, kc, vc, slots, one, one, guard=guard, ctr=ctr, requests=req)
+        else:
+            mod = load("guarded" if guard else "original", "triton_reshape_and_cache_flash")
+            ctr = tripwire.counter(mod.SITE_SLOT, dev) if guard else None
+            kw = dict(ctr=ctr, requests=req) if guard else {}
+            mod.triton_reshape_and_cache_flash(k, v, kc, vc, slots, "auto", one, one, **kw)
+        expect = [3]
+    if dev != "cpu":
+        torch.cuda.synchronize()
+    got = ctr.reshape(-1, 8)[:, 0].tolist() if ctr is not None else [0] * len(expect)
+    print(f"COUNTS {case} guard={int(guard)} got={got} expect={expect if guard else [0] * len(expect)}")
+    if guard and got != expect:
+        print(f"MISCOUNT: {case} counted {got}, expected {expect}", file=sys.stderr)
+        return 3
+    if guard:
+        offenders = [o for h in tripwire.snapshot().values() for o in h.offenders]
+        if not offenders or any(o.request is None for o in offenders):
+            print(f"OFFENDERS: {case} kept {offenders}, each with a request expected", file=sys.stderr)
+            return 4
+    return 0
+
+
 def _child(kernel: str, guard: bool, dev: str = "cuda") -> int:
     if kernel in VALIDATED:
         return _validated_child(kernel, guard, dev)
+    if kernel in ADOPTED:
+        return _adopted_child(kernel, guard, dev)
     import torch
 
     import tripwire
@@ -241,6 +306,16 @@ def _drive(sanitizer: str, kernels: list[str]) -> int:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     rows = []
     ok = True
+    if "adopted.reshape_cuda" in kernels:
+        try:
+            sys.path.insert(0, BENCH)
+            from adopted_vllm import cuda_ext
+
+            cuda_ext.build()
+        except Exception as e:
+            print(f"--- adopted.reshape_cuda: the extension did not build: {type(e).__name__}: {e}", file=sys.stderr)
+            ok = False
+            kernels = [k for k in kernels if k != "adopted.reshape_cuda"]
     if "cuda_gather" in kernels:
         err = _prebuild_example()
         if err is not None:
@@ -278,11 +353,11 @@ def _drive(sanitizer: str, kernels: list[str]) -> int:
                 ok = False
                 print(f"--- twin {kernel} reported no errors (rc {p.returncode}):\n{text[-2000:]}", file=sys.stderr)
         rows.append((kernel, res))
-    print(f"{'kernel':14s} {'guarded errors':>15s} {'twin errors':>12s}  verdict   guarded counts")
+    print(f"{'kernel':22s} {'guarded errors':>15s} {'twin errors':>12s}  verdict   guarded counts")
     for kernel, res in rows:
         g, u = res[1], res[0]
         verdict = "PASS" if g[0] == 0 and g[1] == 0 and (u[0] or u[1] != 0) else "FAIL"
-        print(f"{kernel:14s} {g[0]!s:>15s} {u[0]!s:>12s}  {verdict:8s}  {g[2]}")
+        print(f"{kernel:22s} {g[0]!s:>15s} {u[0]!s:>12s}  {verdict:8s}  {g[2]}")
     print(
         "memcheck:",
         "PASS (guarded: 0 errors everywhere; twins: errors, so the inputs really were out of range)" if ok else "FAIL",
@@ -292,7 +367,7 @@ def _drive(sanitizer: str, kernels: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--child", choices=KERNELS + VALIDATED, help="run one kernel (inside the sanitizer)")
+    p.add_argument("--child", choices=KERNELS + VALIDATED + ADOPTED, help="run one kernel (inside the sanitizer)")
     p.add_argument("--guard", type=int, choices=(0, 1), default=1)
     p.add_argument(
         "--device",
@@ -300,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         help="child only: cpu checks the expected counts under "
         "TRITON_INTERPRET=1 (guarded runs only; the twin would read out of bounds)",
     )
-    p.add_argument("--kernels", default=",".join(KERNELS + VALIDATED), help="comma list (driver)")
+    p.add_argument(
+        "--kernels", default=",".join(KERNELS + VALIDATED), help=f"comma list (driver); also: {','.join(ADOPTED)}"
+    )
     p.add_argument("--sanitizer", default=None, help="path to compute-sanitizer (default: PATH, then CUDA_HOME/bin)")
     args = p.parse_args(argv)
     if args.child:

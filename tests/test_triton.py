@@ -643,7 +643,9 @@ try:
     out = {}
     for has in (False, True):
         ptx = build(uses, types, dict(HAS_REQ=has, BLOCK=128))
-        out[str(has)] = {"cas": ptx.count(".cas.b64"), "release": ptx.count("atom.global.sys.release.exch")}
+        out[str(has)] = {"cas": ptx.count(".cas.b64"), "release": ptx.count("atom.global.sys.release.exch"),
+                         "cold": sorted({f for f in ("_record_words", "_claim", "_record_one") if "call.uni" in ptx
+                                         and f"_$_{f}__" in ptx})}
     try:
         build(control, types, dict(BLOCK=16))
         out["control"] = "compiled"
@@ -659,13 +661,15 @@ print(json.dumps(out))
 
 def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_path):
     """Every helper, with and without a request, compiled for sm_90 (no GPU needed): the fault path's
-    compare-and-swaps and the released ROW store are in the PTX. Control: the interpreter runs code the compiler
+    compare-and-swaps and the released ROW store are in the PTX, out of line (called functions). Control: the interpreter runs code the compiler
     refuses (an early return inside a static `if`: the compiler goes on past it), so only a build shows that the
     helpers compile."""
     (tmp_path / "early_return.py").write_text(_EARLY_RETURN)
     r = build_probe(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _HELPERS_PROBE)
     for has in ("False", "True"):
-        assert r[has]["cas"] >= 3 and r[has]["release"] >= 1, r
+        # Out of line, each compare-and-swap is in the PTX once (in its .func), called from every helper.
+        assert r[has]["cas"] >= 2 and r[has]["release"] >= 1, r
+        assert r[has]["cold"] == ["_claim", "_record_one", "_record_words"], r
     assert r["control"].startswith("CompilationError"), r
     if INTERPRET:  # ... which the interpreter runs without a complaint
         spec = importlib.util.spec_from_file_location("early_return", tmp_path / "early_return.py")
@@ -690,18 +694,18 @@ from tripwire import layout
 from tripwire.kernels import slot_mapping as sm
 from tripwire.numerics import nonfinite as nf
 
-_H, _E, _D = tl.constexpr(layout.OFF_HEADER), tl.constexpr(layout.OFF_ENTRY), tl.constexpr(layout.OFF_DONE)
+_H, _E = tl.constexpr(layout.OFF_HEADER), tl.constexpr(layout.OFF_ENTRY)
 _ER, _EV, _EQ = tl.constexpr(layout.E_ROW), tl.constexpr(layout.E_VALUE), tl.constexpr(layout.E_REQ)
 
 
 @triton.jit
-def no_offenders(ctr_ptr, n, b, rb, vb, qb):
+def no_offenders(ctr_ptr, b, rb, vb, qb):
     # The baseline: the fault path's count, extremes and first pair, no offenders.
-    tl.atomic_add(ctr_ptr + 6, n * 0)
+    tl.atomic_add(ctr_ptr + 6, rb.to(tl.int64).sum() * 0)
 
 
 @triton.jit
-def per_lane_offenders(ctr_ptr, n, b, rb, vb, qb):
+def per_lane_offenders(ctr_ptr, b, rb, vb, qb):
     # The control: every lane claims at once (a key and a compare-and-swap result per lane, live across the block).
     addr = tl.load(ctr_ptr + 7)
     if addr != 0:
@@ -719,7 +723,18 @@ def per_lane_offenders(ctr_ptr, n, b, rb, vb, qb):
                     tl.store(slot + _EV + rb * 0, vb, mask=won)
                     tl.atomic_xchg(slot + _ER + rb * 0, rb, mask=won, sem="release", scope="sys")
                     active = active & (old != 0) & (old != key)
-        tl.atomic_add(blk + _D, n)
+
+
+@triton.jit
+def wide(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr):
+    # The control's kernel: a record over a whole wide block (2048 lanes), the layout the counters had before
+    # their fault paths read small tiles again: per-lane claims there cost registers.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    x = tl.load(x_ptr + offs, mask=m, other=0)
+    bad = ((x & 0x7F80) == 0x7F80) & m
+    if tl.max(bad.to(tl.int32), axis=None) > 0:
+        tt.record_hits(ctr_ptr, bad, offs // ncols, offs % ncols)
 
 
 def regs(fn, types, consts, warps):
@@ -733,16 +748,17 @@ def regs(fn, types, consts, warps):
 KERNELS = {
     "nonfinite": (nf._nonfinite_kernel, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"},
                   dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80), nf._NUM_WARPS),
+    "wide": (wide, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"}, dict(BLOCK=2048), 8),
     "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},
-                     dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), 4),
+                     dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), sm._NUM_WARPS),
 }
 try:
-    shipped = tt._record_offenders
+    shipped = tt._claim_offenders
     out = {}
     for variant, fn in (("shipped", shipped), ("none", no_offenders), ("per_lane", per_lane_offenders)):
-        tt._record_offenders = fn  # _fault resolves it by name when it is compiled
+        tt._claim_offenders = fn  # _fault resolves it by name when it is compiled
         out[variant] = {name: regs(*spec) for name, spec in KERNELS.items()}
-    tt._record_offenders = shipped
+    tt._claim_offenders = shipped
 except CompilationError:
     raise  # a kernel that does not compile is a failure, never a skip
 except Exception as e:
@@ -753,19 +769,17 @@ print(json.dumps(out))
 
 def test_offender_claims_cost_the_hot_path_no_occupancy(build_probe):
     """Registers are allocated for a kernel's hungriest path, taken or not, so a compiled-in fault path can slow a
-    clean launch. Compiled for sm_90 (no GPU needed) at the launchers' default shapes, the non-finite counter (a wide
-    read) and the guarded slot mapping need no more registers (within one allocation unit) and fit as many programs
-    per SM with the shipped offender claims as with none at all. Control: claims made by every lane at once (per-lane
-    keys and compare-and-swap results live across the block) need more, and fit one program fewer of the wide read,
-    so the comparison can fail."""
+    clean launch. Compiled for sm_90 (no GPU needed) at the launcher's default shape, the non-finite counter (whose
+    fault path reads small tiles again) needs no more registers and fits as many programs per SM with the shipped
+    offender claims as with none at all. A record over a whole 2048-lane block is where claims cost (why the counters
+    record from small tiles): there the shipped scalar claims need fewer registers than claims made by every lane
+    at once (the control: per-lane keys and compare-and-swap results live across the block), so the comparison can
+    fail. (The slot mapping is held to the register rule against its twin in tests/test_register_rule.py.)"""
     r = build_probe(_REGISTERS_PROBE)
-    for name in ("nonfinite", "slot_mapping"):
-        shipped, none, per_lane = (r[v][name] for v in ("shipped", "none", "per_lane"))
-        # Within one allocation unit (8 registers per thread) of no claims at all, and never fewer programs.
-        assert shipped["regs"] <= none["regs"] + 8 and shipped["programs_per_sm"] >= none["programs_per_sm"], r
-        assert per_lane["regs"] > none["regs"] + 8, (name, r)
-    # ... which, for the wide read, is one program per SM fewer.
-    assert r["per_lane"]["nonfinite"]["programs_per_sm"] < r["none"]["nonfinite"]["programs_per_sm"], r
+    shipped, none = r["shipped"]["nonfinite"], r["none"]["nonfinite"]
+    assert shipped["regs"] <= none["regs"] + 8 and shipped["programs_per_sm"] >= none["programs_per_sm"], r
+    assert r["per_lane"]["wide"]["regs"] > r["shipped"]["wide"]["regs"] + 8, r
+    assert r["per_lane"]["wide"]["programs_per_sm"] <= r["shipped"]["wide"]["programs_per_sm"], r
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

@@ -515,6 +515,23 @@ def test_requests_per_row_and_csr(mon, kernel_device):
     assert snap[(str(v.device), "att.kv")].offenders == ((3, 40, 91),)
 
 
+def test_requests_at_a_lengths_site(mon, kernel_device):
+    """A bad length's offender carries the request of its table row (the table rule's ``requests``), like the
+    table's own entries do. Control: the rule without requests keeps the offender with no request."""
+    dev = kernel_device
+    for with_req in (True, False):
+        m = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+        v = Validator("len", dev, monitor=m)
+        v.index("table", hi=50, safe=0, lengths="n", requests="req" if with_req else None)
+        kw = dict(req=torch.tensor([70, 71, 72], device=dev)) if with_req else {}
+        v(table=torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32, device=dev),
+          n=torch.tensor([2, 9, -1], dtype=torch.int32, device=dev), **kw)  # fmt: skip
+        hit = m.snapshot()[(str(v.device), "len.n")]
+        want = [(1, 9, 71), (2, -1, 72)] if with_req else [(1, 9, None), (2, -1, None)]
+        assert hit.count == 2 and sorted(hit.offenders) == want
+        m.stop()
+
+
 def test_offenders_keep_the_first_k_distinct(kernel_device):
     """K = 4: twelve bad entries with six distinct values in one program keep the first four distinct ones in entry
     order (one program: lanes claim in order); the count stays exact; repeats in a later call add nothing."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from .triton import record_hits
 
-__all__ = ["BLOCK", "CSR", "INDEX", "Rules", "launch"]
+__all__ = ["BLOCK", "CSR", "INDEX", "Launcher", "Rules", "launch"]
 
 INDEX, CSR = 1, 2
 # Entries per program. The validator reads a few kilobytes per call; a large block keeps the grid (and the launch's
@@ -188,14 +189,17 @@ def _csr_block(
 
 
 @triton.jit
-def _lengths_check(ctr_ptr, a_ptr, an, w, MASK: tl.constexpr, ABLOCK: tl.constexpr):
-    """A per-row count outside ``[0, W]`` is bad (row = the table row); mask clamps it into the range."""
+def _lengths_check(
+    ctr_ptr, a_ptr, an, w, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr, MASK: tl.constexpr, ABLOCK: tl.constexpr
+):
+    """A per-row count outside ``[0, W]`` is bad (row = the table row, with the table rule's request of that row);
+    mask clamps it into the range."""
     for s in range(0, an, ABLOCK):
         k = s + tl.arange(0, ABLOCK).to(tl.int64)
         valid = k < an
         ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
         bad = valid & ((ln < 0) | (ln > w))
-        record_hits(ctr_ptr, bad, k, ln)
+        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ)
         if MASK:
             tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
 
@@ -308,7 +312,9 @@ def _validate(
         if OWN_AUX[i]:
             if local == nb:
                 if KIND[i] == 1:
-                    _lengths_check(ctr_ptr + AC[i], A[i], AN[i], W[i], MASK, ABLOCK)
+                    _lengths_check(
+                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK
+                    )
                 else:
                     _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK)
         beg += nb + OWN_AUX[i]
@@ -385,3 +391,94 @@ def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *
         BLOCK=BLOCK,
         ABLOCK=ABLOCK,
     )
+
+
+class Launcher:
+    """One validator's launch with everything that does not change between its calls computed once: the tensor
+    selections, the constexprs, and, per device and tensor dtypes, the compiled kernel, bound and called directly.
+
+    Why: a JITFunction launch re-binds and re-specialises every argument on each call (the rules are many tuple
+    arguments), tens of microseconds of host time per call, a real share of a CPU-bound engine's step. Bound, a call
+    is the host checks, the sizes and one call into the compiled kernel's launcher. The first call for a (device,
+    dtypes) key goes through the JITFunction (which compiles or loads the kernel) and binds what it returns; so does
+    every call under Triton's interpreter and while a launch hook (a profiler) is installed.
+
+    The compiled kernel depends on nothing else a call can change: the tensors are specialised neither on alignment
+    nor their sizes on value (``do_not_specialize`` on the kernel), the arena is one fixed tensor, the rest are the
+    rules' constexprs. Same preconditions as :func:`launch`.
+    """
+
+    __slots__ = ("_aux", "_bound", "_consts", "_direct", "_main", "_n_aux", "_rq", "_sg", "arena", "mask", "rules")
+
+    def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool) -> None:
+        self.arena = arena
+        self.rules = rules
+        self.mask = mask
+        slots = arena.shape[1]
+        # In the kernel's parameter order (after its ten runtime arguments): what the compiled launcher is given.
+        self._consts = dict(
+            KIND=rules.kind,
+            HAS_PAD=rules.has_pad,
+            HAS_LEN=rules.has_len,
+            OWN_AUX=rules.own_aux,
+            REQ=rules.req,
+            LO=rules.lo,
+            HI=rules.hi,
+            PAD=rules.pad,
+            SAFE=rules.safe,
+            C=tuple(r * slots for r in rules.row),
+            AC=tuple(r * slots for r in rules.aux_row),
+            MASK=mask,
+            BLOCK=BLOCK,
+            ABLOCK=ABLOCK,
+        )
+        self._main, self._aux, self._rq, self._sg = rules.tensor, rules.aux, rules.requests, rules.segments
+        self._n_aux = sum(rules.own_aux)
+        self._bound: dict[tuple, Any] = {}
+        # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an InterpretedFunction.
+        self._direct = arena.is_cuda and hasattr(_validate, "device_caches")
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not self.rules.kind:
+            return
+        main = tuple(tensors[i] for i in self._main)
+        aux = tuple(tensors[i] for i in self._aux)
+        rq = tuple(tensors[i] for i in self._rq)
+        sg = tuple(tensors[i] for i in self._sg)
+        n = tuple(t.numel() for t in main)
+        total = self._n_aux
+        for x in n:
+            total += -(-x // BLOCK)
+        if total == 0:
+            return
+        args = (
+            self.arena,
+            main,
+            aux,
+            rq,
+            sg,
+            n,
+            tuple(t.shape[1] if t.dim() == 2 else 1 for t in main),
+            tuple(t.numel() for t in aux),
+            tuple(t.numel() for t in rq),
+            tuple(t.numel() for t in sg),
+        )
+        if not self._direct:
+            _validate[(total,)](*args, **self._consts)
+            return
+        rt = triton.knobs.runtime
+        hooked = rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+        drv = triton.runtime.driver.active
+        device = drv.get_current_device()
+        key = (device, *(t.dtype for t in tensors))
+        k = None if hooked else self._bound.get(key)
+        if k is None:
+            k = _validate[(total,)](*args, **self._consts)
+            # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
+            if not hooked and hasattr(k, "packed_metadata"):
+                self._bound[key] = k
+            return
+        k.run(
+            total, 1, 1, drv.get_current_stream(device), k.function, k.packed_metadata, None, None, None,
+            *args, *self._consts.values(),
+        )  # fmt: skip

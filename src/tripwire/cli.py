@@ -1,5 +1,5 @@
 """The ``tripwire`` command: ``tripwire demo`` (the README's first command), ``tripwire bench``, ``tripwire sites``,
-``tripwire doctor``.
+``tripwire doctor``, ``tripwire resources`` (a guarded kernel's registers and occupancy beside its twin's).
 
 Without a GPU, Triton kernels must run in the interpreter, and TRITON_INTERPRET has to be set before triton is
 imported: so the CLI decides the device first and sets it before importing anything that imports triton.
@@ -65,10 +65,14 @@ def _main(argv: list[str] | None) -> int:
     sub.add_parser("sites", help="list the registered sites of the reference kernels and instruments")
     doctor = sub.add_parser("doctor", help="check this machine: what works and what would not", add_help=False)
     doctor.add_argument("args", nargs=argparse.REMAINDER)
+    res = sub.add_parser(
+        "resources", help="registers, spills and programs per SM of guarded kernels vs twins", add_help=False
+    )
+    res.add_argument("args", nargs=argparse.REMAINDER)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, rest = parser.parse_known_args(argv)
     extra = list(getattr(ns, "args", []) or []) + rest
-    if ns.cmd in ("demo", "bench", "doctor"):
+    if ns.cmd in ("demo", "bench", "doctor", "resources"):
         # argparse's REMAINDER drops leading options into `rest` out of order ("bench --only q2 --quick" would
         # become ["q2", "--quick", "--only"]): pass everything after the subcommand through verbatim instead.
         extra = argv[argv.index(ns.cmd) + 1 :]
@@ -117,6 +121,12 @@ def _main(argv: list[str] | None) -> int:
         from .doctor import main as doctor_main
 
         return doctor_main(extra)
+    if ns.cmd == "resources":
+        # Compiling for the GPU target needs Triton's compiler, which the interpreter replaces: never interpret.
+        os.environ.pop("TRITON_INTERPRET", None)
+        from .resources import main as resources_main
+
+        return resources_main(extra)
     return 2
 
 

@@ -326,7 +326,11 @@ class Validator:
             for field_name, value in row:
                 cols[field_name].append(value)
         rules = _k.Rules(**{f: tuple(v) for f, v in cols.items()})
-        self._plan = _Plan(names, tuple(ndims[n] for n in names), rules, _spec(rules), tuple(with_lengths))
+        whats = tuple(f"validator {self.name!r}: {n!r}" for n in names)
+        launcher = _k.Launcher(self._arena, rules, mask=self.policy == "mask")
+        self._plan = _Plan(
+            names, whats, tuple(ndims[n] for n in names), rules, _spec(rules), tuple(with_lengths), launcher
+        )
         return self._plan
 
     def _check(self, what: str, t: object, ndims: tuple[int, ...]) -> torch.Tensor:
@@ -356,10 +360,7 @@ class Validator:
             unknown = sorted(set(tensors) - set(plan.names))
             parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
             raise TypeError(f"validator {self.name!r}: {'; '.join(parts)} (it takes {list(plan.names)})")
-        ordered = [
-            self._check(f"validator {self.name!r}: {n!r}", tensors[n], nd)
-            for n, nd in zip(plan.names, plan.ndims, strict=True)
-        ]
+        ordered = [self._check(w, tensors[n], nd) for n, w, nd in zip(plan.names, plan.whats, plan.ndims, strict=True)]
         for table, lengths in plan.with_lengths:
             if tensors[lengths].shape[0] != tensors[table].shape[0]:
                 raise ValueError(
@@ -375,19 +376,22 @@ class Validator:
         if torch.compiler.is_compiling():
             torch.ops.tripwire.validate(ordered, self._arena, list(plan.spec), mask)
         else:
-            _k.launch(self._arena, plan.rules, ordered, mask=mask)
+            plan.launch(ordered)  # bound once per plan (_validate_kernel.Launcher): the eager host cost
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """A validator's call layout, fixed once its rules are: the tensor names in call order, each one's allowed ranks,
-    the kernel's rules (and the same as the custom op's int spec) and the (table, lengths) pairs to cross-check."""
+    """A validator's call layout, fixed once its rules are: the tensor names in call order (and the words naming
+    each in an error), each one's allowed ranks, the kernel's rules (and the same as the custom op's int spec), the
+    (table, lengths) pairs to cross-check and the bound launch."""
 
     names: tuple[str, ...]
+    whats: tuple[str, ...]
     ndims: tuple[tuple[int, ...], ...]
     rules: _k.Rules
     spec: tuple[int, ...]
     with_lengths: tuple[tuple[str, str], ...]
+    launch: _k.Launcher
 
 
 # ---------------------------------------------------------------------------------------------- the custom op

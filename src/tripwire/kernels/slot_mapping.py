@@ -45,6 +45,77 @@ SITE_BLOCK = register_site(
 SITES = (SITE_ROW, SITE_COLUMN, SITE_BLOCK)
 # Tokens per program (the largest block): one guard reduction per program, so fewer, larger programs amortise it.
 _BLOCK_T = 1024
+_NUM_WARPS = 8
+
+
+# The fault path's tile (one token per thread at the launch's 8 warps): it reads its program's tokens again in tiles
+# this small, so that what it keeps per lane (rows, columns, blocks, values: int64) does not raise the kernel's
+# registers over the hot path's (a kernel is allocated registers for its hungriest path, taken or not).
+_FAULT_T = tl.constexpr(256)
+
+
+@triton.jit
+def _column(pos, block_size, LOG2_BS: tl.constexpr):
+    """``(column, offset within the block)`` of int64 positions: floor division, also for negative positions."""
+    if LOG2_BS >= 0:
+        # A power-of-two block size (every engine's): the arithmetic shift IS floor division for signed integers
+        # and the mask is the matching remainder. A runtime int64 division is a long emulated sequence that made
+        # this kernel ALU-bound (twin and guarded alike), so every guard instruction showed in its time.
+        col = pos >> LOG2_BS
+        within = pos & ((1 << LOG2_BS) - 1)
+    else:
+        # Floor division written with non-negative operands only: Triton's // truncates toward zero, which would
+        # map positions -1..-(bs-1) into column 0 and hide them. (-1 - pos) cannot overflow, unlike -pos.
+        col = tl.where(pos >= 0, pos // block_size, -1 - (-1 - pos) // block_size)
+        within = pos - col * block_size
+    return col, within
+
+
+@triton.jit
+def _record_tokens(
+    pos_ptr,
+    rows_ptr,
+    table_ptr,
+    ctr_ptr,
+    req_ptr,
+    start,
+    T,
+    R,
+    W,
+    block_size,
+    num_blocks,
+    BLOCK_T: tl.constexpr,
+    LOG2_BS: tl.constexpr,
+    HAS_BLOCK_LIMIT: tl.constexpr,
+    HAS_REQ: tl.constexpr,
+):
+    """The fault path: the program's tokens read again, _FAULT_T at a time, and their bad rows, columns and blocks
+    recorded (each token at one site: the first check it fails)."""
+    # Not unrolled (Triton 3.6 unrolls a constant trip count, and eight tiles in flight cost what one big one did).
+    for s in tl.range(0, BLOCK_T, _FAULT_T, loop_unroll_factor=1):
+        lane = s + tl.arange(0, _FAULT_T)
+        offs = start + lane
+        m = (offs < T) & (lane < BLOCK_T)  # a program smaller than the tile reads none of the next one's tokens
+        pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
+        r = tl.load(rows_ptr + offs, mask=m, other=0).to(tl.int64)
+        col, _ = _column(pos, block_size, LOG2_BS)
+        row_ok = (r >= 0) & (r < R)
+        col_ok = (col >= 0) & (col < W)
+        ok = m & row_ok & col_ok
+        reqs = None  # the requests are read on the fault path only
+        if HAS_REQ:
+            reqs = tl.load(req_ptr + offs, mask=m, other=0)
+        blk = tl.load(table_ptr + tl.where(ok, r * W + col, 0), mask=ok & HAS_BLOCK_LIMIT, other=0).to(tl.int64)
+        # One site per pass of a (not unrolled) loop, so that the fault path is compiled once, not once per site:
+        # three inlined copies cost the kernel registers (Triton 3.6) that one does not.
+        for site in tl.range(0, 3 if HAS_BLOCK_LIMIT else 2, loop_unroll_factor=1):
+            bad = tl.where(
+                site == 0,
+                m & (row_ok == 0),
+                tl.where(site == 1, m & (col_ok == 0), ok & ((blk < 0) | (blk >= num_blocks))),
+            )
+            value = tl.where(site == 0, r, tl.where(site == 1, col, blk))
+            record_hits(ctr_ptr + 8 * site, bad, offs, value, reqs)
 
 
 @triton.jit
@@ -70,17 +141,7 @@ def _slot_mapping(
     m = offs < T
     pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
     r = tl.load(rows_ptr + offs, mask=m, other=0).to(tl.int64)
-    if LOG2_BS >= 0:
-        # A power-of-two block size (every engine's): the arithmetic shift IS floor division for signed integers
-        # and the mask is the matching remainder. A runtime int64 division is a long emulated sequence that made
-        # this kernel ALU-bound (twin and guarded alike), so every guard instruction showed in its time.
-        col = pos >> LOG2_BS
-        within = pos & ((1 << LOG2_BS) - 1)
-    else:
-        # Floor division written with non-negative operands only: Triton's // truncates toward zero, which would
-        # map positions -1..-(bs-1) into column 0 and hide them. (-1 - pos) cannot overflow, unlike -pos.
-        col = tl.where(pos >= 0, pos // block_size, -1 - (-1 - pos) // block_size)
-        within = pos - col * block_size
+    col, within = _column(pos, block_size, LOG2_BS)
     if GUARD:
         row_ok = (r >= 0) & (r < R)
         col_ok = (col >= 0) & (col < W)
@@ -99,13 +160,10 @@ def _slot_mapping(
         # Record AFTER the store, behind one reduction: a reduction (shared memory + barrier) placed between the
         # index loads and the dependent table load delays that load; clean programs pay one reduction and no atomics.
         if tl.sum(any_bad.to(tl.int32), axis=None) > 0:
-            reqs = None  # the requests are read on the fault path only
-            if HAS_REQ:
-                reqs = tl.load(req_ptr + offs, mask=m, other=0)
-            record_hits(ctr_ptr, bad_row, offs, r, reqs)
-            record_hits(ctr_ptr + 8, bad_col, offs, col, reqs)
-            if HAS_BLOCK_LIMIT:
-                record_hits(ctr_ptr + 16, bad_blk, offs, blk, reqs)
+            _record_tokens(
+                pos_ptr, rows_ptr, table_ptr, ctr_ptr, req_ptr, tl.program_id(0) * BLOCK_T, T, R, W, block_size,
+                num_blocks, BLOCK_T, LOG2_BS, HAS_BLOCK_LIMIT, HAS_REQ,
+            )  # fmt: skip
     else:
         blk = tl.load(table_ptr + r * W + col, mask=m, other=0).to(tl.int64)
         slot = blk * block_size + within
@@ -173,6 +231,9 @@ def slot_mapping(
         HAS_BLOCK_LIMIT=num_kv_blocks is not None,
         GUARD=bool(guard),
         HAS_REQ=req is not None,
+        # Four tokens per thread: with eight (4 warps), the guard's int64 checks needed more registers than the
+        # twin's and fit fewer programs per SM.
+        num_warps=_NUM_WARPS,
     )
     return slots
 

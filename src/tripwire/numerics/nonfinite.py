@@ -42,6 +42,8 @@ _FLOAT_DTYPES = (
 _BLOCK_BYTES = 4096
 _ITERS = 4
 _NUM_WARPS = 8
+# The fault path's tile (elements): one per thread at 8 warps.
+_FAULT_TILE = tl.constexpr(256)
 
 
 def register_nonfinite_site(
@@ -83,14 +85,17 @@ def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, ITERS: 
         m = offs < numel
         x = tl.load(x_ptr + offs, mask=m, other=0, eviction_policy="evict_first")  # read once: do not keep in L2
         seen |= (((x & MASK) == MASK) & m).to(tl.int32)
-    # The rare path (something is non-finite): read the program's range again and record it, one block at a time,
-    # lowest offsets first; the rows/columns (integer divisions) are only formed here.
+    # The rare path (something is non-finite): read the program's range again and record it, lowest offsets first,
+    # in tiles of _FAULT_TILE whatever BLOCK is, so that its int64 rows and columns (formed only here) and the
+    # record's reductions never need more registers than the hot loop (a kernel is allocated registers for its
+    # hungriest path, taken or not: a fault path on BLOCK-wide tiles cut the occupancy of the wide-block launches).
     if tl.max(seen, axis=None) > 0:
-        for j in range(ITERS):  # not `i`: the unrolled loop above left `i` a constexpr
-            offs = base + j * BLOCK + lanes
-            m = offs < numel
-            x = tl.load(x_ptr + offs, mask=m, other=0)
-            record_hits(ctr_ptr, ((x & MASK) == MASK) & m, offs // ncols, offs % ncols)
+        for j in tl.range(0, BLOCK * ITERS, _FAULT_TILE, loop_unroll_factor=1):
+            # Names of their own: the hot loop's (BLOCK-wide) would be loop-carried with another shape.
+            fo = base + j + tl.arange(0, _FAULT_TILE)
+            fm = (fo < numel) & (j + tl.arange(0, _FAULT_TILE) < BLOCK * ITERS)  # a smaller program: its own range
+            fx = tl.load(x_ptr + fo, mask=fm, other=0)
+            record_hits(ctr_ptr, ((fx & MASK) == MASK) & fm, fo // ncols, fo % ncols)
 
 
 def count_nonfinite(

@@ -11,6 +11,12 @@ calls one of:
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
 
+Cost: the fault path is out of line (called ``noinline`` functions, not code inlined into the kernel), so a clean
+launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
+Triton's ``noinline`` functions take scalars only: ``record_hit`` is out of line as a whole; ``record_hits`` and
+``guard_index`` reduce their block in the caller (after the vote, which is the whole hot path) and call out for
+the rest. ``tripwire resources`` shows what a guarded kernel occupies beside its twin (docs/guarding.md).
+
 Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
 ``record_hits`` counts LANES. A count should mean bad ENTRIES: where one entry is held by several lanes (a page id
 broadcast over the token lanes of its page) or read by several programs (head or split programs of one sequence),
@@ -101,77 +107,131 @@ def _offender_key(rb, vb, qb):
     return _fmix(_fmix(_fmix(rb) ^ vb) ^ qb) | 1
 
 
-@triton.jit
-def _record_offenders(ctr_ptr, n, b, rb, vb, qb):
-    """Keep the true lanes of ``b`` among the row's first K distinct offenders (tripwire.layout), then add the ``n``
-    hits to the block's OFF_DONE count (the reader's sign that their offenders are all in). A full block is read
-    once and left alone: a fault storm costs one load."""
+# ------------------------------------------------------------------------------------------- the cold fault path
+# Out of line (noinline): a call, not code inlined into the caller. Inlined, the fault path's atomics, loops and
+# 64-bit scalars are scheduled and register-allocated with the caller's hot code, and a kernel is allocated
+# registers for its hungriest path, taken or not: a compiled-in fault path raised kernels' registers and cut their
+# occupancy. Out of line, the caller keeps its own code; what is live at a call is a few scalars. Triton's
+# noinline functions take scalars only, so the block reductions (which lanes, the extremes, the lowest offender)
+# stay in the caller, after the vote, and everything from the atomics on is out of line.
+
+
+@triton.jit(noinline=True)
+def _record_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):
+    """The slots of ``n`` (> 0) hits, from the biased words of their extremes and of their lowest (row, value)."""
+    # Count first (see the module docstring for why the reader waits one copy for the rest).
+    tl.atomic_add(ctr_ptr + 0, n)
+    tl.atomic_max(ctr_ptr + 1, max_rb)
+    tl.atomic_max(ctr_ptr + 2, max_vb)
+    tl.atomic_max(ctr_ptr + 3, neg_min)
+    # The comparand must be int64 like the slot (an int32 literal 0 is mis-typed by the interpreter).
+    old = tl.atomic_cas(ctr_ptr + 4, first_rb * 0, first_rb)
+    if old == 0:
+        tl.atomic_xchg(ctr_ptr + 5, first_vb)
+
+
+@triton.jit(noinline=True)
+def _offender_block(ctr_ptr):
+    """The address of the row's offender block (tripwire.layout) while it has room, else 0: slot 7 is 0 for a
+    counter row that is not an arena's (a caller's own [8] tensor), and a full block (its last key set) is read
+    once and left alone, so a fault storm costs one load."""
     addr = tl.load(ctr_ptr + _OFF_SLOT)
-    # 0: a counter row that is not an arena's (a caller's own [8] tensor) has no offender block.
+    room = addr * 0
     if addr != 0:
         blk = addr.to(tl.pointer_type(tl.int64))
         k = tl.load(blk + 1)
         if tl.load(blk + _HEADER + (k - 1) * _ENTRY) == 0:
-            _claim_offenders(blk, k, b, rb, vb, qb)
-        # Last, after the claims and their words (an atomic: ordered after them): these hits' offenders are in.
-        tl.atomic_add(blk + _DONE, n)
+            room = addr
+    return room
+
+
+@triton.jit(noinline=True)
+def _claim(addr, rb, vb, qb):
+    """Keep one offender (biased words) in the block at ``addr``: a scalar walk over its ``k`` entries, a
+    compare-and-swap of its key into each; the entry it finds empty is its own, one holding its key means a
+    repeat. Returns True when every entry holds another key (the block is full)."""
+    blk = addr.to(tl.pointer_type(tl.int64))
+    k = tl.load(blk + 1)
+    key = _offender_key(rb, vb, qb)
+    pending = k >= 0
+    for j in range(0, k):
+        if pending:
+            slot = blk + _HEADER + j * _ENTRY
+            old = tl.atomic_cas(slot, key * 0, key)
+            if old == 0:
+                # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word
+                # ("not known"), so it cannot tell a reader that it landed; ROW (never 0) tells for all three.
+                tl.store(slot + _EREQ, qb)
+                tl.store(slot + _EVALUE, vb)
+                tl.atomic_xchg(slot + _EROW, rb, sem="release", scope="sys")
+            pending = (old != 0) & (old != key)
+    return pending
+
+
+@triton.jit(noinline=True)
+def _offenders_done(ctr_ptr, n):
+    """Last, after the claims and their words (an atomic: ordered after them): these ``n`` hits' offenders are in
+    (the block's OFF_DONE count, the reader's sign)."""
+    addr = tl.load(ctr_ptr + _OFF_SLOT)
+    if addr != 0:
+        tl.atomic_add(addr.to(tl.pointer_type(tl.int64)) + _DONE, n)
+
+
+@triton.jit(noinline=True)
+def _record_one(ctr_ptr, r, v, qb):
+    """The whole fault path of one hit (``record_hit``): saturated row ``r`` and value ``v``, request word ``qb``."""
+    rb = r + GUARD_BIAS
+    vb = v + GUARD_BIAS
+    one = rb * 0 + 1
+    _record_words(
+        ctr_ptr, one, rb, vb, (0 - v) + GUARD_BIAS, rb, vb
+    )  # tensor first: constexpr - scalar is a list in the interpreter
+    addr = _offender_block(ctr_ptr)
+    if addr != 0:
+        _claim(addr, rb, vb, qb)
+    _offenders_done(ctr_ptr, one)
 
 
 @triton.jit
-def _claim_offenders(blk, k, b, rb, vb, qb):
+def _claim_offenders(ctr_ptr, b, rb, vb, qb):
     """The program's distinct offenders one at a time, lowest (row, value, request) first like the first pair: each
-    candidate is three reductions over the block, then a SCALAR walk over the ``k`` entries (compare-and-swap its key
-    into each; the entry it finds empty is its own, one holding its key means a repeat). Scalar, not one claim per
+    candidate is three reductions over the block, then a scalar claim (out of line). Scalar, not one claim per
     lane: per-lane keys and compare-and-swap results are live across the whole block, and in a kernel whose hot path
     is a wide read that extra register pressure (a compiled-in fault path counts, taken or not) cut the occupancy.
     At most 2k candidates matter: each either takes an empty entry (k of them) or repeats a kept key (k distinct);
-    the walk stops early once an entry is found and the loop once the block is full or the lanes are used up."""
-    active = b
-    full = k * 0 != 0
-    for _ in range(0, 2 * k):
-        if (tl.sum(active.to(tl.int32), axis=None) > 0) & (full == 0):
-            cr = tl.min(tl.where(active, rb, _NO_ROW), axis=None)
-            at_r = active & (rb == cr)
-            cv = tl.min(tl.where(at_r, vb, _NO_ROW), axis=None)
-            at_v = at_r & (vb == cv)
-            cq = tl.min(tl.where(at_v, qb, _NO_ROW), axis=None)
-            active = active & ((at_v & (qb == cq)) == 0)  # every lane of this offender is handled by this claim
-            key = _offender_key(cr, cv, cq)
-            pending = full == 0
-            for j in range(0, k):
-                if pending:
-                    slot = blk + _HEADER + j * _ENTRY
-                    old = tl.atomic_cas(slot, key * 0, key)
-                    if old == 0:
-                        # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word
-                        # ("not known"), so it cannot tell a reader that it landed; ROW (never 0) tells for all three.
-                        tl.store(slot + _EREQ, cq)
-                        tl.store(slot + _EVALUE, cv)
-                        tl.atomic_xchg(slot + _EROW, cr, sem="release", scope="sys")
-                    pending = (old != 0) & (old != key)
-            full = pending  # every entry holds another key
+    the loop stops once the block is full or the lanes are used up."""
+    addr = _offender_block(ctr_ptr)
+    if addr != 0:
+        k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1)
+        active = b
+        full = k * 0 != 0
+        for _ in range(0, 2 * k):
+            if (tl.sum(active.to(tl.int32), axis=None) > 0) & (full == 0):
+                cr = tl.min(tl.where(active, rb, _NO_ROW), axis=None)
+                at_r = active & (rb == cr)
+                cv = tl.min(tl.where(at_r, vb, _NO_ROW), axis=None)
+                at_v = at_r & (vb == cv)
+                cq = tl.min(tl.where(at_v, qb, _NO_ROW), axis=None)
+                active = active & ((at_v & (qb == cq)) == 0)  # every lane of this offender is handled by this claim
+                full = _claim(addr, cr, cv, cq)
 
 
 @triton.jit
 def _fault(ctr_ptr, n, b, r, v, qb):
-    """The fault path of every helper (the one place that writes a guard row): ``n`` (> 0) hits, the true lanes of
-    ``b``, at saturated rows ``r`` and values ``v``, requests ``qb`` (biased words, 0 = not known); all one block
-    shape, at least 1-D."""
+    """The fault path of the block helpers: ``n`` (> 0) hits, the true lanes of ``b``, at saturated rows ``r`` and
+    values ``v``, requests ``qb`` (biased words, 0 = not known); all one block shape, at least 1-D. The reductions
+    run here, in the caller's code; the atomics out of line."""
     rb = r + GUARD_BIAS
     vb = v + GUARD_BIAS
-    # Count first (see the module docstring for why the reader waits one copy for the rest).
-    tl.atomic_add(ctr_ptr + 0, n)
-    tl.atomic_max(ctr_ptr + 1, tl.max(tl.where(b, rb, 0), axis=None))
-    tl.atomic_max(ctr_ptr + 2, tl.max(tl.where(b, vb, 0), axis=None))
-    tl.atomic_max(ctr_ptr + 3, tl.max(tl.where(b, GUARD_BIAS - v, 0), axis=None))
     # A real pair: the lowest bad row, and the lowest bad value within that row.
     first_r = tl.min(tl.where(b, rb, _NO_ROW), axis=None)
     first_v = tl.min(tl.where(b & (rb == first_r), vb, _NO_ROW), axis=None)
-    # The comparand must be int64 like the slot (an int32 literal 0 is mis-typed by the interpreter).
-    old = tl.atomic_cas(ctr_ptr + 4, tl.zeros_like(first_r), first_r)
-    if old == 0:
-        tl.atomic_xchg(ctr_ptr + 5, first_v)
-    _record_offenders(ctr_ptr, n, b, rb, vb, qb)
+    max_r = tl.max(tl.where(b, rb, 0), axis=None)
+    max_v = tl.max(tl.where(b, vb, 0), axis=None)
+    neg_min = tl.max(tl.where(b, GUARD_BIAS - v, 0), axis=None)
+    _record_words(ctr_ptr, n, max_r, max_v, neg_min, first_r, first_v)
+    _claim_offenders(ctr_ptr, b, rb, vb, qb)
+    _offenders_done(ctr_ptr, n)
 
 
 @triton.jit
@@ -197,10 +257,10 @@ def record_hit(ctr_ptr, row, value, req=None):
     several programs see the same bad entry (head or split programs of one sequence), each counts: put the program
     condition into the kernel's ``if`` (``if bad & (pid_head == 0):``) so one of them records it.
     """
-    one = tl.zeros([1], tl.int64)
-    r = _saturate(row.to(tl.int64)) + one
-    v = _saturate(value.to(tl.int64)) + one
-    _fault(ctr_ptr, tl.full([], 1, tl.int64), one == 0, r, v, _req_words(req, one))
+    # Everything from here on is out of line (_record_one): the caller's `if bad:` is the whole hot path.
+    r = _saturate(row.to(tl.int64))
+    v = _saturate(value.to(tl.int64))
+    _record_one(ctr_ptr, r, v, _req_words(req, r))
 
 
 @triton.jit

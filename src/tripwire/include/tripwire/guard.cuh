@@ -38,6 +38,11 @@
 // warp's hits to the block's OFF_DONE word: a reader that sees it reach the row's count has every offender of those
 // hits. offender_key() is the Triton helpers' key bit for bit.
 //
+// Cost: the fault path (detail::fault) is __noinline__, a call the clean path jumps over; the hot path is one
+// compare and one ballot. A call still keeps the caller's live values across it: for an index that is one per
+// block, branch on it and record from one thread right before returning (docs/guarding.md), and check the kernel
+// with `tripwire resources --cuda` beside its twin.
+//
 // Build: add `tripwire.include_dir()` to the include path (torch.utils.cpp_extension's extra_include_paths) and
 // `#include <tripwire/guard.cuh>`. Needs sm_50+ (64-bit atomicMax) and CUDA 9+ (the *_sync warp intrinsics).
 // Outside nvcc only the constants and the encoding are defined (host tools, and a plain C++ syntax check).
@@ -49,6 +54,16 @@
 #define TRIPWIRE_HAS_DEVICE 1
 #define TRIPWIRE_HD __host__ __device__ __forceinline__
 #define TRIPWIRE_DEVICE __device__ __forceinline__
+// The fault path is out of line: a call that the clean path jumps over, not code inlined into it. Inlined, its
+// shuffles, atomics and 64-bit extremes are scheduled and register-allocated with the caller's hot code (a kernel
+// is allocated registers for its hungriest path, taken or not). `inline` only for linkage (one definition across
+// translation units); __noinline__ keeps it a call. TRIPWIRE_FAULT_INLINE inlines it: the control of the
+// register tests, never for production.
+#if defined(__CUDACC__) && !defined(TRIPWIRE_FAULT_INLINE)
+#define TRIPWIRE_COLD inline __device__ __noinline__
+#else
+#define TRIPWIRE_COLD TRIPWIRE_DEVICE
+#endif
 #else
 #define TRIPWIRE_HAS_DEVICE 0
 #define TRIPWIRE_HD inline
@@ -138,11 +153,11 @@ TRIPWIRE_DEVICE void keep_offender(long long* ctr, long long rb, long long vb, l
   }
 }
 
-// The fault path of every helper, the one place that writes a guard row. Called by the lanes in `active` (all of
-// them, in step), with `bad` the warp's ballot (non-zero) and each lane's own saturated row and value and biased
-// request word (0 = not known). The lowest bad lane gathers the bad lanes' pairs and does one set of atomics for
-// the warp; then every bad lane keeps its own offender.
-TRIPWIRE_DEVICE void fault(long long* ctr, unsigned active, unsigned bad, long long row, long long value,
+// The fault path of every helper, the one place that writes a guard row (out of line: TRIPWIRE_COLD). Called by
+// the lanes in `active` (all of them, in step), with `bad` the warp's ballot (non-zero) and each lane's own
+// saturated row and value and biased request word (0 = not known). The lowest bad lane gathers the bad lanes' pairs
+// and does one set of atomics for the warp; then every bad lane keeps its own offender.
+TRIPWIRE_COLD void fault(long long* ctr, unsigned active, unsigned bad, long long row, long long value,
                            long long qb) {
   const int leader = __ffs(bad) - 1;
   long long max_row = 0, max_value = 0, neg_min = 0, first_row = NO_ROW, first_value = NO_ROW;
@@ -197,7 +212,7 @@ TRIPWIRE_HD long long request_word(long long request) { return request < 0 ? 0 :
 TRIPWIRE_DEVICE void record(int64_t* ctr, bool bad, long long row, long long value, long long qb) {
   const unsigned active = __activemask();
   const unsigned ballot = __ballot_sync(active, bad);
-  if (ballot == 0u) return;  // the hot path: one ballot, nothing else
+  if (ballot == 0u) return;  // the hot path: one compare (the caller's), one ballot, nothing else
   detail::fault(reinterpret_cast<long long*>(ctr), active, ballot, saturate(row), saturate(value), qb);
 }
 

@@ -1,0 +1,87 @@
+// Torch bindings of vLLM's reshape_and_cache_flash_kernel (original/cache_kernels.cuh) and of its guarded copy
+// (guarded/cache_kernels.cuh), launched as vLLM's host code launches it (csrc/cache_kernels.cu, vLLM 0.32.0:
+// one block per token, min(num_heads * head_size, 512) threads), for an unquantized (bf16/fp16, "auto") cache.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "vote_variant.cuh"  // includes guarded/cache_kernels.cuh, which includes original/
+
+namespace {
+
+template <typename T>
+void launch(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache, torch::Tensor& value_cache,
+            const torch::Tensor& slot_mapping, const torch::Tensor& k_scale, const torch::Tensor& v_scale, int variant,
+            const torch::Tensor& ctr, const c10::optional<torch::Tensor>& requests) {
+  const int num_tokens = slot_mapping.size(0);
+  const int num_heads = key.size(1);
+  const int head_size = key.size(2);
+  const int block_size = key_cache.size(1);
+  const int64_t key_stride = key.stride(0);
+  const int64_t value_stride = value.stride(0);
+  const int64_t block_stride = key_cache.stride(0);
+  const int64_t page_stride = key_cache.stride(1);
+  const int64_t head_stride = key_cache.stride(2);
+  const int kv_scale_stride = (k_scale.numel() > 1) ? 1 : 0;
+  dim3 grid(num_tokens);
+  dim3 block(std::min(num_heads * head_size, 512));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto* k = reinterpret_cast<const T*>(key.data_ptr());
+  auto* v = reinterpret_cast<const T*>(value.data_ptr());
+  auto* kc = reinterpret_cast<T*>(key_cache.data_ptr());
+  auto* vc = reinterpret_cast<T*>(value_cache.data_ptr());
+  const auto* sm = slot_mapping.data_ptr<int64_t>();
+  const auto* ks = k_scale.data_ptr<float>();
+  const auto* vs = v_scale.data_ptr<float>();
+  constexpr auto kAuto = vllm::Fp8KVCacheDataType::kAuto;
+  int64_t* c = variant != 0 ? ctr.data_ptr<int64_t>() : nullptr;
+  const int64_t* r = requests.has_value() ? requests->data_ptr<int64_t>() : nullptr;
+  const int64_t num_slots = static_cast<int64_t>(key_cache.size(0)) * block_size;
+  if (variant == 1) {
+    vllm_guarded::reshape_and_cache_flash_kernel<T, T, kAuto><<<grid, block, 0, stream>>>(
+        k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
+        block_size, ks, vs, kv_scale_stride, c, r, num_slots);
+  } else if (variant == 2) {
+    vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, kAuto><<<grid, block, 0, stream>>>(
+        k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
+        block_size, ks, vs, kv_scale_stride, c, r, num_slots);
+  } else {
+    vllm::reshape_and_cache_flash_kernel<T, T, kAuto><<<grid, block, 0, stream>>>(
+        k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
+        block_size, ks, vs, kv_scale_stride);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void reshape_and_cache_flash(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                             torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                             const torch::Tensor& k_scale, const torch::Tensor& v_scale, int64_t variant,
+                             const torch::Tensor& ctr, const c10::optional<torch::Tensor>& requests) {
+  TORCH_CHECK(key.is_cuda() && key.dim() == 3 && key_cache.dim() == 4, "key [T, H, D] and a 4-D NHD cache on CUDA");
+  TORCH_CHECK(key_cache.scalar_type() == key.scalar_type(), "an unquantized cache: key and cache of one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  TORCH_CHECK(variant >= 0 && variant <= 2, "variant: 0 original, 1 guarded, 2 the vote control");
+  TORCH_CHECK(variant == 0 || (ctr.scalar_type() == torch::kInt64 && ctr.numel() >= 8), "ctr: an int64 counter row");
+  TORCH_CHECK(!requests.has_value() || (requests->scalar_type() == torch::kInt64 &&
+                                         requests->numel() >= slot_mapping.numel()),
+              "requests: int64, one per token");
+  const c10::cuda::CUDAGuard device_guard(key.device());
+  if (key.scalar_type() == torch::kBFloat16) {
+    launch<__nv_bfloat16>(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, variant, ctr, requests);
+  } else if (key.scalar_type() == torch::kHalf) {
+    launch<__half>(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, variant, ctr, requests);
+  } else {
+    TORCH_CHECK(false, "bf16 or fp16 key/value only");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("reshape_and_cache_flash", &reshape_and_cache_flash,
+        "vLLM's reshape_and_cache_flash (variant 0), its guarded copy (1) or the vote control (2)");
+}

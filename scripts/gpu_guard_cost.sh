@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue 27 on the H200, in one device call (about 6 minutes): the GPU tests of the cold fault path and of vLLM's
+# adopted kernels, the adopted-kernel benchmark, ncu on the CUDA reshape_and_cache (registers, occupancy: the cause of
+# the guard's cost), compute-sanitizer over the adopted kernels, the validator's host cost, the numeric kernels.
+# Usage: bash scripts/gpu_guard_cost.sh; everything goes to $OUT (or ./gpu-out): one log per step, JSON results,
+# and summary.txt (each step's exit status and the lines that matter).
+set -u
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# The extension build tree outside $OUT: build trees need not come back.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tripwire-torch-extensions}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || export PYTHONPATH=$PWD/src
+SUM="$OUT/summary.txt"; : >"$SUM"
+T0=$(date +%s)
+step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, record the status
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc ($(( $(date +%s) - t )) s, at $(( $(date +%s) - T0 )) s)" | tee -a "$SUM"
+  return 0
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,torch.version.cuda,triton.__version__)"
+  nvcc --version | tail -1; which ncu compute-sanitizer; } >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt" >>"$SUM"
+
+# 1. The CUDA extension (nvcc, about a minute), built once here so that no later step compiles it under a tool.
+step build_ext 240 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from adopted_vllm import cuda_ext; cuda_ext.build(); print(cuda_ext.library_path())"
+
+# 2. vLLM's kernels against their guarded copies (and the vote control of the CUDA kernel): graph replays,
+#    interleaved rounds, the A/A noise floor, registers and programs per SM of each.
+step bench_adopted 200 python3 benchmarks/bench_adopted.py --rounds 41 --rep-ms 30 --out "$OUT/adopted.json"
+grep -E "cost|ERROR" "$OUT/bench_adopted.log" >>"$SUM"
+
+# 3. ncu on the CUDA reshape_and_cache at 4096 tokens: the original, the guarded copy, the vote control; launch
+#    registers, the occupancy limit and achieved occupancy, the time. Clocks not locked (--clock-control none).
+cat >"$OUT/ncu_target.py" <<'EOF'
+import sys
+sys.path.insert(0, "benchmarks")
+import torch, tripwire
+from adopted_vllm import cuda_ext
+tripwire.prealloc("cuda")
+T, H, D, PS = 4096, 8, 128, 16
+NB = 4 * T // PS
+k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+kc, vc = (torch.zeros(NB, PS, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+slots = torch.randperm(NB * PS, device="cuda")[:T]
+one = torch.ones(1, device="cuda")
+for _ in range(3):  # warm: the last round is what ncu's --launch-skip leaves
+    for g in (False, True, "vote"):
+        cuda_ext.reshape_and_cache_flash(k, v, kc, vc, slots, one, one, guard=g)
+torch.cuda.synchronize()
+EOF
+if command -v ncu >/dev/null; then
+  step ncu 120 ncu --clock-control none -k regex:reshape_and_cache_flash --launch-skip 6 --launch-count 3 \
+    --metrics launch__registers_per_thread,launch__occupancy_limit_registers,launch__waves_per_multiprocessor,sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum \
+    python3 "$OUT/ncu_target.py"
+  grep -E "reshape_and_cache_flash|registers_per_thread|occupancy_limit_registers|warps_active|time_duration|dram__|inst_executed|==ERROR|==WARNING" "$OUT/ncu.log" | sed 's/(int64_t[^)]*)//' | cut -c1-160 >>"$SUM"
+else
+  echo "== ncu: not found" | tee -a "$SUM"
+fi
+
+# 4. The validator's host cost per eager call (target <= 20 us) and its graph-replayed device time.
+step bench_validate 90 python3 benchmarks/bench_validate.py --repeats 3 --json "$OUT/validate.json"
+grep -E "host|per call" "$OUT/bench_validate.log" >>"$SUM"
+
+# 5. The numeric kernels: the non-finite counter's sweep against a copy (target >= 90 % everywhere) and the fused FP8
+#    counter against count=False (target <= 2 % at 2048 tokens).
+step bench_numerics 150 python3 benchmarks/bench_numerics.py --out "$OUT/numerics.json"
+grep -E "nonfinite|block|fused|overhead|ratio" "$OUT/bench_numerics.log" | head -30 >>"$SUM"
+step sweep_fused 100 python3 benchmarks/sweep_fused.py "$OUT/sweep_fused.json" 2048
+grep -E "^tokens 2048" "$OUT/sweep_fused.log" >>"$SUM"
+
+# Last, not timed, side by side: the GPU tests and compute-sanitizer (neither disturbs a measurement any more).
+# The GPU tests: the adopted kernels (counts, masking, graph replay, the CUDA extension), the helpers' cold path, the
+# register rule and the resource check (compiled for sm_90 here too), the validator's launch path.
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -rx tests/test_adopted_vllm.py tests/test_resources.py \
+  tests/test_register_rule.py tests/test_validate.py tests/test_triton.py -k "gpu or adopted or resources or register or validate" \
+  >"$OUT/pytest.log" 2>&1 & tpid=$!
+# compute-sanitizer memcheck over the adopted kernels: 0 errors guarded, errors for vLLM's originals; the four in
+# parallel (each driver runs its guarded and original child one after the other).
+pids=()
+for k in adopted.decode_gqa adopted.decode_mha adopted.reshape_triton adopted.reshape_cuda; do
+  timeout 240 python3 scripts/memcheck.py --kernels "$k" >"$OUT/memcheck_$k.log" 2>&1 & pids+=($!)
+done
+mrc=0; for p in "${pids[@]}"; do wait "$p" || mrc=1; done
+echo "== memcheck rc=$mrc (at $(( $(date +%s) - T0 )) s)" | tee -a "$SUM"
+grep -h -E "^adopted\.|memcheck:" "$OUT"/memcheck_adopted.*.log >>"$SUM"
+wait "$tpid"; echo "== pytest rc=$? (at $(( $(date +%s) - T0 )) s)" | tee -a "$SUM"
+tail -3 "$OUT/pytest.log" >>"$SUM"
+
+echo "gpu_guard_cost done in $(( $(date +%s) - T0 )) s" | tee -a "$SUM"
+cat "$SUM"

@@ -1,0 +1,143 @@
+"""The register rule's probe (tests/test_register_rule.py runs it in a process of its own, without Triton's
+interpreter): every shipped kernel and vLLM's adopted Triton kernels compiled for sm_90, guarded and twin, and
+guarded with the fault path inlined (the control). Prints one JSON line: {case: {variant: [[kernel, regs, spills,
+programs_per_sm], ...]}}."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # vLLM's launcher asks; the probe compiles for sm_90
+
+import tripwire  # noqa: E402
+from tripwire import resources as rs  # noqa: E402
+from tripwire.kernels import block_table as bt  # noqa: E402
+from tripwire.kernels import counters  # noqa: E402
+from tripwire.kernels import decode_attention as da  # noqa: E402
+from tripwire.kernels import kv_zero as kz  # noqa: E402
+from tripwire.kernels import paged_gather as pg  # noqa: E402
+from tripwire.kernels import rope as rp  # noqa: E402
+from tripwire.kernels import slot_mapping as sm  # noqa: E402
+from tripwire.kernels import state_copy as sc  # noqa: E402
+from tripwire.numerics import nonfinite as nf  # noqa: E402
+from tripwire.validate import Validator  # noqa: E402
+
+mon = tripwire.Monitor(registry=tripwire.SiteRegistry(capacity=64), capacity=64, mode="off")
+i32, i64, bf = torch.int32, torch.int64, torch.bfloat16
+
+
+def z(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def shipped(guard: bool) -> dict:
+    """The reference kernels at engine-like shapes, launched by their own launchers (guard on or off)."""
+    q = z(64, 32, 128, dtype=bf)
+    kv = z(64 * 128 + 16, 16, 8, 128, dtype=bf)
+    table = z(64, 128, dtype=i32)
+    ws = da.alloc_workspace(q, table, 16, 8)
+    return {
+        "block_table": lambda: bt.block_table_gather(
+            z(256, 64, dtype=i32), z(64, dtype=i32), z(256, dtype=i32), z(64, 64, dtype=i32),
+            ctr=counters(bt.SITES, "cpu", mon), guard=guard),
+        "slot_mapping": lambda: sm.slot_mapping(
+            z(4096, dtype=i32), z(4096, dtype=i32), z(64, 64, dtype=i32), z(4096, dtype=i64), 16, num_kv_blocks=8,
+            ctr=counters(sm.SITES, "cpu", mon), guard=guard),
+        "kv_zero": lambda: kz.kv_zero(z(64, 2, 16 * 128), z(32, dtype=i32), ctr=counters(kz.SITES, "cpu", mon),
+                                      guard=guard),
+        "paged_gather": lambda: pg.paged_gather(
+            z(64, 16, 8, 128, dtype=bf), z(8, 8, dtype=i32), z(8, 8, 16, 8, 128, dtype=bf),
+            ctr=counters(pg.SITES, "cpu", mon), guard=guard),
+        "state_copy": lambda: sc.state_copy(
+            z(64, 4096), z(8, 8, dtype=i32), z(8, dtype=i32), z(8, dtype=i32), z(8, dtype=i32),
+            ctr=counters(sc.SITES, "cpu", mon), guard=guard),
+        "rope": lambda: rp.rope(
+            z(256, dtype=i64), z(256, 32, 128, dtype=bf), z(256, 8, 128, dtype=bf), z(4096, 128),
+            z(256, 32, 128, dtype=bf), z(256, 8, 128, dtype=bf), ctr=counters(rp.SITES, "cpu", mon), guard=guard),
+        "decode_attention": lambda: da.decode_attention(
+            q, kv, kv, table, z(64, dtype=i32), torch.empty_like(q), workspace=ws, ctr=counters(da.SITES, "cpu", mon),
+            guard=guard),
+    }  # fmt: skip
+
+
+def instruments() -> dict:
+    """Kernels without a GUARD switch: their twin is the same launch with the fault path stubbed out."""
+    import tripwire.validate as tv
+
+    tv._interpreting = lambda: True  # a CPU validator whose launches are recorded, never run
+    v = Validator("probe", "cpu", policy="mask", monitor=mon)
+    v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
+    v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
+    v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
+    md = dict(slot_mapping=z(256, dtype=i64), block_table=z(256, 128, dtype=i32), blocks_per_req=z(256, dtype=i32),
+              kv_indices=z(32768, dtype=i32), kv_indptr=z(257, dtype=i32))  # fmt: skip
+    logits = z(256, 152064, dtype=bf)
+    nf_site = nf.register_nonfinite_site("probe.logits", monitor=mon)
+    return {
+        "validator": lambda: v(**md),
+        "nonfinite": lambda: nf.count_nonfinite(logits, nf_site, ctr=mon.counter(nf_site, "cpu")),
+    }
+
+
+def adopted(guarded: bool) -> dict:
+    from adopted_vllm import load
+
+    which = "guarded" if guarded else "original"
+    da_mod = load(which, "triton_decode_attention")
+    rc_mod = load(which, "triton_reshape_and_cache_flash")
+
+    def decode(kv_heads: int):  # type: ignore[no-untyped-def]
+        B, Hq, D, PS, W, S = 64, 32, 128, 16, 128, 8
+        q = z(B, Hq, D, dtype=bf)
+        kb = z(B * W, PS, kv_heads, D, dtype=bf)
+        kw = dict(ctr=counters(da_mod.SITES, "cpu", mon)) if guarded else {}
+        one = torch.ones(())
+        return lambda: da_mod.decode_attention_fwd(
+            q, kb, kb, torch.empty_like(q), z(B, Hq), z(B, W, dtype=i32), z(B, dtype=i32), z(B, Hq, S, D + 1), S, 0.1,
+            PS, k_scale=one, v_scale=one, **kw)  # fmt: skip
+
+    def reshape(tokens: int):  # type: ignore[no-untyped-def]
+        k = z(tokens, 8, 128, dtype=bf)
+        kc = z(4 * tokens // 16, 16, 8, 128, dtype=bf)
+        kw = dict(ctr=mon.counter(mon.registry.register(rc_mod.SITE_SLOT.name), "cpu")) if guarded else {}
+        one = torch.ones(1)
+        return lambda: rc_mod.triton_reshape_and_cache_flash(k, k, kc, kc, z(tokens, dtype=i64), "auto", one, one, **kw)
+
+    return {"vllm_decode_gqa": decode(8), "vllm_decode_mha": decode(32), "vllm_reshape": reshape(256)}
+
+
+def usage(fn) -> list:  # type: ignore[no-untyped-def]
+    return [[u.kernel, u.regs, u.spill_bytes, u.programs_per_sm] for u in map(rs.triton_usage, rs.capture_launches(fn))]
+
+
+def main() -> None:
+    out: dict = {}
+    for name, fn in shipped(True).items():
+        out[name] = {"guarded": usage(fn)}
+        with rs.fault_path("inline"):
+            out[name]["inline"] = usage(fn)
+    for name, fn in shipped(False).items():
+        out[name]["twin"] = usage(fn)
+    for name, fn in instruments().items():
+        out[name] = {"guarded": usage(fn)}
+        with rs.fault_path("inline"):
+            out[name]["inline"] = usage(fn)
+        with rs.fault_path("stub"):
+            out[name]["twin"] = usage(fn)
+    for name, fn in adopted(True).items():
+        out[name] = {"guarded": usage(fn)}
+        with rs.fault_path("inline"):
+            out[name]["inline"] = usage(fn)
+    for name, fn in adopted(False).items():
+        out[name]["twin"] = usage(fn)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

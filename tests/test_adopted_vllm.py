@@ -1,0 +1,179 @@
+"""vLLM's own kernels guarded by following the docs (benchmarks/adopted_vllm): against a torch reference, the
+originals on clean input, exact counts (once per bad entry: across token splits that cut a page, head programs and
+tile programs), requests, masking; on the GPU also graph replays and the CUDA reshape_and_cache extension. The
+originals' out-of-range accesses themselves (the control) are shown by compute-sanitizer (scripts/memcheck.py
+--kernels adopted.*), not here: on the CPU they would read and write outside their tensors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from adopted_vllm import load
+from tripwire.kernels import counters
+
+
+@pytest.fixture
+def gpu_capability(monkeypatch, kernel_device):
+    # vLLM's reshape launcher asks the device's capability; on the CPU (interpreter) answer for an H200.
+    if kernel_device == "cpu":
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+
+
+def _decode_ref(q, kb, vb, table, lens, num_pages, scale):  # type: ignore[no-untyped-def]
+    """Attention over each sequence's in-range tokens (a bad page's tokens take no weight; none left: zeros)."""
+    B, Hq, D = q.shape
+    Hkv, PS = kb.shape[2], kb.shape[1]
+    out = torch.zeros(B, Hq, D)
+    for b in range(B):
+        L = int(lens[b])
+        if L < 0 or L > table.shape[1] * PS:
+            continue
+        toks = torch.arange(L)
+        pages = table[b, toks // PS].long()
+        ok = (pages >= 0) & (pages < num_pages)
+        k = kb[pages.clamp(0, num_pages - 1), toks % PS].float()
+        v = vb[pages.clamp(0, num_pages - 1), toks % PS].float()
+        for h in range(Hq):
+            s = (k[:, h // (Hq // Hkv)] @ q[b, h].float()) * scale
+            s = torch.where(ok, s, float("-inf"))
+            if ok.any():
+                out[b, h] = torch.softmax(s, 0) @ v[:, h // (Hq // Hkv)]
+    return out
+
+
+def _decode(mod, q, kb, vb, table, lens, splits, **kw):  # type: ignore[no-untyped-def]
+    B, Hq, D = q.shape
+    o = torch.empty(B, Hq, D, device=q.device)
+    lse = torch.empty(B, Hq, device=q.device)
+    logits = torch.empty(B, Hq, splits, D + 1, device=q.device)
+    mod.decode_attention_fwd(q, kb, vb, o, lse, table, lens, logits, splits, 0.3, kb.shape[1], **kw)
+    return o
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_decode_attention_counts_each_bad_entry_once(make_monitor, hit_of, kernel_device, kv_heads):
+    """Token splits of 10 tokens over pages of 4: page 2 of sequence 0 (tokens 8-11) is read by splits 0 and 1 and
+    counts once; a bad length counts once and masks its sequence; a bad id past a sequence's length is padding
+    (never read, not counted). The output is attention over the remaining tokens, finite; the offenders carry
+    their sequences' requests."""
+    mon = make_monitor(offenders=8)
+    orig, guard = load("original", "triton_decode_attention"), load("guarded", "triton_decode_attention")
+    dev, P, PS, W, S, D = kernel_device, 20, 4, 8, 3, 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 4, D, generator=g).to(dev)
+    kb, vb = (torch.randn(P, PS, kv_heads, D, generator=g).to(dev) for _ in range(2))
+    table = torch.randint(0, P, (4, W), generator=g, dtype=torch.int32).to(dev)
+    lens = torch.tensor([30, 17, 9, 12], dtype=torch.int32, device=dev)
+    ctr = counters(guard.SITES, dev, mon)
+    torch.testing.assert_close(
+        _decode(guard, q, kb, vb, table, lens, S, ctr=ctr), _decode(orig, q, kb, vb, table, lens, S)
+    )
+    assert ctr[:, 0].tolist() == [0, 0]
+    table[0, 2] = 99  # tokens 8..11: split 0 is [0, 10), split 1 [10, 20): the page straddles them
+    assert (2 * PS < 10 < 3 * PS) and -(-30 // S) == 10
+    table[1, 1] = -3
+    table[2, 5] = 1000  # past sequence 2's 9 tokens: padding
+    lens[3] = 10_000  # past the table's 32 tokens
+    req = torch.tensor([100, 101, 102, 103], dtype=torch.int64, device=dev)
+    out = _decode(guard, q, kb, vb, table, lens, S, ctr=ctr, requests=req)
+    page, length = hit_of(mon, guard.SITE_PAGE.name), hit_of(mon, guard.SITE_LEN.name)
+    assert page.count == 2 and sorted(tuple(o) for o in page.offenders) == [(0, 99, 100), (1, -3, 101)]
+    assert length.count == 1 and tuple(length.offenders[0]) == (3, 10_000, 103)
+    assert torch.isfinite(out).all()
+    ref = _decode_ref(q.cpu(), kb.cpu(), vb.cpu(), table.cpu(), lens.cpu(), P, 0.3)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def _reshape(mod, k, v, slots, nb, **kw):  # type: ignore[no-untyped-def]
+    kc = torch.zeros(nb, 4, k.shape[1], k.shape[2], device=k.device)
+    vc = torch.zeros_like(kc)
+    one = torch.ones(1, device=k.device)
+    mod.triton_reshape_and_cache_flash(k, v, kc, vc, slots, "auto", one, one, **kw)
+    return kc, vc
+
+
+def test_reshape_and_cache_masks_and_counts_bad_slots(make_monitor, hit_of, kernel_device, gpu_capability):
+    """Padding (-1) is skipped and not counted; other negative slots and slots past the cache write nothing and
+    count once per token (not per tile program: 4 tiles here), at a fatal site, with the token's request."""
+    mon = make_monitor(offenders=8)
+    orig, guard = load("original", "triton_reshape_and_cache_flash"), load("guarded", "triton_reshape_and_cache_flash")
+    dev, T, H, D, NB = kernel_device, 6, 4, 32, 4
+    k, v = torch.randn(T, H, D, device=dev), torch.randn(T, H, D, device=dev)
+    ctr = mon.counter(
+        mon.registry.register(guard.SITE_SLOT.name, fatal=True, description=guard.SITE_SLOT.description), dev
+    )
+    clean = torch.tensor([0, 5, -1, 15, 3, 7], device=dev)
+    for a, b in zip(_reshape(orig, k, v, clean, NB), _reshape(guard, k, v, clean, NB, ctr=ctr), strict=True):
+        assert torch.equal(a, b)
+    bad = torch.tensor([0, 16, -1, -5, 3, 7], device=dev)
+    kc, _vc = _reshape(guard, k, v, bad, NB, ctr=ctr, requests=torch.arange(10, 16, device=dev))
+    hit = hit_of(mon, guard.SITE_SLOT.name)
+    assert hit.count == 2 and sorted(tuple(o) for o in hit.offenders) == [(1, 16, 11), (3, -5, 13)]
+    ref = torch.zeros(NB * 4, H, D)
+    for t, s in enumerate(bad.tolist()):
+        if 0 <= s < NB * 4:
+            ref[s] = k[t].cpu()
+    assert torch.equal(kc.reshape(-1, H, D).cpu(), ref)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_counts_n_times(make_monitor, hit_of, captured):
+    """Captured in a CUDA graph and replayed N times, the guarded decode attention counts N x the bad entries."""
+    mon = make_monitor(offenders=8)
+    mon.prealloc("cuda")
+    guard = load("guarded", "triton_decode_attention")
+    q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kb, vb = (torch.randn(8 * 16, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.arange(8 * 16, dtype=torch.int32, device="cuda").reshape(8, 16)
+    table[2, 3], table[5, 0] = 10_000, -1
+    lens = torch.full((8,), 200, dtype=torch.int32, device="cuda")
+    ctr = counters(guard.SITES, "cuda", mon)
+    graph = captured(lambda: _decode(guard, q, kb, vb, table, lens, 8, ctr=ctr), mon)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert hit_of(mon, guard.SITE_PAGE.name).count == 5 * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [True, "vote"], ids=["guarded", "vote_control"])
+def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
+    """The CUDA extension: vLLM's kernel and the guarded copy write the same cache on clean slots; with bad ones the
+    guarded copy (and the vote control) skip them and count once per token, with requests."""
+    from adopted_vllm import cuda_ext
+
+    cuda_ext.build()
+    mon = make_monitor(offenders=8)
+    mon.prealloc("cuda")
+    T, H, D, NB = 64, 8, 128, 8
+    k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(NB * 16, device="cuda")[:T]
+    one = torch.ones(1, device="cuda")
+    ctr = mon.counter(
+        mon.registry.register(cuda_ext.SITE.name, fatal=True, description=cuda_ext.SITE.description), "cuda"
+    )
+
+    def run(guard, s, **kw):  # type: ignore[no-untyped-def]
+        kc, vc = (torch.zeros(NB, 16, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cuda_ext.reshape_and_cache_flash(k, v, kc, vc, s, one, one, guard=guard, **kw)
+        return kc, vc
+
+    for a, b in zip(run(False, slots), run(variant, slots, ctr=ctr), strict=True):
+        assert torch.equal(a, b)
+    bad = slots.clone()
+    bad[3], bad[10], bad[20] = -1, NB * 16 + 3, -7
+    kc, _ = run(variant, bad, ctr=ctr, requests=torch.arange(100, 164, device="cuda"))
+    torch.cuda.synchronize()
+    hit = hit_of(mon, cuda_ext.SITE.name)
+    assert hit.count == 2 and sorted(tuple(o) for o in hit.offenders) == [(10, NB * 16 + 3, 110), (20, -7, 120)]
+    ref = torch.zeros_like(kc).reshape(-1, H, D)
+    for t, s in enumerate(bad.tolist()):
+        if 0 <= s < NB * 16:
+            ref[s] = k[t]
+    assert torch.equal(kc.reshape(-1, H, D), ref)

@@ -1,0 +1,130 @@
+"""tripwire.resources and ``tripwire resources``: the occupancy arithmetic, a Triton kernel compiled for sm_90 on
+the CPU beside its twin (and the control that the comparison can say "costs"), a CUDA binary read with cuobjdump
+(where nvcc exists): vLLM's reshape_and_cache_flash, its guarded copy (same registers) and the vote control
+(more registers, one block fewer per SM)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tripwire import resources as rs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "regs,smem,warps,programs,limit",
+    [(96, 0, 4, 5, "regs"), (40, 0, 16, 3, "regs"), (41, 0, 16, 2, "regs"), (8, 0, 4, 16, "threads"),
+     (16, 100_000, 4, 2, "smem"), (8, 0, 1, 32, "blocks")],
+)  # fmt: skip
+def test_programs_per_sm(regs, smem, warps, programs, limit):
+    assert rs.programs_per_sm(regs, smem, warps) == (programs, limit)
+
+
+def test_compare_is_the_register_rule():
+    def u(regs, progs, spills=0):  # type: ignore[no-untyped-def]
+        return rs.Usage("k", regs, spills, 0, 0, 4, progs, "regs")
+
+    rows = rs.compare([u(40, 6), u(41, 6), u(40, 5), u(32, 6, 8)], [u(32, 6)] * 4)
+    assert [ok for *_, ok in rows] == [True, False, False, False]
+    assert "COSTS" in rs.format_table(rows)
+    with pytest.raises(ValueError, match="pair them"):
+        rs.compare([u(1, 1)], [])
+
+
+KERNELS = """
+import torch
+import triton
+import triton.language as tl
+from tripwire.triton import record_hit, record_hits
+
+
+@triton.jit
+def _gather(ctr_ptr, ids_ptr, src_ptr, out_ptr, n, hi, GUARD: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    i = tl.load(ids_ptr + offs, mask=m, other=0)
+    if GUARD:
+        ok = m & (i >= 0) & (i < hi)
+        tl.store(out_ptr + offs, tl.load(src_ptr + i, mask=ok, other=0.0), mask=m)
+        bad = m & (ok == 0)
+        if tl.sum(bad.to(tl.int32), axis=None) > 0:
+            record_hits(ctr_ptr, bad, offs, i)
+    else:
+        tl.store(out_ptr + offs, tl.load(src_ptr + i, mask=m, other=0.0), mask=m)
+
+
+def _launch(guard):
+    ids = torch.zeros(4096, dtype=torch.int32)
+    _gather[(4,)](torch.zeros(8, dtype=torch.int64), ids, torch.zeros(100), torch.zeros(4096), 4096, 100,
+                  GUARD=guard, BLOCK=1024, num_warps=4)
+
+
+def guarded():
+    _launch(True)
+
+
+def twin():
+    _launch(False)
+"""
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "tripwire", "resources", *args], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+
+
+def test_cli_triton_guarded_beside_twin(tmp_path):
+    """A block-guarded gather beside its twin: the table, one row per kernel, and the inlined control."""
+    f = tmp_path / "kernels.py"
+    f.write_text(KERNELS)
+    p = _cli("--guarded", f"{f}:guarded", "--twin", f"{f}:twin", "--inline-control")
+    if "ptxas" in p.stderr and "Error" in p.stderr and "CompilationError" not in p.stderr:
+        pytest.skip(f"cannot compile for sm_90 here: {p.stderr[-300:]}")
+    assert "_gather" in p.stdout and "programs/SM" in p.stdout and "inlined" in p.stdout, p.stdout + p.stderr
+    assert p.returncode in (0, 1)
+    row = next(line for line in p.stdout.splitlines() if line.startswith("_gather"))
+    assert row.endswith("ok") == (p.returncode == 0)
+
+
+def test_cli_refuses_a_bad_spec():
+    p = _cli("--guarded", "no_colon_here")
+    assert p.returncode != 0 and "MODULE:FUNCTION" in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (a CUDA toolkit)")
+def test_cuda_adopted_reshape_same_registers_vote_control_more(tmp_path):
+    """vLLM's CUDA kernel and the guarded copy: the same registers and programs per SM at 512 threads; the vote
+    control (every thread through guard_index, going on after it) needs more and fits one block fewer."""
+    src = tmp_path / "k.cu"
+    src.write_text(
+        '#include "vote_variant.cuh"\n#include <cuda_bf16.h>\nusing B = __nv_bfloat16;\n'
+        "constexpr auto A = vllm::Fp8KVCacheDataType::kAuto;\n"
+        "template __global__ void vllm::reshape_and_cache_flash_kernel<B, B, A>(const B*, const B*, B*, B*, "
+        "const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, const float*, const float*, int);\n"
+        + "".join(
+            f"template __global__ void vllm_guarded::{k}<B, B, A>(const B*, const B*, B*, B*, const int64_t*, "
+            "int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, const float*, const float*, int, int64_t*, "
+            "const int64_t*, int64_t);\n"
+            for k in ("reshape_and_cache_flash_kernel", "reshape_and_cache_flash_kernel_vote")
+        )
+    )
+    import tripwire
+
+    cubin = tmp_path / "k.cubin"
+    inc = ["-I", tripwire.include_dir(), "-I", str(ROOT / "benchmarks" / "adopted_vllm")]
+    subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", *inc, "-o", str(cubin), str(src)], check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    found = {("vote" if "_vote" in u.kernel else "guarded" if "vllm_guarded" in u.kernel else "original"): u
+             for u in rs.cuda_usage(str(cubin), block_threads=512)}  # fmt: skip
+    o, g, v = found["original"], found["guarded"], found["vote"]
+    assert (g.regs, g.programs_per_sm) == (o.regs, o.programs_per_sm), found
+    assert v.regs > o.regs and v.programs_per_sm < o.programs_per_sm, found
