@@ -1,0 +1,142 @@
+"""Run vLLM's engine on a tiny random Llama, in this process, and print what it returned (the vLLM demo, tests, fuzz
+and benchmark drive vLLM through it, each run in a process of its own: an unguarded fault kills it).
+
+``python -m tripwire._vllm_run CONFIG_JSON`` with the vLLM environment's python. The config:
+
+* ``model``: a folder; a tiny random Llama (2 layers, hidden 128) is saved there with ``save_pretrained`` when it
+  holds none (no download: the weights are random, seeded).
+* ``rounds``: a list of rounds, each a list of prompts (token id lists): one ``LLM.generate`` call per round, greedy,
+  ``max_tokens`` new tokens each (default 16), ``ignore_eos``.
+* ``bench`` (optional): ``{"batch": B, "steps": N, "repeats": R}``: instead of rounds, time decode steps (see
+  ``benchmarks/bench_vllm.py``).
+
+vLLM's own settings come from the environment (``VLLM_ENABLE_V1_MULTIPROCESSING``; ``TRIPWIRE_VLLM`` for the plugin;
+:mod:`tripwire._vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
+request, its vLLM request id, tokens and finish reason; whether the V1 runner was hooked in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+MODEL_SEED = 0
+KV_CACHE_BYTES = 32 << 20
+
+
+def make_model(path: str) -> None:
+    """Save the tiny random Llama to ``path`` unless a model is there already."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(MODEL_SEED)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,  # wide enough that every token's attention over the cache changes the output
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def engine(model: str, max_seqs: int = 8) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=max_seqs,
+        enforce_eager=True,
+        seed=MODEL_SEED,
+        enable_prefix_caching=False,
+        # Small blocks, so a request spans several (a context block apart from the newest token's), and a small
+        # cache, so the engine starts in seconds, not in the time it takes to zero gigabytes.
+        block_size=32,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
+
+
+def _hooked() -> bool:
+    """The V1 runner's execute_model is tripwire's wrapper (anywhere in its chain of wrappers)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fn: Any = GPUModelRunner.execute_model
+    while fn is not None:
+        if fn.__code__.co_filename.endswith(os.path.join("integrations", "vllm.py")):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def run_rounds(llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list[list[dict[str, Any]]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    out = []
+    for prompts in rounds:
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        out.append(
+            [
+                {
+                    "request_id": r.request_id,
+                    "marker": r.prompt_token_ids[0],
+                    "tokens": list(r.outputs[0].token_ids),
+                    "finish_reason": str(r.outputs[0].finish_reason),
+                }
+                for r in res
+            ]
+        )
+    return out
+
+
+def run_bench(llm: Any, batch: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Per repeat: ``batch`` requests of ``steps`` new tokens; the decode step time is the round's time less a
+    one-token round's (the prefill and the request setup), over ``steps - 1`` decode steps."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [7 + i, *range(20, 40)]} for i in range(batch)]
+    long = SamplingParams(temperature=0, max_tokens=steps, detokenize=False, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=1, detokenize=False, ignore_eos=True)
+    llm.generate(prompts, long, use_tqdm=False)  # warm-up
+    per_step = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompts, short, use_tqdm=False)
+        t1 = time.perf_counter()
+        llm.generate(prompts, long, use_tqdm=False)
+        t2 = time.perf_counter()
+        per_step.append(((t2 - t1) - (t1 - t0)) / (steps - 1))
+    return {"batch": batch, "step_s": per_step}
+
+
+def main(argv: list[str]) -> int:
+    cfg = json.loads(argv[1]) if len(argv) > 1 else {}
+    model = cfg.get("model") or os.path.join(os.environ.get("TMPDIR", "/tmp"), "tripwire-vllm-tiny-llama")
+    make_model(model)
+    llm = engine(model, int(cfg.get("max_seqs", 8)))
+    result: dict[str, Any] = {"hooked": _hooked(), "pid": os.getpid()}
+    if "bench" in cfg:
+        b = cfg["bench"]
+        result["bench"] = run_bench(llm, int(b["batch"]), int(b["steps"]), int(b["repeats"]))
+    else:
+        result["rounds"] = run_rounds(llm, cfg.get("rounds", []), int(cfg.get("max_tokens", 16)))
+    import vllm
+
+    result["vllm"] = str(vllm.__version__)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

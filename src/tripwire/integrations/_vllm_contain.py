@@ -1,0 +1,141 @@
+"""The same-step verdict inside vLLM: from the model runner's step to the scheduler's per-request error path.
+
+The runner enqueues a verdict copy after the step's kernels and takes it after vLLM's own wait for the sampled
+tokens (:meth:`tripwire.Monitor.verdicts`); the requests it names (vLLM's request ids) go, keyed by the step's
+``SchedulerOutput``, to the scheduler's ``update_from_output`` of that step, which runs in the same process (the
+engine core holds the scheduler and, with one worker, the model runner), before any output of that step is built:
+
+* ``contain``: each tainted request's tokens of the step are dropped and it is finished with
+  ``RequestStatus.FINISHED_ERROR`` through the scheduler's own error set (the one it fails requests with
+  ``FinishReason.ERROR`` from, in the same ``update_from_output``); a verdict that cannot attribute its rise in full
+  taints every request of the step. Their blocks are evicted from the prefix cache first.
+* ``mask``: the tainted requests go on (masked, wrong); their blocks are kept out of the prefix cache until they
+  finish. A stop the verdict armed (a fatal site: the KV write) raises in the step that saw it.
+* ``flag``: no verdict at all (counts and reports only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from ..monitor import Monitor
+
+__all__ = ["Containment"]
+
+log = logging.getLogger("tripwire")
+
+# Verdict copies in flight per runner: one per step; vLLM keeps at most two steps in flight (async scheduling).
+DEPTH = 4
+
+
+class Containment:
+    """The verdict channel of one process (see the module docstring). ``contained``: (request id, reason) of every
+    request failed so far, newest last (tools and tests read it)."""
+
+    def __init__(self, mode: str, monitor: Monitor) -> None:
+        self.mode = mode
+        self.monitor = monitor
+        self._pending: dict[int, tuple[frozenset[str], str]] = {}
+        self._masked: dict[str, str] = {}  # request id -> reason, while it runs on (mask)
+        self.contained: list[tuple[str, str]] = []
+
+    def check_scheduler(self, sched_cls: type, version: str) -> None:
+        """Refuse a scheduler whose ``update_from_output`` does not fail requests from the error set used here."""
+        if self.mode != "contain":
+            return
+        src = inspect.getsource(sched_cls.update_from_output)
+        if "encoder_cache_mismatch_reqs" not in src or "FINISHED_ERROR" not in src:
+            raise RuntimeError(
+                f"tripwire: vLLM {version}'s scheduler does not fail requests through the per-request error set "
+                f"tripwire's containment uses; TRIPWIRE_VLLM=contain is not available on this version (mask is)"
+            )
+
+    def ring(self, validator: Any) -> Any:
+        """The runner's verdict ring over its validator's sites (allocated now: before any capture)."""
+        return self.monitor.verdicts(validator.device, list(validator.sites), depth=DEPTH)
+
+    # ------------------------------------------------------------------ the runner's side
+    def after_step(self, st: Any, scheduler_output: Any) -> None:
+        """Take the step's verdict (its copy landed with the sampled tokens); hand what it names to the scheduler."""
+        ticket, st.ticket = st.ticket, None
+        verdict = st.ring.take(ticket)
+        if verdict.stop is not None:
+            raise verdict.stop  # a fatal site without containment: this step fails, through vLLM's error path
+        if verdict.clean:
+            return
+        reason = _reason(verdict)
+        if verdict.fail_all:
+            ids = frozenset(scheduler_output.num_scheduled_tokens)
+            log.warning(
+                "tripwire: a masked fault in this step could not be attributed in full (%s); failing all %d "
+                "requests of the step",
+                reason,
+                len(ids),
+            )
+        else:
+            ids = frozenset(str(r) for r in verdict.tainted)
+        if ids:
+            self._pending[id(scheduler_output)] = (ids, reason)
+
+    # ------------------------------------------------------------------ the scheduler's side
+    def before_update(self, sched: Any, scheduler_output: Any, model_runner_output: Any) -> None:
+        entry = self._pending.pop(id(scheduler_output), None)
+        if entry is None:
+            return
+        ids, reason = entry
+        live = [r for r in ids if r in sched.requests and not sched.requests[r].is_finished()]
+        _evict(sched, live)
+        if self.mode != "contain":
+            for r in live:
+                self._masked.setdefault(r, reason)
+            return
+        index = model_runner_output.req_id_to_index
+        tokens = model_runner_output.sampled_token_ids
+        for r in live:
+            i = index.get(r)
+            if i is not None and i < len(tokens):
+                tokens[i] = []  # nothing of this step's masked computation reaches the request or its client
+            log.warning(
+                "tripwire: request %s fails with vLLM's error finish reason: %s; the rest of the batch goes on",
+                r,
+                reason,
+            )
+            self.contained.append((r, reason))
+        # The scheduler's own per-request error path: update_from_output finishes these with FINISHED_ERROR and
+        # emits their error outputs in this same call.
+        sched.encoder_cache_mismatch_reqs.update(live)
+
+    def after_update(self, sched: Any) -> None:
+        if not self._masked:
+            return
+        gone = [r for r in self._masked if r not in sched.requests or sched.requests[r].is_finished()]
+        for r in gone:
+            del self._masked[r]
+        _evict(sched, list(self._masked))  # blocks the step filled and cached: out of the prefix cache again
+
+
+def _evict(sched: Any, request_ids: list[str]) -> None:
+    """Keep these requests' blocks out of the prefix cache (their KV came from a masked computation)."""
+    mgr = sched.kv_cache_manager
+    blocks: set[int] = set()
+    for r in request_ids:
+        for group in mgr.get_block_ids(r):
+            blocks.update(group)
+    blocks.discard(0)  # the null block is never cached
+    if blocks:
+        mgr.block_pool.evict_blocks(blocks)
+
+
+def _reason(verdict: Any) -> str:
+    """What the verdict saw, for the log: each site with its delta and offenders."""
+    parts = []
+    for site, hit in verdict.hits.items():
+        name = getattr(site, "name", site)
+        offenders = ", ".join(
+            f"row {o.row} value {o.value}" + (f" (request {o.request})" if o.request is not None else "")
+            for o in getattr(hit, "offenders", ())
+        )
+        parts.append(f"{getattr(hit, 'delta', '?')} masked at {name}" + (f": {offenders}" if offenders else ""))
+    return "; ".join(parts) or "a masked fault"
