@@ -21,4 +21,4 @@ def test_engine_demo_passes_every_scenario(capsys):
 
 def test_engine_demo_refuses_an_unknown_engine(capsys):
     with pytest.raises(SystemExit):
-        main(["demo", "--engine", "vllm"])
+        main(["demo", "--engine", "sglang"])

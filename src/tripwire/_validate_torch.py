@@ -18,13 +18,14 @@ What "the same" takes, beyond the rules' semantics (see the kernel's docstring):
   with the kernel's own bisection (a segments tensor that is not sorted gives the kernel's wrong segment, not
   another one).
 
-Cost: the clean path is one ``aminmax`` per rule tensor (all entries, used or not, inside the rule's range means no
-entry is bad) plus a few scalar reads; the exact path (masks, lookups, writes) runs only when that test fails. The
+Cost: the clean path is one range test per rule tensor (all entries, used or not, inside the rule's range means no
+entry is bad: a list read for small tensors, one ``aminmax`` for larger ones); the exact path (masks, lookups, writes) runs only when that test fails. The
 scalar reads are host reads of host tensors: this module is never given a CUDA tensor.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -57,6 +58,8 @@ __all__ = ["launch", "offenders_of"]
 
 # A site's arena row and its offender block (None: a counter that keeps none).
 _Row = tuple[torch.Tensor, "torch.Tensor | None"]
+# Entries up to which the clean path reads a tensor as a Python list instead of reducing it with a torch op.
+_SMALL = 128
 # The kernel's bisection depth (_segment_of): enough for any int64 offsets tensor.
 _BISECT = 40
 
@@ -242,18 +245,28 @@ def _indptr(ctr: torch.Tensor, block: torch.Tensor | None, a: torch.Tensor, ni: 
 
 
 def _in_range(t: torch.Tensor, lo: int, hi: int) -> bool:
-    """Every entry of ``t`` is in ``[lo, hi)`` (an empty tensor: yes). The clean path's one reduction."""
-    if t.numel() == 0:
+    """Every entry of ``t`` is in ``[lo, hi)`` (an empty tensor: yes). The clean path's one reduction: a small tensor
+    (a decode step's metadata) is read as a list, which costs less than a torch op's dispatch; a larger one is one
+    ``aminmax``."""
+    n = t.numel()
+    if n == 0:
         return True
+    if n <= _SMALL:
+        vals = t.view(-1).tolist()
+        return lo <= min(vals) and max(vals) < hi
     mn, mx = torch.aminmax(t)
     return lo <= int(mn) and int(mx) < hi
 
 
 def _indptr_clean(a: torch.Tensor, ni: int) -> bool:
+    """Non-decreasing from 0 and ending within ``ni`` (so every entry is in ``[0, ni]``): no entry is bad."""
     n = a.numel()
+    if n <= _SMALL:
+        v = a.tolist()
+        return v[0] == 0 and v[-1] <= ni and all(x <= y for x, y in itertools.pairwise(v))
     if int(a[0]) != 0:
         return False
-    return n == 1 or (int(a[n - 1]) <= ni and bool((a[1:] >= a[:-1]).all()))
+    return int(a[n - 1]) <= ni and bool((a[1:] >= a[:-1]).all())
 
 
 def launch(

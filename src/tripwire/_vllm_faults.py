@@ -10,7 +10,7 @@ engine, by writing bad entries into the runner's own persistent buffers for one 
 * ``slot``: a bad slot id in the victim's newest token's slot mapping, after it was computed.
 
 The original entries are restored when the step ends (a one-step bug). A fault names its victim by the first
-token of its prompt (``marker``), its step by how many tokens the victim has generated (0: the prefill), and its
+token of its prompt (``marker``; a list: its first tokens), its step by how many tokens the victim has generated (0: the prefill), and its
 value as an int or ``"end"`` (the first id past the end: the KV cache's block count, or its slot count for
 ``slot``).
 
@@ -53,8 +53,11 @@ def _faults() -> list[dict[str, Any]]:
     for f in faults:
         if f.get("kind") not in KINDS:
             raise ValueError(f"{ENV}: fault {f} has no kind in {KINDS}")
-        if not isinstance(f.get("marker"), int) or not isinstance(f.get("step"), int):
-            raise ValueError(f"{ENV}: fault {f} needs an int marker (the prompt's first token) and step")
+        m = f.get("marker")
+        if not (isinstance(m, int) or (isinstance(m, list) and m and all(isinstance(x, int) for x in m))):
+            raise ValueError(f"{ENV}: fault {f} needs a marker: the prompt's first token, or its first tokens")
+        if not isinstance(f.get("step"), int):
+            raise ValueError(f"{ENV}: fault {f} needs an int step (the victim's generated tokens at the fault)")
     return faults
 
 
@@ -79,7 +82,7 @@ class _Injector:
                 continue
             for row, rid in enumerate(batch.req_ids[: batch.num_reqs]):
                 state = runner.requests.get(rid)
-                if state is None or not state.prompt_token_ids or state.prompt_token_ids[0] != f["marker"]:
+                if state is None or not _matches(state.prompt_token_ids, f["marker"]):
                     continue
                 if len(state.output_token_ids) == f["step"]:
                     self.done.add(i)
@@ -107,7 +110,10 @@ class _Injector:
             pos = int(batch.num_computed_tokens_cpu[row]) + n_sched - 1  # the newest token's position
             col = pos // int(table.block_size)
             v = self.value(runner, f, 0)
-            for t in {id(table.block_table.cpu): table.block_table.cpu, id(table.block_table.gpu): table.block_table.gpu}.values():
+            for t in {
+                id(table.block_table.cpu): table.block_table.cpu,
+                id(table.block_table.gpu): table.block_table.gpu,
+            }.values():
                 self.put(t, row, col, v)
             _log({"kind": "write", "request": rid, "row": row, "col": col, "position": pos, "value": v, **_meta(f)})
 
@@ -117,7 +123,10 @@ class _Injector:
             table = batch.block_table[0]
             v = self.value(runner, f, 0)
             if f["kind"] == "read":
-                for t in {id(table.block_table.cpu): table.block_table.cpu, id(table.block_table.gpu): table.block_table.gpu}.values():
+                for t in {
+                    id(table.block_table.cpu): table.block_table.cpu,
+                    id(table.block_table.gpu): table.block_table.gpu,
+                }.values():
                     self.put(t, row, 0, v)
                 _log({"kind": "read", "request": rid, "row": row, "col": 0, "value": v, **_meta(f)})
             else:
@@ -131,6 +140,11 @@ class _Injector:
         for t, row, col, old in reversed(self.restore):
             t[row, col] = old
         self.restore.clear()
+
+
+def _matches(prompt: Any, marker: int | list[int]) -> bool:
+    head = [marker] if isinstance(marker, int) else list(marker)
+    return prompt is not None and list(prompt[: len(head)]) == head
 
 
 def _meta(f: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
   holds none (no download: the weights are random, seeded).
 * ``rounds``: a list of rounds, each a list of prompts (token id lists): one ``LLM.generate`` call per round, greedy,
   ``max_tokens`` new tokens each (default 16), ``ignore_eos``.
-* ``bench`` (optional): ``{"batch": B, "steps": N, "repeats": R}``: instead of rounds, time decode steps (see
-  ``benchmarks/bench_vllm.py``).
+* ``bench`` (optional): ``{"batches": [B, ...], "steps": N, "repeats": R}``: instead of rounds, time the decode
+  step with the plugin on and off, interleaved (see ``benchmarks/bench_vllm.py``).
 
 vLLM's own settings come from the environment (``VLLM_ENABLE_V1_MULTIPROCESSING``; ``TRIPWIRE_VLLM`` for the plugin;
 :mod:`tripwire._vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
@@ -100,24 +100,50 @@ def run_rounds(llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list
     return out
 
 
-def run_bench(llm: Any, batch: int, steps: int, repeats: int) -> dict[str, Any]:
-    """Per repeat: ``batch`` requests of ``steps`` new tokens; the decode step time is the round's time less a
-    one-token round's (the prefill and the request setup), over ``steps - 1`` decode steps."""
+def _decode_step(llm: Any, prompts: list[dict[str, Any]], steps: int) -> float:
+    """One decode step's time: a round of ``steps`` new tokens less a round of one (the prefill and the request
+    setup), over ``steps - 1`` decode steps."""
     from vllm import SamplingParams
 
-    prompts = [{"prompt_token_ids": [7 + i, *range(20, 40)]} for i in range(batch)]
     long = SamplingParams(temperature=0, max_tokens=steps, detokenize=False, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=1, detokenize=False, ignore_eos=True)
-    llm.generate(prompts, long, use_tqdm=False)  # warm-up
-    per_step = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        llm.generate(prompts, short, use_tqdm=False)
-        t1 = time.perf_counter()
-        llm.generate(prompts, long, use_tqdm=False)
-        t2 = time.perf_counter()
-        per_step.append(((t2 - t1) - (t1 - t0)) / (steps - 1))
-    return {"batch": batch, "step_s": per_step}
+    t0 = time.perf_counter()
+    llm.generate(prompts, short, use_tqdm=False)
+    t1 = time.perf_counter()
+    llm.generate(prompts, long, use_tqdm=False)
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / (steps - 1)
+
+
+def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[str, Any]:
+    """The decode step with the plugin on and off, interleaved in this one engine: the plugin is uninstalled
+    (every wrapped method restored) and installed again between measurements, in alternating order, so drift hits
+    both alike. Two "off" measurements per repeat give the noise floor (off against off)."""
+    from tripwire.integrations import vllm as tw
+
+    plugin = tw.installed()
+    if plugin is None:
+        raise RuntimeError("the benchmark needs TRIPWIRE_VLLM set at start-up (the validator is built then)")
+    mode = plugin.mode
+    out: dict[str, Any] = {"mode": mode, "steps": steps}
+    for b in batches:
+        prompts = [{"prompt_token_ids": [7 + i, *range(20, 40)]} for i in range(b)]
+        _decode_step(llm, prompts, steps)  # warm-up
+        on: list[float] = []
+        off: list[float] = []
+        off2: list[float] = []
+        for k in range(repeats):
+            order = ("on", "off", "off2") if k % 2 == 0 else ("off", "off2", "on")
+            for which in order:
+                if which == "on":
+                    tw.install(mode)
+                    on.append(_decode_step(llm, prompts, steps))
+                else:
+                    tw.uninstall()
+                    (off if which == "off" else off2).append(_decode_step(llm, prompts, steps))
+        tw.install(mode)
+        out[str(b)] = {"on": on, "off": off, "off2": off2}
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -128,7 +154,7 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {"hooked": _hooked(), "pid": os.getpid()}
     if "bench" in cfg:
         b = cfg["bench"]
-        result["bench"] = run_bench(llm, int(b["batch"]), int(b["steps"]), int(b["repeats"]))
+        result["bench"] = run_bench(llm, [int(x) for x in b["batches"]], int(b["steps"]), int(b["repeats"]))
     else:
         result["rounds"] = run_rounds(llm, cfg.get("rounds", []), int(cfg.get("max_tokens", 16)))
     import vllm

@@ -302,6 +302,7 @@ def _patch(plugin: _Plugin) -> None:
         return core_orig(self, *args, **kwargs)
 
     patches = [
+        *_refuse_v2(plugin),
         (runner_cls, "initialize_kv_cache", initialize_kv_cache),
         (runner_cls, "capture_model", capture_model),
         (runner_cls, "execute_model", execute_model),
@@ -313,6 +314,26 @@ def _patch(plugin: _Plugin) -> None:
     for cls, name, fn in patches:
         plugin.originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)
+
+
+def _refuse_v2(plugin: _Plugin) -> list[tuple[type, str, Any]]:
+    """The V2 model runner (``vllm.v1.worker.gpu.model_runner``, vLLM's GPU default from 0.33) is not hooked: a
+    process that builds one while the plugin is on stops there, instead of running installed but not validating."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    except Exception:  # this build cannot construct a V2 runner either
+        return []
+    init = V2.__dict__["__init__"]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"tripwire: {ENV}={plugin.mode} but this vLLM {plugin.version} process builds the V2 model runner "
+            f"({type(self).__module__}.{type(self).__qualname__}), which tripwire does not hook (docs/vllm.md); "
+            f"run the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) or unset {ENV}"
+        )
+
+    return [(V2, "__init__", __init__)]
 
 
 def _add_prometheus(monitor: Monitor) -> None:
