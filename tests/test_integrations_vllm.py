@@ -33,11 +33,15 @@ def prompt(round_: int, i: int) -> list[int]:
 
 
 def marker(round_: int, i: int) -> int:
-    return 450 + 10 * round_ + i
+    return 410 + 10 * round_ + i  # below the model's vocabulary of 512
 
 
 ROUNDS = 5
-ALL = {"rounds": [[prompt(r, i) for i in range(4)] for r in range(ROUNDS)]}
+# Rounds 5 and 6 (the prefix cache): a prompt of exactly one block alone, then the same prompt and one more token,
+# beside three others.
+P = [marker(5, 0)] + [(11 * k) % 400 + 1 for k in range(BLOCK - 1)]
+PREFIX_ROUNDS = [[P], [[*P, 5], prompt(6, 1), prompt(6, 2), prompt(6, 3)]]
+ALL = {"rounds": [[prompt(r, i) for i in range(4)] for r in range(ROUNDS)] + PREFIX_ROUNDS}
 
 
 def fault(round_: int, i: int, kind: str, step: int, value: int | str) -> dict:
@@ -65,12 +69,24 @@ MP_ROUNDS = [0, 1, 3]  # the multiprocess engine core: the clean round and two f
 MP = {"rounds": [ALL["rounds"][r] for r in MP_ROUNDS]}
 SLOT_40000 = [fault(1, 1, "slot", 6, 40000)]  # the silent corruption seen on the unguarded engine
 
+# A KV write at the prefill of P: its whole block's slots are bad (masked: the block is never written), and vLLM caches
+# the block (full, hashed) when it schedules it.
+PREFIX_FAULT = [fault(5, 0, "write", 0, "end")]
+PREFIX = {"rounds": PREFIX_ROUNDS, "prefix_caching": True}
+
 RUNS = {
     "inert": {"config": ALL},
     "contain": {"config": ALL, "mode": "contain", "faults": FAULTS},
     "contain_mp": {"config": MP, "mode": "contain", "faults": FAULTS, "multiprocess": True},
     "mask_read": {"config": {"rounds": ALL["rounds"][:2]}, "mode": "mask", "faults": FAULTS[:1]},
     "flag_slot": {"config": {"rounds": ALL["rounds"][:2]}, "mode": "flag", "faults": SLOT_40000},
+    "prefix": {"config": PREFIX, "mode": "contain", "faults": PREFIX_FAULT},
+    "prefix_kept": {
+        "config": PREFIX,
+        "mode": "contain",
+        "faults": PREFIX_FAULT,
+        "env": {"TRIPWIRE_VLLM_FAULTS_NO_EVICT": "1"},
+    },
     "control_slot": {"config": {"rounds": ALL["rounds"][:2]}, "faults": SLOT_40000},
     "control_read": {"config": {"rounds": ALL["rounds"][:2]}, "faults": FAULTS[:1]},
     "control_write": {"config": {"rounds": ALL["rounds"][:2]}, "faults": [fault(1, 3, "write", 7, 10_000_000)]},
@@ -139,7 +155,7 @@ def test_contain_in_process(engines, clean):
     run = engines.get("contain")
     assert run.result is not None and run.result["hooked"] is True, run.stderr[-3000:]
     assert run.rounds()[0] == clean[0]  # with the plugin on, a clean round is token-identical
-    check_contained(run, clean, list(range(ROUNDS)), FAULTS)
+    check_contained(run, clean, list(range(len(ALL["rounds"]))), FAULTS)
 
 
 def test_contain_multiprocess_engine_core(engines, clean):
@@ -148,7 +164,7 @@ def test_contain_multiprocess_engine_core(engines, clean):
     # The engine core is a process of its own: the runner is hooked there, not in this (client) process.
     assert run.result is not None and run.result["hooked"] is False
     assert run.rounds()[0] == clean[0]
-    faults = [f for f in FAULTS if f["marker"] // 10 - 45 in MP_ROUNDS]
+    faults = [f for f in FAULTS if (f["marker"] - 410) // 10 in MP_ROUNDS]
     check_contained(run, clean, MP_ROUNDS, faults)
 
 
@@ -169,6 +185,22 @@ def test_mask_keeps_the_engine_alive_on_a_read(engines, clean):
     rid = run.injected[0]["request"]
     assert run.totals() == {tw_vllm.SITE_BLOCK_TABLE: 1}
     assert any(e["site"] == tw_vllm.SITE_BLOCK_TABLE and e["offenders"][0]["request"] == rid for e in run.events)
+
+
+def test_a_victims_blocks_stay_out_of_the_prefix_cache(engines, clean):
+    """A contained KV write at a prefill: the victim fails, and the same prompt sent again is computed afresh, token
+    for token the clean run's (no prefix-cache hit on the block its masked write left unwritten). Control: with the
+    eviction switched off, the resent prompt hits that block and its tokens change."""
+    ref = clean[ROUNDS + 1]
+    for name, evicted in (("prefix", True), ("prefix_kept", False)):
+        run = engines.get(name)
+        assert run.rc == 0, run.stderr[-3000:]
+        out = run.rounds()
+        assert [r["finish_reason"] for r in out[0]] == ["error"] and out[0][0]["tokens"] == []
+        assert run.injected and run.injected[0]["col"] == 0
+        assert out[1][1:] == ref[1:]
+        assert (out[1][0] == ref[0]) is evicted, (name, out[1][0], ref[0])
+        assert run.totals() == {tw_vllm.SITE_SLOT_MAPPING: BLOCK, tw_vllm.SITE_BLOCK_TABLE: 1}
 
 
 def test_unguarded_read_and_write_kill_the_engine(engines):
@@ -223,6 +255,21 @@ print("installed:", tv.installed())
     assert "TRIPWIRE_VLLM='masked' is not a tripwire vLLM mode" in lines[0]
     assert "vLLM 0.32.0" in lines[1] and "_build_attention_metadata" in lines[1]
     assert lines[2] == "installed: None"
+
+
+def test_demo(tmp_path, capsys):
+    """``tripwire demo --engine vllm --quick``: the unguarded read dies, the unguarded slot corrupts, ``contain``
+    fails exactly its three victims. (Last in this module: the engine runs above are done by now.)"""
+    vllm_python()
+    from tripwire.cli import main
+
+    rc = main(["demo", "--engine", "vllm", "--quick", "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))}
+    assert set(rows) == {"reference", "unguarded read", "unguarded slot", "contain"}, out
+    assert "DIED" in rows["unguarded read"] and all(r.endswith("PASS") for r in rows.values())
+    assert "vllm.block_table,vllm.slot_mapping" in rows["contain"]
 
 
 # ---------------------------------------------------------------------------------------------- no engine needed

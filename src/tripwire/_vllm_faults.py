@@ -16,7 +16,8 @@ value as an int or ``"end"`` (the first id past the end: the KV cache's block co
 
 It is loaded as a vLLM general plugin from a distribution written at run time (:func:`plugin_dir`), so it runs in
 every vLLM process, the engine core's own included; it does nothing unless ``TRIPWIRE_VLLM_FAULTS`` holds a JSON
-list of faults. Each injection is appended as a JSON line to ``TRIPWIRE_VLLM_FAULTS_LOG`` when set.
+list of faults (and, as a control, ``TRIPWIRE_VLLM_FAULTS_NO_EVICT=1`` switches containment's prefix-cache
+eviction off). Each injection is appended as a JSON line to ``TRIPWIRE_VLLM_FAULTS_LOG`` when set.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ __all__ = ["ENV", "KINDS", "LOG_ENV", "plugin_dir", "register"]
 
 ENV = "TRIPWIRE_VLLM_FAULTS"
 LOG_ENV = "TRIPWIRE_VLLM_FAULTS_LOG"
+# A control for the tests: tripwire's containment with its prefix-cache eviction switched off (a victim's blocks
+# then stay in vLLM's prefix cache, as they would without it).
+NO_EVICT_ENV = "TRIPWIRE_VLLM_FAULTS_NO_EVICT"
 KINDS = ("read", "write", "slot")
 _DIST = "tripwire_vllm_faults-0.dist-info"
 
@@ -154,6 +158,10 @@ def _meta(f: dict[str, Any]) -> dict[str, Any]:
 def register() -> None:
     """The plugin: wrap the V1 runner's ``execute_model`` and ``_prepare_inputs`` when faults are configured."""
     faults = _faults()
+    if os.environ.get(NO_EVICT_ENV) == "1":
+        from .integrations import _vllm_contain
+
+        _vllm_contain._evict = lambda sched, request_ids: None
     if not faults:
         return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

@@ -7,6 +7,7 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
   holds none (no download: the weights are random, seeded).
 * ``rounds``: a list of rounds, each a list of prompts (token id lists): one ``LLM.generate`` call per round, greedy,
   ``max_tokens`` new tokens each (default 16), ``ignore_eos``.
+* ``prefix_caching`` (optional, default off): vLLM's prefix cache.
 * ``bench`` (optional): ``{"batches": [B, ...], "steps": N, "repeats": R}``: instead of rounds, time the decode
   step with the plugin on and off, interleaved (see ``benchmarks/bench_vllm.py``).
 
@@ -48,7 +49,7 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def engine(model: str, max_seqs: int = 8) -> Any:
+def engine(model: str, max_seqs: int = 8, prefix_caching: bool = False) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -59,7 +60,7 @@ def engine(model: str, max_seqs: int = 8) -> Any:
         max_num_seqs=max_seqs,
         enforce_eager=True,
         seed=MODEL_SEED,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         # Small blocks, so a request spans several (a context block apart from the newest token's), and a small
         # cache, so the engine starts in seconds, not in the time it takes to zero gigabytes.
         block_size=32,
@@ -150,7 +151,7 @@ def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1]) if len(argv) > 1 else {}
     model = cfg.get("model") or os.path.join(os.environ.get("TMPDIR", "/tmp"), "tripwire-vllm-tiny-llama")
     make_model(model)
-    llm = engine(model, int(cfg.get("max_seqs", 8)))
+    llm = engine(model, int(cfg.get("max_seqs", 8)), bool(cfg.get("prefix_caching", False)))
     result: dict[str, Any] = {"hooked": _hooked(), "pid": os.getpid()}
     if "bench" in cfg:
         b = cfg["bench"]

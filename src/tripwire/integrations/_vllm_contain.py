@@ -45,7 +45,7 @@ class Containment:
         """Refuse a scheduler whose ``update_from_output`` does not fail requests from the error set used here."""
         if self.mode != "contain":
             return
-        src = inspect.getsource(sched_cls.update_from_output)
+        src = inspect.getsource(sched_cls.update_from_output)  # type: ignore[attr-defined]
         if "encoder_cache_mismatch_reqs" not in src or "FINISHED_ERROR" not in src:
             raise RuntimeError(
                 f"tripwire: vLLM {version}'s scheduler does not fail requests through the per-request error set "
