@@ -8,7 +8,7 @@ with the engine core in-process and half in its own process; one process without
 
 Counted (the targets are all 0):
 
-* deaths: a guarded engine process that died (each of its runs counts);
+* deaths: a guarded engine process that died, or failed a round instead of a request (each run it lost counts);
 * escapes: a victim returned as a success (any finish reason but ``error``), or with tokens other than the clean
   run's before the faulted step; or a returned request whose tokens differ from the clean run's without an error;
 * unaffected requests changed: a request the fault did not name that failed or whose tokens changed;
@@ -96,8 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"contain{k}: the engine died (rc {run.rc}): {run.stderr[-2000:]}", file=sys.stderr)
             continue
         injected = {tuple(e["marker"]) for e in run.injected}
+        got_rounds = run.rounds()
         for j, r in enumerate(runs):
-            f, out, ref = faults[r], run.rounds()[j], clean[r]
+            if j >= len(got_rounds) or isinstance(got_rounds[j], dict):
+                # The engine failed this round (it raised) and ran no more: each lost run counts as a death.
+                figures["deaths"] += len(runs) - j
+                print(f"contain{k}: the engine failed at run {r}: {got_rounds[-1]}", file=sys.stderr)
+                break
+            f, out, ref = faults[r], got_rounds[j], clean[r]
             if tuple(f["marker"]) not in injected:
                 figures["not_injected"] += 1
                 continue

@@ -78,7 +78,12 @@ RUNS = {
     "inert": {"config": ALL},
     "contain": {"config": ALL, "mode": "contain", "faults": FAULTS},
     "contain_mp": {"config": MP, "mode": "contain", "faults": FAULTS, "multiprocess": True},
-    "mask_read": {"config": {"rounds": ALL["rounds"][:2]}, "mode": "mask", "faults": FAULTS[:1]},
+    # mask: a read in round 1 (the engine lives), then a KV write in round 2 (a fatal site: the stop, same step).
+    "mask_read": {
+        "config": {"rounds": ALL["rounds"][:3]},
+        "mode": "mask",
+        "faults": [FAULTS[0], fault(2, 1, "write", 4, 10_000_000)],
+    },
     "flag_slot": {"config": {"rounds": ALL["rounds"][:2]}, "mode": "flag", "faults": SLOT_40000},
     "prefix": {"config": PREFIX, "mode": "contain", "faults": PREFIX_FAULT},
     "prefix_kept": {
@@ -183,8 +188,11 @@ def test_mask_keeps_the_engine_alive_on_a_read(engines, clean):
         else:
             assert req == ref[m]
     rid = run.injected[0]["request"]
-    assert run.totals() == {tw_vllm.SITE_BLOCK_TABLE: 1}
     assert any(e["site"] == tw_vllm.SITE_BLOCK_TABLE and e["offenders"][0]["request"] == rid for e in run.events)
+    # The KV write at a fatal site: the step that saw it fails through vLLM's error path (no token of it returned),
+    # the process lives, and the stop is sticky.
+    assert len(out) == 3 and "GuardTripped" in out[2]["raised"] and tw_vllm.SITE_SLOT_MAPPING in out[2]["raised"]
+    assert run.totals() == {tw_vllm.SITE_BLOCK_TABLE: 2, tw_vllm.SITE_SLOT_MAPPING: 1}
 
 
 def test_a_victims_blocks_stay_out_of_the_prefix_cache(engines, clean):

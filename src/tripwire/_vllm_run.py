@@ -13,7 +13,8 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
 
 vLLM's own settings come from the environment (``VLLM_ENABLE_V1_MULTIPROCESSING``; ``TRIPWIRE_VLLM`` for the plugin;
 :mod:`tripwire._vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
-request, its vLLM request id, tokens and finish reason; whether the V1 runner was hooked in this process.
+request, its vLLM request id, tokens and finish reason (a round the engine failed: ``{"raised": ...}``, and no
+more rounds after it); whether the V1 runner was hooked in this process.
 """
 
 from __future__ import annotations
@@ -84,9 +85,13 @@ def run_rounds(llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-    out = []
+    out: list[Any] = []
     for prompts in rounds:
-        res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        try:
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        except Exception as e:  # the engine failed the round (a stop: GuardTripped): record it, run no more rounds
+            out.append({"raised": f"{type(e).__name__}: {e}"})
+            break
         out.append(
             [
                 {

@@ -37,9 +37,10 @@ class Containment:
     def __init__(self, mode: str, monitor: Monitor) -> None:
         self.mode = mode
         self.monitor = monitor
-        self._pending: dict[int, tuple[frozenset[str], str]] = {}
+        self._pending: dict[int, tuple[frozenset[str], Any]] = {}  # id(SchedulerOutput) -> (requests, verdict)
         self._masked: dict[str, str] = {}  # request id -> reason, while it runs on (mask)
         self.contained: list[tuple[str, str]] = []
+        self._rings: dict[Any, Any] = {}
 
     def check_scheduler(self, sched_cls: type, version: str) -> None:
         """Refuse a scheduler whose ``update_from_output`` does not fail requests from the error set used here."""
@@ -53,8 +54,14 @@ class Containment:
             )
 
     def ring(self, validator: Any) -> Any:
-        """The runner's verdict ring over its validator's sites (allocated now: before any capture)."""
-        return self.monitor.verdicts(validator.device, list(validator.sites), depth=DEPTH)
+        """The verdict ring over the validator's sites on its device (allocated at the first call: before any
+        capture); a runner built again (a new KV cache) reuses it, as one (device, site) takes one ring."""
+        ring = self._rings.get(validator.device)
+        if ring is None:
+            ring = self._rings[validator.device] = self.monitor.verdicts(
+                validator.device, list(validator.sites), depth=DEPTH
+            )
+        return ring
 
     # ------------------------------------------------------------------ the runner's side
     def after_step(self, st: Any, scheduler_output: Any) -> None:
@@ -65,31 +72,31 @@ class Containment:
             raise verdict.stop  # a fatal site without containment: this step fails, through vLLM's error path
         if verdict.clean:
             return
-        reason = _reason(verdict)
         if verdict.fail_all:
             ids = frozenset(scheduler_output.num_scheduled_tokens)
             log.warning(
-                "tripwire: a masked fault in this step could not be attributed in full (%s); failing all %d "
-                "requests of the step",
-                reason,
+                "tripwire: a masked fault in this step could not be attributed in full (%s); %s all %d requests "
+                "of the step",
+                _reason(verdict),
+                "failing" if self.mode == "contain" else "keeping out of the prefix cache",
                 len(ids),
             )
         else:
             ids = frozenset(str(r) for r in verdict.tainted)
         if ids:
-            self._pending[id(scheduler_output)] = (ids, reason)
+            self._pending[id(scheduler_output)] = (ids, verdict)
 
     # ------------------------------------------------------------------ the scheduler's side
     def before_update(self, sched: Any, scheduler_output: Any, model_runner_output: Any) -> None:
         entry = self._pending.pop(id(scheduler_output), None)
         if entry is None:
             return
-        ids, reason = entry
+        ids, verdict = entry
         live = [r for r in ids if r in sched.requests and not sched.requests[r].is_finished()]
         _evict(sched, live)
         if self.mode != "contain":
             for r in live:
-                self._masked.setdefault(r, reason)
+                self._masked.setdefault(r, _message(verdict, r))
             return
         index = model_runner_output.req_id_to_index
         tokens = model_runner_output.sampled_token_ids
@@ -97,11 +104,8 @@ class Containment:
             i = index.get(r)
             if i is not None and i < len(tokens):
                 tokens[i] = []  # nothing of this step's masked computation reaches the request or its client
-            log.warning(
-                "tripwire: request %s fails with vLLM's error finish reason: %s; the rest of the batch goes on",
-                r,
-                reason,
-            )
+            reason = _message(verdict, r)
+            log.warning("tripwire: request %s ends with vLLM's error finish reason: %s", r, reason)
             self.contained.append((r, reason))
         # The scheduler's own per-request error path: update_from_output finishes these with FINISHED_ERROR and
         # emits their error outputs in this same call.
@@ -128,14 +132,19 @@ def _evict(sched: Any, request_ids: list[str]) -> None:
         mgr.block_pool.evict_blocks(blocks)
 
 
+def _message(verdict: Any, request: str) -> str:
+    """Why ``request`` fails: its own taint's message (site and entry), or the unattributed hit's under fail_all."""
+    taint = verdict.failure(request)
+    return taint.message() if taint is not None else _reason(verdict)
+
+
 def _reason(verdict: Any) -> str:
     """What the verdict saw, for the log: each site with its delta and offenders."""
     parts = []
-    for site, hit in verdict.hits.items():
-        name = getattr(site, "name", site)
+    for hit in verdict.hits:
         offenders = ", ".join(
             f"row {o.row} value {o.value}" + (f" (request {o.request})" if o.request is not None else "")
-            for o in getattr(hit, "offenders", ())
+            for o in hit.offenders
         )
-        parts.append(f"{getattr(hit, 'delta', '?')} masked at {name}" + (f": {offenders}" if offenders else ""))
+        parts.append(f"{hit.delta} masked at {hit.site}" + (f": {offenders}" if offenders else ""))
     return "; ".join(parts) or "a masked fault"

@@ -349,6 +349,23 @@ def _add_prometheus(monitor: Monitor) -> None:
     monitor.add_sink(Prometheus())
 
 
+def _monitor_for(mode: str, monitor: Monitor | None) -> Monitor:
+    """The monitor, with containment on exactly under ``contain``. The default monitor is built here when nothing
+    built it yet, from the environment with ``TRIPWIRE_CONTAIN=1`` under ``contain`` (unless the variable is set)."""
+    want = mode == "contain"
+    if monitor is None:
+        if want:
+            os.environ.setdefault("TRIPWIRE_CONTAIN", "1")
+        monitor = default_monitor()
+    if bool(monitor.contain) != want:
+        raise RuntimeError(
+            f"{ENV}={mode} needs a monitor with containment {'on' if want else 'off'}, but this one has contain="
+            f"{bool(monitor.contain)} (TRIPWIRE_CONTAIN={os.environ.get('TRIPWIRE_CONTAIN')!r}): under mask or flag a "
+            f"verdict that contains would arm no stop and fail no request; use {ENV}=contain for containment"
+        )
+    return monitor
+
+
 def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
     """Install the integration into this process's vLLM (what the entry point does when ``TRIPWIRE_VLLM`` is set).
     Call it before vLLM builds its engine. ``mode``: one of :data:`MODES`. Idempotent for the same mode; another mode
@@ -367,7 +384,7 @@ def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
                     f"tripwire is installed in vLLM with mode {_plugin.mode!r}; cannot switch to {mode!r}"
                 )
             return _plugin
-        mon = monitor if monitor is not None else default_monitor()
+        mon = _monitor_for(mode, monitor)
         plugin = _Plugin(mode, mon, version)
         _patch(plugin)
         _add_prometheus(mon)
