@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=4, help="guarded engine processes the runs are split over")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write the figures here too")
+    ap.add_argument("--offenders", type=int, default=64, help="TRIPWIRE_OFFENDERS of the guarded engines")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     faults = [draw(rng, r) for r in range(args.runs)]
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "contain",
             "multiprocess": k % 2 == 1,
             "faults": [{x: f[x] for x in ("marker", "step", "kind", "value")} for f in (faults[r] for r in runs)],
+            # A KV write at a prefill makes every prompt token of that block a distinct bad slot (up to 40 here):
+            # past the default 8 offenders a step's rise is not attributed in full and fails the whole step closed,
+            # by design. Room for 64 keeps those runs attributable, so they test containment, not the fallback.
+            "env": {"TRIPWIRE_OFFENDERS": str(args.offenders)},
         }
     t0 = time.time()
     pool = _vllm_proc.EnginePool(work, specs)

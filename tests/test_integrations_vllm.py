@@ -77,7 +77,15 @@ PREFIX = {"rounds": PREFIX_ROUNDS, "prefix_caching": True}
 RUNS = {
     "inert": {"config": ALL},
     "contain": {"config": ALL, "mode": "contain", "faults": FAULTS},
-    "contain_mp": {"config": MP, "mode": "contain", "faults": FAULTS, "multiprocess": True},
+    # The engine core in its own process, its metrics in a Prometheus multiprocess directory (vLLM's API server sets
+    # one for all its processes).
+    "contain_mp": {
+        "config": MP,
+        "mode": "contain",
+        "faults": FAULTS,
+        "multiprocess": True,
+        "env": {"PROMETHEUS_MULTIPROC_DIR": "{dir}"},
+    },
     # mask: a read in round 1 (the engine lives), then a KV write in round 2 (a fatal site: the stop, same step).
     "mask_read": {
         "config": {"rounds": ALL["rounds"][:3]},
@@ -171,6 +179,18 @@ def test_contain_multiprocess_engine_core(engines, clean):
     assert run.rounds()[0] == clean[0]
     faults = [f for f in FAULTS if (f["marker"] - 410) // 10 in MP_ROUNDS]
     check_contained(run, clean, MP_ROUNDS, faults)
+    # The engine core's metrics, collected from the multiprocess directory like vLLM's /metrics does.
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(run.dir))
+    masked = {
+        s.labels["site"]: s.value
+        for m in reg.collect()
+        for s in m.samples
+        if s.name == "tripwire_masked_accesses_total"
+    }
+    assert masked == run.totals() and masked, masked
 
 
 def test_mask_keeps_the_engine_alive_on_a_read(engines, clean):

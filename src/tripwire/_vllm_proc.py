@@ -54,11 +54,12 @@ def vllm_python() -> str:
 
 @dataclass
 class Run:
-    """One engine process: its exit status, its parsed result (None when it died), its stderr's tail, the events
-    it wrote (``TRIPWIRE_EVENT_LOG``) and the faults it injected."""
+    """One engine process: its exit status, its parsed result (None when it died), its folder, its stderr's tail, the
+    events it wrote (``TRIPWIRE_EVENT_LOG``) and the faults it injected."""
 
     rc: int
     result: dict[str, Any] | None
+    dir: Path
     stderr: str
     events: list[dict[str, Any]] = field(default_factory=list)
     injected: list[dict[str, Any]] = field(default_factory=list)
@@ -94,7 +95,8 @@ def run_engine(
     env: dict[str, str] | None = None,
     python: str | None = None,
 ) -> Run:
-    """Run the engine once in a fresh process (see the module docstring) and collect what it left."""
+    """Run the engine once in a fresh process (see the module docstring) and collect what it left. ``env`` values
+    may name the run's own folder as ``{dir}``."""
     from tripwire._vllm_faults import plugin_dir
 
     py = python or vllm_python()
@@ -114,7 +116,7 @@ def run_engine(
     )
     if mode is not None:
         full["TRIPWIRE_VLLM"] = mode
-    full.update(env or {})
+    full.update({k: v.format(dir=d) for k, v in (env or {}).items()})  # "{dir}": this run's own folder
     cfg = dict(config)
     cfg.setdefault("model", str(workdir / "model"))
     try:
@@ -133,7 +135,7 @@ def run_engine(
         if line.startswith('{"hooked"'):
             result = json.loads(line)
             break
-    return Run(p.returncode, result, p.stderr[-20000:], _read_jsonl(events), _read_jsonl(injected))
+    return Run(p.returncode, result, d, p.stderr[-20000:], _read_jsonl(events), _read_jsonl(injected))
 
 
 class EnginePool:

@@ -64,10 +64,9 @@ class Containment:
         return ring
 
     # ------------------------------------------------------------------ the runner's side
-    def after_step(self, st: Any, scheduler_output: Any) -> None:
+    def after_step(self, ring: Any, ticket: Any, scheduler_output: Any) -> None:
         """Take the step's verdict (its copy landed with the sampled tokens); hand what it names to the scheduler."""
-        ticket, st.ticket = st.ticket, None
-        verdict = st.ring.take(ticket)
+        verdict = ring.take(ticket)
         if verdict.stop is not None:
             raise verdict.stop  # a fatal site without containment: this step fails, through vLLM's error path
         if verdict.clean:

@@ -260,7 +260,7 @@ def _patch(plugin: _Plugin) -> None:
             # After the step's kernels, in their stream order: the verdict copy of the sites' rows.
             st.ticket = st.ring.enqueue()
             if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
-                plugin.contain.after_step(st, scheduler_output)
+                return _take_verdict(plugin, st, out)
         return out
 
     @functools.wraps(orig["_build_attention_metadata"])
@@ -281,8 +281,7 @@ def _patch(plugin: _Plugin) -> None:
         st: _RunnerState | None = getattr(self, "_tripwire", None)
         out = orig["sample_tokens"](self, *args, **kwargs)
         if st is not None and st.ticket is not None:
-            # The sampled tokens are on the host now (vLLM's own wait): the verdict copy has landed with them.
-            plugin.contain.after_step(st, st.step)
+            return _take_verdict(plugin, st, out)
         return out
 
     sched_orig = sched_cls.__dict__["update_from_output"]
@@ -314,6 +313,28 @@ def _patch(plugin: _Plugin) -> None:
     for cls, name, fn in patches:
         plugin.originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)
+
+
+def _take_verdict(plugin: _Plugin, st: _RunnerState, out: Any) -> Any:
+    """Take the step's verdict where vLLM waits for the step's sampled tokens: now, for a synchronous output (the
+    tokens are on the host: the verdict copy, enqueued before them in stream order, has landed); for an asynchronous
+    one (async scheduling), inside its ``get_output``, after vLLM's own wait for the tokens' copy, which the engine
+    core calls before the scheduler sees the step."""
+    ring, ticket, step = st.ring, st.ticket, st.step
+    st.ticket = None
+    get = getattr(out, "get_output", None)
+    if not callable(get):
+        plugin.contain.after_step(ring, ticket, step)
+        return out
+
+    @functools.wraps(get)
+    def get_output(*args: Any, **kwargs: Any) -> Any:
+        res = get(*args, **kwargs)
+        plugin.contain.after_step(ring, ticket, step)
+        return res
+
+    out.get_output = get_output
+    return out
 
 
 def _refuse_v2(plugin: _Plugin) -> list[tuple[type, str, Any]]:
