@@ -9,7 +9,7 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
   ``max_tokens`` new tokens each (default 16), ``ignore_eos``.
 * ``prefix_caching`` (optional, default off): vLLM's prefix cache.
 * ``bench`` (optional): ``{"batches": [B, ...], "steps": N, "repeats": R}``: instead of rounds, time the decode
-  step with the plugin on and off, interleaved (see ``benchmarks/bench_vllm.py``).
+  steps (``llm_engine.step()``) with the plugin on and off, interleaved (see ``benchmarks/bench_vllm.py``).
 
 vLLM's own settings come from the environment (``VLLM_ENABLE_V1_MULTIPROCESSING``; ``TRIPWIRE_VLLM`` for the plugin;
 :mod:`tripwire._vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -106,25 +107,31 @@ def run_rounds(llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list
     return out
 
 
-def _decode_step(llm: Any, prompts: list[dict[str, Any]], steps: int) -> float:
-    """One decode step's time: a round of ``steps`` new tokens less a round of one (the prefill and the request
-    setup), over ``steps - 1`` decode steps."""
+def _decode_steps(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> list[float]:
+    """The wall time of each decode step of one round (``llm_engine.step()``: scheduler, runner, outputs), the
+    prefill step left out: ``len(prompts)`` requests of ``steps`` new tokens."""
     from vllm import SamplingParams
 
-    long = SamplingParams(temperature=0, max_tokens=steps, detokenize=False, ignore_eos=True)
-    short = SamplingParams(temperature=0, max_tokens=1, detokenize=False, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate(prompts, short, use_tqdm=False)
-    t1 = time.perf_counter()
-    llm.generate(prompts, long, use_tqdm=False)
-    t2 = time.perf_counter()
-    return ((t2 - t1) - (t1 - t0)) / (steps - 1)
+    sp = SamplingParams(temperature=0, max_tokens=steps, detokenize=False, ignore_eos=True)
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
+    times = []
+    first = True
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        if not first:
+            times.append(dt)
+        first = False
+    return times
 
 
 def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[str, Any]:
-    """The decode step with the plugin on and off, interleaved in this one engine: the plugin is uninstalled
-    (every wrapped method restored) and installed again between measurements, in alternating order, so drift hits
-    both alike. Two "off" measurements per repeat give the noise floor (off against off)."""
+    """The decode step with the plugin on and off, interleaved in this one engine: the plugin is uninstalled (every
+    wrapped method restored) and installed again between rounds, in alternating order, so drift hits both alike. A
+    round's figure is its median decode step. Two "off" rounds per repeat give the noise floor (off against off)."""
     from tripwire.integrations import vllm as tw
 
     plugin = tw.installed()
@@ -132,24 +139,56 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
         raise RuntimeError("the benchmark needs TRIPWIRE_VLLM set at start-up (the validator is built then)")
     mode = plugin.mode
     out: dict[str, Any] = {"mode": mode, "steps": steps}
+    hook = _time_hooks()
+    n = 0
     for b in batches:
-        prompts = [{"prompt_token_ids": [7 + i, *range(20, 40)]} for i in range(b)]
-        _decode_step(llm, prompts, steps)  # warm-up
+        prompts = [[7 + i, *range(20, 40)] for i in range(b)]
+        _decode_steps(llm, prompts, steps, f"warm{b}")
         on: list[float] = []
         off: list[float] = []
         off2: list[float] = []
+        inside: list[float] = []
         for k in range(repeats):
             order = ("on", "off", "off2") if k % 2 == 0 else ("off", "off2", "on")
             for which in order:
+                n += 1
                 if which == "on":
                     tw.install(mode)
-                    on.append(_decode_step(llm, prompts, steps))
                 else:
                     tw.uninstall()
-                    (off if which == "off" else off2).append(_decode_step(llm, prompts, steps))
+                hook.clear()
+                fig = statistics.median(_decode_steps(llm, prompts, steps, f"r{n}"))
+                {"on": on, "off": off, "off2": off2}[which].append(fig)
+                if which == "on":
+                    inside.append(sum(hook) / max(steps, 1))
         tw.install(mode)
-        out[str(b)] = {"on": on, "off": off, "off2": off2}
+        out[str(b)] = {"on": on, "off": off, "off2": off2, "hook_s_per_step": inside}
     return out
+
+
+def _time_hooks() -> list[float]:
+    """Time spent inside the plugin's per-step work (the validator call, the verdict, the scheduler's side), summed
+    into the returned list while a round runs: the plugin's own cost, apart from the machine's noise."""
+    from tripwire.integrations import _vllm_contain, _vllm_steps
+
+    spent: list[float] = []
+
+    def timed(cls: type, name: str) -> None:
+        fn = getattr(cls, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - t0)
+
+        setattr(cls, name, wrapper)
+
+    timed(_vllm_steps.StepValidator, "__call__")
+    for name in ("after_step", "before_update", "after_update"):
+        timed(_vllm_contain.Containment, name)
+    return spent
 
 
 def main(argv: list[str]) -> int:
