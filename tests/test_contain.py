@@ -12,6 +12,14 @@ from tripwire.validate import Validator
 
 @pytest.fixture
 def raising():
+    """raise mode with the contain setting on."""
+    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, mode="raise", interval=0.01, offenders=4, contain=True)
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def raising_uncontained():
     m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, mode="raise", interval=0.01, offenders=4)
     yield m
     m.stop()
@@ -44,7 +52,7 @@ def _call(v, dev, bad_tokens, *, requests=True):
 
 def test_attributed_hits_taint_instead_of_arming(raising, kernel_device):
     v = _validator(raising, kernel_device)
-    assert raising.take_tainted() == []  # the first call turns containment on
+    assert raising.take_tainted() == []
     _call(v, kernel_device, [4, 6])
     raising.drain()
     taints = raising.take_tainted()
@@ -59,11 +67,13 @@ def test_attributed_hits_taint_instead_of_arming(raising, kernel_device):
     assert raising.take_tainted() == [] and raising.armed is None
 
 
-def test_control_without_containment_the_same_hit_arms(raising, kernel_device):
-    v = _validator(raising, kernel_device)
-    _call(v, kernel_device, [4])  # take_tainted() never called: containment is off
-    raising.drain()
-    assert isinstance(raising.armed, GuardTripped) and raising.armed.site == "c.slots"
+def test_control_without_containment_the_same_hit_arms(raising_uncontained, kernel_device):
+    m = raising_uncontained
+    v = _validator(m, kernel_device)
+    assert m.take_tainted() == []  # reading taints changes no policy: containment stays off
+    _call(v, kernel_device, [4])
+    m.drain()
+    assert isinstance(m.armed, GuardTripped) and m.armed.site == "c.slots"
 
 
 def test_a_hit_without_a_request_fails_closed(raising, kernel_device):
@@ -110,7 +120,7 @@ def test_a_full_offender_block_fails_closed(raising, kernel_device):
 
 
 def test_a_fatal_site_still_stops(kernel_device):
-    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, mode="warn", interval=0.01)
+    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, mode="warn", interval=0.01, contain=True)
     v = _validator(m, kernel_device, fatal=True)
     m.take_tainted()
     _call(v, kernel_device, [4])

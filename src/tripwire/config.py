@@ -29,6 +29,7 @@ _ENV = {
     "native_tick": ("TRIPWIRE_NATIVE_TICK", "auto"),
     "event_log": ("TRIPWIRE_EVENT_LOG", None),
     "store_poll": ("TRIPWIRE_STORE_POLL", 0.5),
+    "contain": ("TRIPWIRE_CONTAIN", False),
 }
 NATIVE_TICK = ("auto", "on", "off")
 
@@ -46,6 +47,20 @@ def _parse_native_tick(var: str, raw: Any) -> str:
     if not isinstance(raw, str) or raw.strip().lower() not in NATIVE_TICK:
         raise ValueError(f"{var}={raw!r} is not a native-tick choice; expected one of {', '.join(NATIVE_TICK)}")
     return raw.strip().lower()
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_switch(var: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = raw.strip().lower() if isinstance(raw, str) else None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{var}={raw!r} is not a switch; expected one of {', '.join(_TRUE + _FALSE)}")
 
 
 def _parse_path(var: str, raw: Any) -> str | None:
@@ -110,6 +125,7 @@ _PARSERS = {
     "native_tick": _parse_native_tick,
     "event_log": _parse_path,
     "store_poll": _parse_seconds,
+    "contain": _parse_switch,
 }
 
 
@@ -131,6 +147,9 @@ class Settings:
     * ``store_poll``: seconds between :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own
       thread (the reader's ticks stay native): how late a peer's stop arrives, against the store's load (one request
       per rank per poll).
+    * ``contain``: containment (:mod:`tripwire.contain`): an attributed masked fault fails the requests it hit
+      instead of arming the stop; off by default, switched on only explicitly (this setting, or an integration's
+      ``install(contain=True)``).
     """
 
     mode: str = "warn"
@@ -143,6 +162,7 @@ class Settings:
     native_tick: str = "auto"
     event_log: str | None = None
     store_poll: float = 0.5
+    contain: bool = False
 
     def __post_init__(self) -> None:
         # Validate keyword-built settings exactly like environment ones: the same fail-closed rules.

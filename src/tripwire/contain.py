@@ -1,32 +1,41 @@
 """Containment: a masked fault fails the request it hit instead of the engine.
 
 A guard row keeps its first K distinct offenders with the request each belongs to (where the kernel had a
-row-to-request map: :mod:`tripwire.layout`). When a rise of a NON-fatal site is confirmed, :class:`Containment` turns
-the offenders it has not seen yet into :class:`Taint` records, which the engine takes with
-:meth:`tripwire.Monitor.take_tainted` and fails request by request. With containment on, such a rise does not arm
-the stop even in ``raise`` mode, as long as every new hit is attributed. A fatal site still stops (its damage is
-durable, not the request's alone).
+row-to-request map: :mod:`tripwire.layout`). Engines name their requests with strings; kernels take integers:
+:class:`RequestNames` (``Monitor.requests``) gives each engine id a number for the kernels' request maps and turns the
+numbers back into the engine's ids in reports, events and taints (an operator greps the engine's own logs for them).
+
+Containment is an explicit setting (``Monitor(contain=True)``, ``TRIPWIRE_CONTAIN=1``, or an integration's
+``install(contain=True)``); reading taints never changes it. Two paths decide what to fail:
+
+* The same-step verdict (:mod:`tripwire.verdict`), for the sites an engine's verdict ring covers: the ring decides
+  before the step's requests are handed back. The reader reports those sites' rises and, under containment, leaves
+  the decision to the ring (:class:`VerdictLedger` says which rows it covers and holds the offenders it consumed).
+* The reader, for every other site: when a rise of a NON-fatal site is confirmed, :class:`Containment` turns the
+  offenders it has not seen yet into :class:`Taint` records, which the engine takes with
+  :meth:`tripwire.Monitor.take_tainted`. Such a rise does not arm the stop even in ``raise`` mode, as long as every
+  new hit is attributed; a fatal site still stops. Latency: a taint exists about two reader intervals after the
+  kernel ran, so a request that finishes sooner is handed back with the masked result: use a verdict ring for that.
 
 Fail closed: a rise that cannot be attributed in full -- an offender without a request, a counter without an offender
 block, or a full block (K distinct kept) whose count rose by more than its new offenders (one dropped may have named
 another request) -- yields a taint with ``request=None``, which an engine must treat as "fail everything", and arms
 the stop under ``raise`` exactly as without containment.
-
-Latency: a taint exists once the reader confirmed the rise, about two reader intervals after the kernel ran; a
-request that finishes sooner completes with the masked result (its events still name it).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .report import Hit
+    from .sinks import Offender
     from .sites import Site
 
-__all__ = ["Containment", "Taint"]
+__all__ = ["Containment", "RequestNames", "Taint", "VerdictLedger"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +58,86 @@ class Taint:
         )
 
 
-class Containment:
-    """The taints of one monitor. ``enabled``: whether attributed rises of non-fatal sites stop arming the stop
-    (switched on by the first :meth:`take`, or by an integration). Thread-safe: the reader adds, the engine takes."""
+class RequestNames:
+    """Engine request ids <-> the numbers kernels keep with offenders. ``number(rid)`` is stable for a request while
+    it is among the last ``keep`` numbered; ``name(n)`` returns its engine id, or ``n`` itself for a number nobody
+    named here (a caller's own request map). Thread-safe: the engine numbers, the reader names."""
+
+    def __init__(self, keep: int = 1 << 16) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._numbers: dict[Any, int] = {}
+        self._names: OrderedDict[int, Any] = OrderedDict()
+        self._next = 0
+
+    def number(self, request_id: Any) -> int:
+        n = self._numbers.get(request_id)  # the hot path: one dict lookup per request per step
+        if n is not None:
+            return n
+        with self._lock:
+            n = self._numbers.get(request_id)
+            if n is None:
+                n = self._numbers[request_id] = self._next
+                self._next += 1
+                self._names[n] = request_id
+                while len(self._names) > self._keep:  # the oldest requests finished long ago
+                    _, old = self._names.popitem(last=False)
+                    self._numbers.pop(old, None)
+            return n
+
+    def name(self, n: int) -> Any:
+        return self._names.get(n, n)
+
+
+class VerdictLedger:
+    """The rows verdict rings cover, per device, and the offenders their verdicts consumed (the first K distinct of
+    each row's life, for the reader's reports: the device block holds only the current step's). Thread-safe: the
+    engine's verdicts add, the reader reads."""
 
     def __init__(self, offenders_per_row: int) -> None:
-        self.enabled = False
+        self._k = offenders_per_row
+        self._lock = threading.Lock()
+        self._covered: set[tuple[str, int]] = set()
+        self._offenders: dict[tuple[str, int], list[Offender]] = {}
+
+    def cover(self, device: str, row: int) -> None:
+        with self._lock:
+            if (device, row) in self._covered:
+                raise ValueError(
+                    f"row {row} on {device} is already covered by a verdict ring: a second ring would find its "
+                    f"offenders consumed by the first"
+                )
+            self._covered.add((device, row))
+
+    def covers(self, device: str, row: int) -> bool:
+        return (device, row) in self._covered
+
+    def add(self, device: str, row: int, total: int, offenders: tuple[Offender, ...]) -> None:
+        with self._lock:
+            kept = self._offenders.setdefault((device, row), [])
+            for o in offenders:
+                if len(kept) >= self._k:
+                    break
+                if o not in kept:
+                    kept.append(o)
+
+    def offenders(self, device: str, row: int) -> tuple[Offender, ...]:
+        with self._lock:
+            return tuple(self._offenders.get((device, row), ()))
+
+    def clear(self) -> None:
+        """Forget the offenders (a reset zeroes the counters they came from); the rows stay covered."""
+        with self._lock:
+            self._offenders.clear()
+
+
+class Containment:
+    """The taints of one monitor. ``enabled``: whether attributed rises of non-fatal sites stop arming the stop (the
+    monitor's ``contain`` setting, or an integration's ``install(contain=True)``; never a side effect of reading).
+    Thread-safe: the reader adds, the engine takes."""
+
+    def __init__(self, offenders_per_row: int, enabled: bool = False) -> None:
+        self.enabled = enabled
         self._k = offenders_per_row
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, int], set[tuple[int, int, object]]] = {}
@@ -84,9 +167,8 @@ class Containment:
             return attributed
 
     def take(self) -> list[Taint]:
-        """The taints since the last call (and containment on from now)."""
+        """The taints since the last call. Reading them changes no policy."""
         with self._lock:
-            self.enabled = True
             taints, self._taints = self._taints, []
             return taints
 

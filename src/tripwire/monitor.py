@@ -28,7 +28,7 @@ from ._native.engage import Engagement
 from .arena import Arena, normalize_device, unindexed_cuda
 from .capture import PostCaptureHooks, is_capturing
 from .config import Settings, SettingView, check_timeout, load_settings
-from .contain import Taint
+from .contain import RequestNames, Taint
 from .errors import CaptureError, GuardTripped
 from .pipeline import Callbacks, Pipeline
 from .reader import DeviceReader, Readers
@@ -45,7 +45,7 @@ class Monitor:
     """Holds the reported state of every row, the armed stop and the reader thread.
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
-    ``offenders``, ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``), validated exactly like the ``TRIPWIRE_*``
+    ``offenders``, ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``, ``contain``), validated exactly like the ``TRIPWIRE_*``
     variable it overrides, and readable as a read-only attribute (``monitor.mode``). A fresh Monitor has its own
     arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
     """
@@ -59,6 +59,7 @@ class Monitor:
     heartbeat = SettingView()
     event_log = SettingView()
     store_poll = SettingView()
+    contain = SettingView()
 
     def __init__(
         self, *, registry: SiteRegistry | None = None, env: dict[str, str] | None = None, **settings: Any
@@ -82,6 +83,9 @@ class Monitor:
         self._arm_queue: list[GuardTripped] = []  # armed under the lock, delivered (_deliver) once it is released
         self._sync_due = False  # the sinks' health is due (a stop, a reset, a new sink)
         self.pipeline = Pipeline(self)
+        # Engine request ids <-> the numbers kernels keep with offenders (reports and taints name the engine's ids).
+        self.requests = RequestNames()
+        self._rings: list[Any] = []  # the verdict rings (tripwire.verdict), re-baselined by reset()
         self.confirmer, self.sinks = self.pipeline.confirmer, self.pipeline.sinks
         self._last_tick: float | None = None
         self.loop_errors = 0
@@ -456,16 +460,43 @@ class Monitor:
                     torch.cuda.synchronize(reader.device)
                 reader.discard()  # a copy in flight may hold pre-zero counts
             self.pipeline.clear()
+            for ring in self._rings:
+                ring.forget()
             self._arm_queue.clear()
             self._tripped = None
             self._sync_due = True
         self._deliver()
 
     def take_tainted(self) -> list[Taint]:
-        """The requests masked faults at non-fatal sites hit since the last call (:mod:`tripwire.contain`), for the
-        engine to fail one by one; the first call turns containment on (attributed rises no longer arm the stop in
-        raise mode). A ``request`` of None: a hit naming no request (fail everything). Never touches the GPU."""
+        """The requests masked faults at non-fatal sites hit since the last call, as the READER confirmed them
+        (:mod:`tripwire.contain`), for the engine to fail one by one. A ``request`` of None: a hit naming no request
+        (fail everything). Never touches the GPU, and changes no policy (containment is the ``contain`` setting).
+        Late by about two reader intervals: an engine that hands requests back sooner takes same-step verdicts
+        (:meth:`verdicts`) instead."""
         return self.pipeline.containment.take()
+
+    def verdicts(self, device: torch.device | str | int, sites: Any, *, depth: int = 4) -> Any:
+        """A ring of same-step verdicts over ``sites`` (Site objects or registered names) on ``device``
+        (:class:`tripwire.verdict.Verdicts`). Build it before any capture: it allocates its pinned slots, its
+        device staging area and, on CUDA, one small graph per slot. Each (device, site) belongs to one ring."""
+        from .verdict import Verdicts
+
+        dev = normalize_device(device)
+        if is_capturing():
+            raise CaptureError(f"monitor.verdicts({str(dev)!r}) allocates its ring: build it before capturing")
+        resolved = [self.registry.resolve(s) for s in ([sites] if isinstance(sites, (str, Site)) else list(sites))]
+        with self._lock:
+            for s in resolved:
+                if self.pipeline.ledger.covers(str(dev), s.id):
+                    raise ValueError(
+                        f"site {s.name!r} on {dev} already has a verdict ring: a second ring would find its offenders "
+                        f"consumed by the first"
+                    )
+            ring = Verdicts(self, dev, resolved, depth)
+            for s in resolved:
+                self.pipeline.ledger.cover(str(dev), s.id)
+            self._rings.append(ring)
+        return ring
 
     def readers(self) -> dict[str, DeviceReader]:
         return {r.name: r for r in self.devices.all()}

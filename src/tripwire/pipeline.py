@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .confirm import Confirmed, Confirmer
-from .contain import Containment
-from .report import Hit, Report, Reporters, ReportWindow, decode_rows
+from .contain import Containment, VerdictLedger
+from .report import Hit, Report, Reporters, ReportWindow, decode_rows, named
 from .sinks import Event, Log, SinkSet
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ class Pipeline:
         self.window = ReportWindow(lambda: monitor.settings.report_every, self._release)
         self.log = Log()
         self.sinks = SinkSet(lambda: monitor.settings.report_every)
-        self.containment = Containment(monitor.settings.offenders)
+        self.containment = Containment(monitor.settings.offenders, enabled=monitor.settings.contain)
+        self.ledger = VerdictLedger(monitor.settings.offenders)
         self._events: list[Event] = []
 
     def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
@@ -122,7 +124,18 @@ class Pipeline:
         return events
 
     def decode(self, device: str, rows: np.ndarray, offenders: Any = None) -> dict[tuple[str, str], Hit]:
-        return decode_rows(self.monitor.registry, self.reporters, device, rows, offenders)
+        """The snapshot of ``device``'s rows: requests by the engine's ids, and for the rows a verdict ring covers the
+        offenders its verdicts consumed first (the device block holds only the step's since)."""
+        out = decode_rows(self.monitor.registry, self.reporters, device, rows, offenders)
+        name = self.monitor.requests.name
+        for key, hit in out.items():
+            hit = named(hit, name)
+            site = self.monitor.registry.get(key[1])
+            if self.ledger.covers(device, site.id):
+                kept = self.ledger.offenders(device, site.id)
+                hit = replace(hit, offenders=kept + tuple(o for o in hit.offenders if o not in kept))
+            out[key] = hit
+        return out
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per device, each site's count as confirmed so far (what was reported)."""
@@ -141,3 +154,4 @@ class Pipeline:
         self.window.clear()
         self.reporters.clear()
         self.containment.clear()
+        self.ledger.clear()

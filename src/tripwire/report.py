@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -292,14 +292,21 @@ class GuardReporter:
     wording = staticmethod(guard_wording)
 
     def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
-        hit = Hit.from_row(row, site.kind)
+        ledger, contain = monitor.pipeline.ledger, monitor.pipeline.containment
+        covered = ledger.covers(device, site.id)
+        hit = named(Hit.from_row(row, site.kind), monitor.requests.name)
+        if covered:
+            # A verdict ring consumes this row's offenders every step: the reports carry the ones it consumed, then
+            # the block's (the current step's, not yet taken).
+            hit = replace(hit, offenders=_merged(ledger.offenders(device, site.id), hit.offenders))
         wording = self.wording
 
         def render(delta: int) -> Report:
             return Report((guard_event(site, device, hit, delta),), wording(site, device, hit, delta=delta), site.name)
 
         monitor.emit((device, site.id), hit.count, now, render)
-        contain = monitor.pipeline.containment
+        if covered and contain.enabled:
+            return  # the ring's same-step verdict fails the requests (or the step) and arms nothing: tripwire.verdict
         # With containment on, a rise whose every new hit names a request taints those requests instead of arming
         # (tripwire.contain); a fatal site, or a rise it cannot attribute, arms exactly as without it.
         contained = contain.enabled and contain.note(site, device, hit)
@@ -312,6 +319,20 @@ class GuardReporter:
 
 for _kind in GUARD_KINDS:
     register_reporter(_kind, GuardReporter)
+
+
+def named(hit: Hit, name: Callable[[Any], Any]) -> Hit:
+    """``hit`` with its offenders' request numbers turned into the engine's request ids (``name``: a monitor's
+    ``requests.name``; a number nobody named stays as it is)."""
+    if not any(o.request is not None for o in hit.offenders):
+        return hit
+    return replace(
+        hit, offenders=tuple(o if o.request is None else o._replace(request=name(o.request)) for o in hit.offenders)
+    )
+
+
+def _merged(first: tuple[Offender, ...], then: tuple[Offender, ...]) -> tuple[Offender, ...]:
+    return first + tuple(o for o in then if o not in first)
 
 
 def tripped_for(site: Site, device: str, hit: Hit, message: Callable[..., str] = guard_message) -> GuardTripped:

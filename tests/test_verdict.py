@@ -1,0 +1,227 @@
+"""tripwire.verdict: same-step verdicts over the real validator kernel (the interpreter on the CPU, the GPU when there
+is one): what a step's hits taint, per-step offenders, fail-closed, the stop without containment, the reader's
+deference to the ring, and the bad-input errors. Controls show what the reader-only path would have said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tripwire import CaptureError, GuardTripped, Monitor, SiteRegistry
+from tripwire.validate import Validator
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _monitor(**settings):
+    settings.setdefault("mode", "warn")
+    return Monitor(registry=SiteRegistry(capacity=32), capacity=32, interval=0.01, offenders=4, **settings)
+
+
+def _setup(mon, dev, *, fatal=False):
+    v = Validator("s", dev, policy="mask", monitor=mon)
+    v.index("slots", hi=100, padding=-1, fatal=fatal, requests="req", segments="cu")
+    ring = mon.verdicts(dev, [v.rules["slots"].site])
+    return v, ring
+
+
+def _step(v, mon, dev, bad_tokens, ids=("a", "b", "c")):
+    """Three requests of 3, 2 and 3 tokens named by the engine ids ``ids``; ``bad_tokens`` get out-of-range slots."""
+    slots = torch.arange(8, device=dev)
+    for t in bad_tokens:
+        slots[t] = 1000 + t
+    req = torch.tensor([mon.requests.number(i) for i in ids], device=dev)
+    v(slots=slots, req=req, cu=torch.tensor([0, 3, 5, 8], dtype=torch.int32, device=dev))
+
+
+def _sync(dev):
+    if dev != "cpu":
+        torch.cuda.synchronize()
+
+
+def test_a_step_verdict_names_the_engine_ids_it_hit(kernel_device):
+    mon = _monitor(contain=True)
+    v, ring = _setup(mon, kernel_device)
+    _step(v, mon, kernel_device, [])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    assert ring.take(t).clean
+    _step(v, mon, kernel_device, [4, 6])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    verdict = ring.take(t)
+    assert verdict.tainted == {"b", "c"} and not verdict.fail_all and verdict.stop is None
+    (h,) = verdict.hits
+    assert (h.site, h.delta, h.total, h.attributed) == ("s.slots", 2, 2, True)
+    assert sorted((o.row, o.value, o.request) for o in h.offenders) == [(4, 1004, "b"), (6, 1006, "c")]
+    assert verdict.failure("b").row == 4 and verdict.failure("a") is None
+    assert mon.armed is None
+    # The next step is clean: the rise was accounted for, and its offenders were consumed on the device.
+    _step(v, mon, kernel_device, [])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    assert ring.take(t).clean
+
+
+def test_offenders_are_per_step(kernel_device):
+    """K = 4. Four distinct bad tokens in each of two steps: each step is attributed in full, because the first
+    verdict consumed its offenders. Control: the same eight offenders without a verdict in between fill the block,
+    so the second step's rise cannot be attributed (fail closed)."""
+    mon = _monitor(contain=True)
+    v, ring = _setup(mon, kernel_device)
+    _step(v, mon, kernel_device, [0, 1, 2, 3])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    assert ring.take(t).tainted == {"a", "b"}
+    _step(v, mon, kernel_device, [4, 5, 6, 7], ids=("d", "e", "f"))
+    t = ring.enqueue()
+    _sync(kernel_device)
+    second = ring.take(t)
+    assert second.tainted == {"e", "f"} and not second.fail_all
+    # Control: two steps' offenders, one verdict.
+    _step(v, mon, kernel_device, [0, 1, 2, 3], ids=("g", "h", "i"))
+    _step(v, mon, kernel_device, [4, 5, 6, 7], ids=("j", "k", "l"))
+    t = ring.enqueue()
+    _sync(kernel_device)
+    both = ring.take(t)
+    assert both.fail_all and both.hits[0].delta == 8 and len(both.hits[0].offenders) == 4
+
+
+def test_more_than_k_in_one_step_fails_the_step_and_later_steps_are_attributed_again(kernel_device):
+    mon = _monitor(contain=True, mode="raise")
+    v, ring = _setup(mon, kernel_device)
+    _step(v, mon, kernel_device, [0, 1, 2, 3, 4, 5])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    verdict = ring.take(t)
+    assert verdict.fail_all and verdict.stop is None and mon.armed is None
+    assert verdict.failure("zzz") is not None and verdict.failure("zzz").request is None
+    _step(v, mon, kernel_device, [6])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    again = ring.take(t)
+    assert again.tainted == {"c"} and not again.fail_all
+
+
+def test_without_containment_a_fatal_site_stops_in_the_same_step(kernel_device):
+    mon = _monitor()
+    v, ring = _setup(mon, kernel_device, fatal=True)
+    _step(v, mon, kernel_device, [1])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    verdict = ring.take(t)
+    assert isinstance(verdict.stop, GuardTripped) and verdict.stop.site == "s.slots" and verdict.stop.fatal
+    assert mon.armed is verdict.stop and verdict.tainted == {"a"}
+    with pytest.raises(GuardTripped):
+        mon.check()
+
+
+def test_under_containment_a_fatal_site_is_contained_and_the_reader_defers(kernel_device):
+    """A contained write: the verdict taints its request and arms nothing, and the reader's confirmation of the same
+    rise (drain) does not arm either. Control: the same site without a ring is armed by the reader."""
+    mon = _monitor(contain=True)
+    v, ring = _setup(mon, kernel_device, fatal=True)
+    _step(v, mon, kernel_device, [3])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    assert ring.take(t).tainted == {"b"}
+    snap = mon.drain()
+    assert mon.armed is None
+    (off,) = snap[(str(v.device), "s.slots")].offenders
+    assert off.request == "b", "the snapshot names the engine's id, and keeps the offender the verdict consumed"
+    control = _monitor(contain=True)
+    cv = Validator("s", kernel_device, policy="mask", monitor=control)
+    cv.index("slots", hi=100, padding=-1, fatal=True, requests="req", segments="cu")
+    _step(cv, control, kernel_device, [3])
+    control.drain()
+    assert isinstance(control.armed, GuardTripped)
+
+
+def test_reading_taints_changes_no_policy(kernel_device):
+    """take_tainted() is a getter: in raise mode without the contain setting a hit still arms after it was called."""
+    mon = _monitor(mode="raise")
+    v = Validator("s", kernel_device, policy="mask", monitor=mon)
+    v.index("slots", hi=100, padding=-1, requests="req", segments="cu")
+    assert mon.take_tainted() == []
+    _step(v, mon, kernel_device, [2])
+    mon.drain()
+    assert isinstance(mon.armed, GuardTripped) and mon.health()["ok"] is False
+
+
+def test_reset_rebaselines_the_ring(kernel_device):
+    mon = _monitor(contain=True)
+    v, ring = _setup(mon, kernel_device)
+    _step(v, mon, kernel_device, [4])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    assert ring.take(t).tainted == {"b"}
+    mon.reset()
+    _step(v, mon, kernel_device, [4])
+    t = ring.enqueue()
+    _sync(kernel_device)
+    assert ring.take(t).tainted == {"b"}, "after a reset the same offender counts again"
+
+
+def test_bad_input(kernel_device):
+    mon = _monitor(contain=True)
+    _v, ring = _setup(mon, kernel_device)
+    with pytest.raises(ValueError, match="already has a verdict ring"):
+        mon.verdicts(kernel_device, ["s.slots"])
+    with pytest.raises(ValueError, match="depth"):
+        mon.verdicts(kernel_device, [mon.registry.register("other")], depth=0)
+    t = ring.enqueue()
+    _sync(kernel_device)
+    ring.take(t)
+    with pytest.raises(ValueError, match="not an open ticket"):
+        ring.take(t)
+    small = mon.verdicts(kernel_device, [mon.registry.register("third")], depth=2)
+    small.enqueue()
+    small.enqueue()
+    with pytest.raises(RuntimeError, match="none is free"):
+        small.enqueue()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_copy_that_has_not_landed_is_refused_and_stays_takeable():
+    mon = _monitor(contain=True)
+    v, ring = _setup(mon, "cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the stream stays busy: the copy cannot have landed yet
+        _step(v, mon, "cuda", [4])
+        t = ring.enqueue(side)
+    with pytest.raises(RuntimeError, match="has not landed"):
+        ring.take(t)
+    verdict = ring.take(t, wait=True)  # the bounded wait
+    assert verdict.tainted == {"b"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_captured_verdict_reads_each_replay():
+    mon = _monitor(contain=True)
+    v, ring = _setup(mon, "cuda")
+    slots = torch.arange(8, device="cuda")
+    req = torch.tensor([mon.requests.number(i) for i in ("a", "b", "c")], device="cuda")
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32, device="cuda")
+    src = slots.clone()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        v(slots=slots, req=req, cu=cu)  # warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        slots.copy_(src)
+        v(slots=slots, req=req, cu=cu)
+        t = ring.enqueue()
+    with pytest.raises(CaptureError):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s):
+            ring.take(t)
+    for bad, want in ((None, set()), (6, {"c"}), (1, {"a"}), (None, set())):
+        src.copy_(torch.arange(8, device="cuda"))
+        if bad is not None:
+            src[bad] = 5000
+        g.replay()
+        torch.cuda.synchronize()
+        assert set(ring.take(t).tainted) == want
