@@ -30,7 +30,9 @@ __all__ = ["main"]
 
 PROMPTS = [[460 + i] + [(5 * i + k) % 400 + 1 for k in range(n - 1)] for i, n in enumerate((10, 25, 40, 31))]
 READ = {"marker": 461, "step": 7, "kind": "read", "value": 10_000_000}
-SLOT = {"marker": 461, "step": 6, "kind": "slot", "value": 40000}
+# A negative slot other than the padding -1: the unguarded CPU cache write skips it, so the request's K/V for that
+# token never lands and its later tokens change, reported as a success.
+SLOT = {"marker": 461, "step": 6, "kind": "slot", "value": -7}
 CONTAINED = [READ, {"marker": 460, "step": 15, "kind": "write", "value": "end"}, {**SLOT, "marker": 462}]
 
 
