@@ -155,7 +155,7 @@ def check_contained(run, clean, rounds: list[int], faults: list[dict]) -> None:
                 for s in SITES[f["kind"]]:
                     want_totals[s] = want_totals.get(s, 0) + 1
             else:
-                assert req == ref[m], (r, m)
+                assert same(req) == same(ref[m]), (r, m)
     injected = {e["marker"]: e for e in run.injected}
     assert set(injected) == set(victims), (injected, victims)
     for m, f in victims.items():
