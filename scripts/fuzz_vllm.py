@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tripwire-vllm-fuzz-"))
     rounds = [prompts(r) for r in range(args.runs)]
     chunks = [list(range(args.runs))[k :: args.processes] for k in range(args.processes)]
-    specs: dict[str, dict[str, Any]] = {"clean": {"config": {"rounds": rounds}}}
+    # A process runs up to all the rounds: more than a test run's default limit on a busy machine.
+    specs: dict[str, dict[str, Any]] = {"clean": {"config": {"rounds": rounds}, "timeout": 1800}}
     for k, runs in enumerate(chunks):
         specs[f"contain{k}"] = {
             "config": {"rounds": [rounds[r] for r in runs]},
             "mode": "contain",
             "multiprocess": k % 2 == 1,
+            "timeout": 1800,
             "faults": [{x: f[x] for x in ("marker", "step", "kind", "value")} for f in (faults[r] for r in runs)],
             # A KV write at a prefill makes every prompt token of that block a distinct bad slot (up to 40 here):
             # past the default 8 offenders a step's rise is not attributed in full and fails the whole step closed,

@@ -94,6 +94,7 @@ def run_engine(
     faults: list[dict[str, Any]] | None = None,
     env: dict[str, str] | None = None,
     python: str | None = None,
+    timeout: float = RUN_TIMEOUT,
 ) -> Run:
     """Run the engine once in a fresh process (see the module docstring) and collect what it left. ``env`` values
     may name the run's own folder as ``{dir}``."""
@@ -125,11 +126,11 @@ def run_engine(
             capture_output=True,
             text=True,
             env=full,
-            timeout=RUN_TIMEOUT,
+            timeout=timeout,
             cwd=d,
         )
     except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"engine run {name!r} did not finish in {RUN_TIMEOUT} s: {str(e.stderr)[-3000:]}") from e
+        raise RuntimeError(f"engine run {name!r} did not finish in {timeout} s: {str(e.stderr)[-3000:]}") from e
     result = None
     for line in reversed(p.stdout.splitlines()):
         if line.startswith('{"hooked"'):
