@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 
-def _plan(rng: random.Random, n_prompts: int, tokens: int, multi_share: float, tag: str) -> list:
+def _plan(rng: random.Random, n_prompts: int, tokens: int, multi_share: float, write_share: float, tag: str) -> list:
     from tripwire.demo_transformers import Injection
 
     step = rng.randrange(1, tokens + 1)
     n = rng.randrange(2, 11) if rng.random() < multi_share else 1
     victims = rng.sample(range(n_prompts), min(n, n_prompts))
-    kinds = ["write" if rng.random() < 0.35 else "read" for _ in range(n)]
+    kinds = ["write" if rng.random() < write_share else "read" for _ in range(n)]
     out, used = [], set()
     for i in range(n):
         victim = victims[i % len(victims)]
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--interval", type=float, default=None, help="the reader's interval (default: TRIPWIRE_INTERVAL's)")
+    p.add_argument("--write-share", type=float, default=0.35, help="the share of bad entries that are writes")
     p.add_argument("--multi-share", type=float, default=0.3, help="the share of runs with 2 to 10 bad entries")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for run in range(a.runs):
         tag = f"f{run}"
-        plan = _plan(rng, len(PROMPTS), a.tokens, a.multi_share, tag)
+        plan = _plan(rng, len(PROMPTS), a.tokens, a.multi_share, a.write_share, tag)
         tally["multi"] += len(plan) > 1
         tally["steps_first"] += plan[0].step == 1
         tally["steps_last"] += plan[0].step == a.tokens

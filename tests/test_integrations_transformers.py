@@ -34,6 +34,8 @@ from tripwire.validate import Validator  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 TOKENS = 16
+# transformers 5.18+ (one cache carved by allocators) contains a masked write; 5.17 (per-layer tensors) stops for it.
+WRITES_CONTAINED = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18)
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # the engine logs every failed request
 
 
@@ -290,6 +292,11 @@ class TestContainment:
         out, inj = _serve(eng, mon, [Injection("write", step, f"{tag}-{victim}", "end", offset=step)], tag)
         assert [i.step for i in inj.injected] == [step]
         assert _count(mon, tw.SITE_WRITE_INDEX) == 1
+        if not WRITES_CONTAINED:
+            # 5.17's cache: a contained write changed other requests of its batch, so it stays a stop there.
+            _assert_stopped(eng, mon, out, tag)
+            mon.reset()
+            return
         assert mon.armed is None
         _assert_contained(out, ref, {victim}, handle, tw.SITE_WRITE_INDEX, tag, eng, rebuilds)
         assert _healthy(model.device)
@@ -298,10 +305,11 @@ class TestContainment:
         _model, ref, eng, mon, _handle = contained
         tag, victims = "cs", {1, 4, 6}
         injections = [Injection("read", 7, f"{tag}-{v}", "negative", offset=v) for v in sorted(victims)]
-        injections.append(Injection("write", 7, f"{tag}-4", "far"))
+        if WRITES_CONTAINED:
+            injections.append(Injection("write", 7, f"{tag}-4", "far"))
         rebuilds = eng.rebuilds
         out, inj = _serve(eng, mon, injections, tag)
-        assert len(inj.injected) == 4 and {i.step for i in inj.injected} == {7}
+        assert len(inj.injected) == len(injections) and {i.step for i in inj.injected} == {7}
         for i in (1, 6):
             assert tw.SITE_READ_INDEX in out[i].error
         assert tw.SITE_READ_INDEX in out[4].error or tw.SITE_WRITE_INDEX in out[4].error

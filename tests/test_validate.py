@@ -5,6 +5,11 @@ is bad when it is not the padding and not in [lo, hi); a 2-D table checks only `
 [0, width]), a length outside [0, width] is itself bad; a CSR layout checks the indices up to the largest in-range
 indptr entry, and an indptr entry is bad when it is not 0 at position 0, or out of [0, len(indices)], or below the last
 good entry before it (mask replaces it with that entry).
+
+Backends: CUDA tensors run the Triton kernel; CPU tensors run the plain torch path (``tripwire._validate_torch``).
+Without a GPU every test here runs twice (the ``backend`` fixture): on the torch path, and with the CPU path swapped
+for the Triton kernel under the interpreter; ``tests/test_validate_torch.py`` compares the two on the same calls,
+every arena and offender word and every repaired entry.
 """
 
 from __future__ import annotations
@@ -16,8 +21,27 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tripwire._validate_torch as _vt
+from conftest import HAS_CUDA
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
+
+_TORCH_LAUNCH = _vt.launch  # the CPU path itself, kept before the backend fixture swaps it
+
+
+@pytest.fixture(autouse=True, params=["cuda"] if HAS_CUDA else ["torch", "interpreter"])
+def backend(request, monkeypatch):
+    """``torch``: CPU validators run the plain torch path; ``interpreter``: they run the Triton kernel under the
+    interpreter instead (the same arena, the same tensors); ``cuda``: the kernel, compiled."""
+    if request.param == "interpreter":
+        import tripwire._validate_kernel as k
+
+        def kernel(arena, rules, tensors, *, mask, offenders=None):  # type: ignore[no-untyped-def]
+            k.launch(arena, rules, tensors, mask=mask)
+
+        monkeypatch.setattr(_vt, "launch", kernel)
+    return request.param
+
 
 # ---------------------------------------------------------------------------------------------- the reference
 
@@ -206,18 +230,27 @@ def test_shared_lengths_count_once(mon, kernel_device):
     assert n.tolist() == [3, 0]
 
 
-def test_one_launch_per_call(mon, kernel_device, monkeypatch):
+def test_one_launch_per_call(mon, kernel_device, monkeypatch, backend):
     import tripwire._validate_kernel as k
 
     launches = []
-    real = k._validate
+    if backend == "torch":
+        real_pass = _vt.launch
 
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
+        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            launches.append(args[1])
+            return real_pass(*args, **kwargs)
 
-    monkeypatch.setattr(k, "_validate", Counting())
+        monkeypatch.setattr(_vt, "launch", counting)
+    else:
+        real = k._validate
+
+        class Counting:
+            def __getitem__(self, grid):
+                launches.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(k, "_validate", Counting())
     v = Validator("one", kernel_device, monitor=mon)
     v.index("a", hi=10, padding=-1)
     v.index("b", hi=10, safe=0, lengths="n")
@@ -357,14 +390,6 @@ def test_bad_calls(mon, kernel_device):
     with pytest.raises(ValueError, match="indptr 'ptr' is empty"):
         call(ptr=torch.zeros(0, dtype=torch.int64, device=kernel_device))
     assert mon.snapshot() == {}  # no refused call launched anything
-
-
-def test_cpu_needs_the_interpreter(mon, monkeypatch):
-    import tripwire.validate as tv
-
-    monkeypatch.setattr(tv, "_interpreting", lambda: False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        Validator("cpu", "cpu", monitor=mon)
 
 
 # ---------------------------------------------------------------------------------------------- torch.compile

@@ -22,23 +22,16 @@ after the indptr repair), so it does not matter which of the two they see.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from ._validate_rules import ABLOCK, BLOCK, CSR, INDEX, Rules
 from .triton import record_hits
 
 __all__ = ["BLOCK", "CSR", "INDEX", "Launcher", "Rules", "launch"]
-
-INDEX, CSR = 1, 2
-# Entries per program. The validator reads a few kilobytes per call; a large block keeps the grid (and the launch's
-# fixed cost) small.
-BLOCK = 1024
-# Auxiliary entries per loop iteration of an owner program (it loops over the whole lengths/indptr).
-ABLOCK = 1024
 
 
 @triton.jit
@@ -318,31 +311,6 @@ def _validate(
                 else:
                     _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK)
         beg += nb + OWN_AUX[i]
-
-
-@dataclass(frozen=True)
-class Rules:
-    """A validator's rules as the kernel sees them, fixed once they are declared: per rule its kind (``INDEX`` or
-    ``CSR``), flags, bounds, mask value and the arena rows of its sites, plus which call tensors it reads (``tensor``
-    and ``aux`` index the call's tensor list; ``aux`` is ``tensor`` when the rule has no lengths/indptr)."""
-
-    kind: tuple[int, ...]
-    has_pad: tuple[bool, ...]
-    has_len: tuple[bool, ...]
-    own_aux: tuple[bool, ...]
-    lo: tuple[int, ...]
-    hi: tuple[int, ...]
-    pad: tuple[int, ...]
-    safe: tuple[int, ...]
-    row: tuple[int, ...]
-    aux_row: tuple[int, ...]
-    tensor: tuple[int, ...]
-    aux: tuple[int, ...]
-    # Attribution: 0 none, 1 requests[row], 2 requests[segment of row] (a CSR rule: its indptr's rows); which call
-    # tensors hold the requests and the segments (the rule's own tensor where unused).
-    req: tuple[int, ...]
-    requests: tuple[int, ...]
-    segments: tuple[int, ...]
 
 
 def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *, mask: bool) -> None:

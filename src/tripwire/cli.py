@@ -42,6 +42,16 @@ def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
     )
 
 
+def _engine_arg(args: list[str]) -> str | None:
+    """The value of ``--engine`` in ``args`` ("" when given without one), or None when absent."""
+    for i, a in enumerate(args):
+        if a == "--engine":
+            return args[i + 1] if i + 1 < len(args) else ""
+        if a.startswith("--engine="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         rc = _main(argv)
@@ -86,7 +96,12 @@ def _main(argv: list[str] | None) -> int:
                 device = a.split("=", 1)[1]
         if _want_interpreter(device):
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        if any(a == "--engine" or a.startswith("--engine=") for a in extra):
+        engine = _engine_arg(extra)
+        if engine == "vllm":
+            from .demo_vllm import main as vllm_demo_main
+
+            return vllm_demo_main(extra)
+        if engine is not None:
             from .demo_transformers import main as engine_demo_main
 
             return engine_demo_main(extra)

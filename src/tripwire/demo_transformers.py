@@ -395,13 +395,15 @@ def main(argv: list[str] | None = None) -> int:
         expect_stop=False,
         contained=True,
     )
+    # 5.17's cache cannot contain a masked write (the integration stops for it there: CacheValidators).
+    writes_contained = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) >= (5, 18)
     scenario(
         "contained write",
         Injection("write", 5, ids[rng.randrange(len(ids))], "end"),
         tw.SITE_WRITE_INDEX,
         1,
-        expect_stop=False,
-        contained=True,
+        expect_stop=not writes_contained,
+        contained=writes_contained,
     )
     handle.uninstall()
     monitor.stop()

@@ -16,9 +16,10 @@ in-range memory::
 
 Contract:
 
-* A call is ONE Triton launch for every rule, with no device sync and no allocation: it is captured into a CUDA
-  graph like any kernel, and under ``torch.compile`` it is the custom op ``torch.ops.tripwire.validate`` (which
-  declares the tensors and the counter arena as mutated, so the compiler keeps and orders it).
+* A call on CUDA tensors is ONE Triton launch for every rule, with no device sync and no allocation: it is captured
+  into a CUDA graph like any kernel, and under ``torch.compile`` it is the custom op ``torch.ops.tripwire.validate``
+  (which declares the tensors and the counter arena as mutated, so the compiler keeps and orders it). A call on CPU
+  tensors is one pass of plain torch ops over every rule (host reads of host tensors, no interpreter).
 * Each bad entry counts exactly once per call, at the rule's site (``"<validator>.<rule>"``). First offender:
   row = the entry's first-dimension index (the request row of a table, the token of a slot mapping, the position
   in a CSR indices array), value = the bad value.
@@ -28,20 +29,23 @@ Contract:
 * Entries in an engine's unused space are not checked: past a row's ``lengths`` for a 2-D table, past the last row's
   end for a CSR layout.
 
-CPU tensors run the same kernel in the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported), which is
-how CI tests it; a CPU validator refuses to run without it.
+Backends: CUDA tensors run the Triton kernel (:mod:`tripwire._validate_kernel`; triton is imported at the first CUDA
+validator, never for a CPU one). CPU tensors (CPU engines, such as vLLM's CPU build) run a plain torch implementation
+(:mod:`tripwire._validate_torch`) with the same counts, offenders, masking and arena words, and need neither triton
+nor its interpreter.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
-import triton
 
-from . import _validate_kernel as _k
+from . import _validate_rules as _r
+from . import _validate_torch
 from ._default import default_monitor
 from .arena import normalize_device
 from .monitor import Monitor
@@ -85,9 +89,17 @@ def _opt_int(what: str, v: object) -> int | None:
     return None if v is None else _int_arg(what, v)
 
 
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
-    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+_KERNEL: ModuleType | None = None
+
+
+def _kernel() -> ModuleType:
+    """The Triton backend, imported at first use: a CPU-only process (vLLM's CPU build) never imports triton."""
+    global _KERNEL
+    if _KERNEL is None:
+        from . import _validate_kernel
+
+        _KERNEL = _validate_kernel
+    return _KERNEL
 
 
 class Validator:
@@ -112,15 +124,13 @@ class Validator:
         self.policy = policy
         self.monitor = monitor if monitor is not None else default_monitor()
         self.device = normalize_device(device)
-        if self.device.type == "cpu" and not _interpreting():
-            raise RuntimeError(
-                f"validator {name!r} is on the CPU: its kernel runs there only in the Triton interpreter (set "
-                f"TRITON_INTERPRET=1 before triton is imported)"
-            )
         # The arena never moves (captured graphs hold its address): resolve it once, here, before any capture.
         self._arena = self.monitor.prealloc(self.device)
         # Static for torch.compile(mode="reduce-overhead"): the op writes it in place, where the reader looks.
         torch._dynamo.mark_static_address(self._arena)
+        self._offenders = self.monitor.arena.offenders(self.device)
+        if self.device.type == "cuda":
+            _kernel()  # imported (and triton with it) here, before any capture, not at the first call
         self._rules: dict[str, Rule] = {}
         self._aux_owner: dict[str, str] = {}  # lengths/indptr name -> the first rule that uses it (it checks it)
         # Every tensor of a call that is not a rule's: name -> "lengths", "indptr", "requests" or "segments".
@@ -298,7 +308,7 @@ class Validator:
         pos = {n: i for i, n in enumerate(names)}
         ndims: dict[str, tuple[int, ...]] = {n: (1,) for n in names}  # aux tensors and CSR indices are 1-D
         with_lengths: list[tuple[str, str]] = []
-        cols: dict[str, list] = {f: [] for f in _k.Rules.__dataclass_fields__}
+        cols: dict[str, list] = {f: [] for f in _r.Rules.__dataclass_fields__}
         for name, r in self._rules.items():
             has_len = r.kind == "index" and r.aux is not None
             if r.kind == "index":
@@ -307,7 +317,7 @@ class Validator:
                 assert r.aux is not None
                 with_lengths.append((name, r.aux))
             row = (
-                ("kind", _k.CSR if r.kind == "csr" else _k.INDEX),
+                ("kind", _r.CSR if r.kind == "csr" else _r.INDEX),
                 ("has_pad", r.padding is not None),
                 ("has_len", has_len),
                 ("own_aux", r.aux is not None and self._aux_owner[r.aux] == name),
@@ -325,9 +335,13 @@ class Validator:
             )
             for field_name, value in row:
                 cols[field_name].append(value)
-        rules = _k.Rules(**{f: tuple(v) for f, v in cols.items()})
+        rules = _r.Rules(**{f: tuple(v) for f, v in cols.items()})
         whats = tuple(f"validator {self.name!r}: {n!r}" for n in names)
-        launcher = _k.Launcher(self._arena, rules, mask=self.policy == "mask")
+        # CUDA: the launch bound once per plan (the eager host cost); CPU: the torch path needs no launcher (and no
+        # triton).
+        launcher = (
+            _kernel().Launcher(self._arena, rules, mask=self.policy == "mask") if self.device.type == "cuda" else None
+        )
         self._plan = _Plan(
             names, whats, tuple(ndims[n] for n in names), rules, _spec(rules), tuple(with_lengths), launcher
         )
@@ -375,7 +389,10 @@ class Validator:
         mask = self.policy == "mask"
         if torch.compiler.is_compiling():
             torch.ops.tripwire.validate(ordered, self._arena, list(plan.spec), mask)
+        elif self.device.type == "cpu":
+            _validate_torch.launch(self._arena, plan.rules, ordered, mask=mask, offenders=self._offenders)
         else:
+            assert plan.launch is not None
             plan.launch(ordered)  # bound once per plan (_validate_kernel.Launcher): the eager host cost
 
 
@@ -388,23 +405,23 @@ class _Plan:
     names: tuple[str, ...]
     whats: tuple[str, ...]
     ndims: tuple[tuple[int, ...], ...]
-    rules: _k.Rules
+    rules: _r.Rules
     spec: tuple[int, ...]
     with_lengths: tuple[tuple[str, str], ...]
-    launch: _k.Launcher
+    launch: Any  # _validate_kernel.Launcher on CUDA, None on the CPU (the torch path)
 
 
 # ---------------------------------------------------------------------------------------------- the custom op
 # The op carries the rules as a flat int list (one field after the other, each as long as the rule count): a custom
 # op's schema takes ints, not dataclasses.
-_FIELDS = tuple(_k.Rules.__dataclass_fields__)
+_FIELDS = tuple(_r.Rules.__dataclass_fields__)
 
 
-def _spec(rules: _k.Rules) -> tuple[int, ...]:
+def _spec(rules: _r.Rules) -> tuple[int, ...]:
     return tuple(int(v) for f in _FIELDS for v in getattr(rules, f))
 
 
-def _rules_from_spec(spec: list[int] | tuple[int, ...]) -> _k.Rules:
+def _rules_from_spec(spec: list[int] | tuple[int, ...]) -> _r.Rules:
     n, rest = divmod(len(spec), len(_FIELDS))
     if rest:
         raise ValueError(f"tripwire::validate: a spec of {len(spec)} ints is not {len(_FIELDS)} fields per rule")
@@ -412,12 +429,15 @@ def _rules_from_spec(spec: list[int] | tuple[int, ...]) -> _k.Rules:
     cols: dict[str, tuple] = {
         f: tuple(bool(x) if f in flags else int(x) for x in spec[k * n : (k + 1) * n]) for k, f in enumerate(_FIELDS)
     }
-    return _k.Rules(**cols)
+    return _r.Rules(**cols)
 
 
 @torch.library.custom_op("tripwire::validate", mutates_args=("tensors", "arena"))
 def _validate_op(tensors: list[torch.Tensor], arena: torch.Tensor, spec: list[int], mask: bool) -> None:
-    _k.launch(arena, _rules_from_spec(spec), tensors, mask=mask)
+    if arena.device.type == "cuda":
+        _kernel().launch(arena, _rules_from_spec(spec), tensors, mask=mask)
+    else:
+        _validate_torch.launch(arena, _rules_from_spec(spec), tensors, mask=mask)
 
 
 @_validate_op.register_fake

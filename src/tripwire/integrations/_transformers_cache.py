@@ -110,6 +110,10 @@ class CacheValidators:
     ) -> None:
         self.cache_ref = weakref.ref(cache)
         self.groups = cache_groups(cache)
+        # Whether a masked write can be contained (fail its request only) in this layout: 5.18+'s, yes; in 5.17's
+        # per-layer cache a contained masked write was seen to change other requests of the same batch (the real
+        # engine, CPU and H200), so there the write site stays a stop under containment too.
+        self.writes_contained = getattr(cache, "cache_allocators", None) is not None
         self.requests = requests
         attr = requests is not None
         self.indices = Validator("transformers", device, policy=policy, monitor=monitor)

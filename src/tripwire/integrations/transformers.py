@@ -289,6 +289,23 @@ class Handle:
             # Without containment: a fatal site, or raise mode. Raised inside update_batch, the engine fails every
             # request in flight through its own error path (no result of this step is handed back).
             raise verdict.stop
+        if self.contain and not (self._validators is None or self._validators.writes_contained):
+            write = next((h for h in verdict.hits if h.site == SITE_WRITE_INDEX), None)
+            if write is not None:
+                # 5.17: no containment of a masked write (CacheValidators.writes_contained): the stop, in this step.
+                exc = GuardTripped(
+                    f"tripwire: a masked KV write at site {SITE_WRITE_INDEX!r} on {verdict.device} ({write.delta} in this "
+                    f"step); this transformers version's cache cannot contain a masked write to its request, so the "
+                    f"step's requests fail and the engine is stopped",
+                    site=SITE_WRITE_INDEX,
+                    device=verdict.device,
+                    count=write.total,
+                    first_row=write.offenders[0].row if write.offenders else None,
+                    first_value=write.offenders[0].value if write.offenders else None,
+                    fatal=True,
+                )
+                self.monitor.arm(exc)
+                raise self.monitor.armed or exc
         touched = states if verdict.fail_all else [st for st in states if st.request_id in verdict.tainted]
         for st in touched:
             self.tainted.add(st)

