@@ -211,14 +211,25 @@ def _entries(
         flat[pos] = _fill(flat, safe)
 
 
-def _lengths(ctr: torch.Tensor, block: torch.Tensor | None, a: torch.Tensor, width: int, mask: bool) -> None:
-    """The owner program's lengths check: a count outside ``[0, width]`` is bad (row = the table row); mask clamps."""
+def _lengths(
+    ctr: torch.Tensor,
+    block: torch.Tensor | None,
+    a: torch.Tensor,
+    width: int,
+    mask: bool,
+    req: int = 0,
+    rq: torch.Tensor | None = None,
+    sg: torch.Tensor | None = None,
+) -> None:
+    """The owner program's lengths check: a count outside ``[0, width]`` is bad (row = the table row, with the table
+    rule's request of that row, like the kernel's); mask clamps."""
     ln = a.to(torch.int64)
     bad = (ln < 0) | (ln > width)
     k = bad.nonzero().view(-1)
     if k.numel() == 0:
         return
-    _fault(ctr, block, k // ABLOCK, k, _sat(ln[k]), torch.zeros_like(k))
+    q = torch.zeros_like(k) if rq is None or sg is None else _request_words(k, req, rq, sg)
+    _fault(ctr, block, k // ABLOCK, k, _sat(ln[k]), q)
     if mask:
         a[k] = ln[k].clamp(0, width).to(a.dtype)
 
@@ -317,4 +328,4 @@ def launch(
                     used = (torch.arange(width).unsqueeze(0) < ln.unsqueeze(1)).view(-1)
                 _entries(at, rules.row[i], t, used, width, lo, hi, pad, rules.safe[i], mask, rules.req[i], rq, sg)
             if rules.own_aux[i] and not _in_range(a, 0, width + 1):
-                _lengths(*at(rules.aux_row[i]), a, width, mask)
+                _lengths(*at(rules.aux_row[i]), a, width, mask, rules.req[i], rq, sg)
