@@ -294,7 +294,7 @@ class Handle:
             if write is not None:
                 # 5.17: no containment of a masked write (CacheValidators.writes_contained): the stop, in this step.
                 exc = GuardTripped(
-                    f"tripwire: a masked KV write at site {SITE_WRITE_INDEX!r} on {verdict.device} ({write.delta} in this "
+                    f"tripwire: MASKED FAULT (a KV write) at site {SITE_WRITE_INDEX!r} on {verdict.device} ({write.delta} in this "
                     f"step); this transformers version's cache cannot contain a masked write to its request, so the "
                     f"step's requests fail and the engine is stopped",
                     site=SITE_WRITE_INDEX,
