@@ -356,9 +356,8 @@ class Verdicts:
             if not attributed:
                 fail_all = True
                 first = offenders[0] if offenders else None
-                taints.append(
-                    Taint(None, site.name, self.name, None if first is None else first.row, first and first.value)
-                )
+                row, value = (None, None) if first is None else (first.row, first.value)
+                taints.append(Taint(None, site.name, self.name, row, value))
             mon.pipeline.ledger.add(self.name, site.id, total, offenders)
             if not contain and (site.fatal or mon.settings.mode == "raise"):
                 exc = _tripped(site, self.name, total, delta, offenders)
