@@ -52,6 +52,7 @@ from .capture import is_capturing
 from .contain import Taint
 from .errors import CaptureError, GuardTripped
 from .layout import COUNT, E_KEY, E_REQ, E_ROW, E_VALUE, OFF_ENTRY, OFF_HEADER, SLOTS, decode
+from .report import offenders_text
 from .sinks import Offender
 from .sites import GUARD_KINDS, Site
 
@@ -386,9 +387,7 @@ def _offenders(block: np.ndarray, names: Any) -> tuple[Offender, ...]:
 def _tripped(site: Site, device: str, total: int, delta: int, offenders: Iterable[Offender]) -> GuardTripped:
     offs = list(offenders)
     first = offs[0] if offs else None
-    named = ", ".join(
-        f"row {o.row} value {o.value}" + ("" if o.request is None else f" (request {o.request})") for o in offs
-    )
+    named = offenders_text(tuple(offs))
     fatal = " (FATAL site: the masked value was written somewhere durable)" if site.fatal else ""
     return GuardTripped(
         f"tripwire: MASKED FAULT at site {site.name!r} on {device}{fatal}: {delta} out-of-range access(es) masked in "
