@@ -9,15 +9,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import sys,torch,triton,transformers;print(sys.version.split()[0],torch.__version__,triton.__version__,transformers.__version__)"; } | tee "$OUT/env.txt"
 rc=0
-# The fuzz first, in the background (four processes; the host has 16 cores), while the tests and the bench run.
-# transformers 5.17 (the H200 image's) cannot contain a masked write: the integration stops for it, so the fuzz
-# there has read faults only (writes are contained and fuzzed from 5.18 on: CI's CPU run).
-WS=$(python3 -c "import transformers as t;print(0.35 if tuple(map(int,t.__version__.split('.')[:2]))>=(5,18) else 0)")
+# The fuzz first, in the background (four processes; the host has 16 cores), while the tests and the bench run:
+# reads, writes and page faults (a bad page id in the engine's block table), one or several victims.
+WS=0.35
 pids=()
 for cfg in "eager 0.05" "graphs 0.05" "eager 0.005" "graphs 0.005"; do
   set -- $cfg
   flag=""; [ "$1" = graphs ] && flag=--cuda-graphs
-  timeout "${FUZZ_S:-480}" python3 scripts/fuzz_transformers.py --runs "$RUNS" $flag --interval "$2" --seed "${SEED:-7}" --write-share "$WS" \
+  timeout "${FUZZ_S:-480}" python3 scripts/fuzz_transformers.py --runs "$RUNS" $flag --interval "$2" --seed "${SEED:-7}" --write-share "$WS" --page-share "${PS:-0.2}" \
     --json "$OUT/fuzz_$1_$2.json" >"$OUT/fuzz_$1_$2.log" 2>&1 &
   pids+=($!)
 done

@@ -34,8 +34,6 @@ from tripwire.validate import Validator  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 TOKENS = 16
-# transformers 5.18+ (one cache carved by allocators) contains a masked write; 5.17 (per-layer tensors) stops for it.
-WRITES_CONTAINED = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18)
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # the engine logs every failed request
 
 
@@ -292,21 +290,32 @@ class TestContainment:
         out, inj = _serve(eng, mon, [Injection("write", step, f"{tag}-{victim}", "end", offset=step)], tag)
         assert [i.step for i in inj.injected] == [step]
         assert _count(mon, tw.SITE_WRITE_INDEX) == 1
-        if not WRITES_CONTAINED:
-            # 5.17's cache: a contained write changed other requests of its batch, so it stays a stop there.
-            _assert_stopped(eng, mon, out, tag)
-            mon.reset()
-            return
         assert mon.armed is None
         _assert_contained(out, ref, {victim}, handle, tw.SITE_WRITE_INDEX, tag, eng, rebuilds)
         assert _healthy(model.device)
+
+    @pytest.mark.parametrize(("step", "victim", "column"), [(2, 3, 0), (6, 5, 0), (TOKENS, 4, 1)])
+    def test_a_bad_page_in_the_block_table_fails_only_its_request(self, contained, step, victim, column):
+        """A bad page id in the engine's own block table: every read and write index the engine builds from that
+        page is out of range (several entries, one request), each counted once, and only its request fails."""
+        model, ref, eng, mon, handle = contained
+        tag = f"cp{step}"
+        rebuilds = eng.rebuilds
+        out, inj = _serve(eng, mon, [Injection("page", step, f"{tag}-{victim}", "far", offset=column)], tag)
+        (done,) = inj.injected
+        assert done.step == step and done.entries["read"] >= 1
+        assert _count(mon, tw.SITE_READ_INDEX) == done.entries["read"]
+        assert _count(mon, tw.SITE_WRITE_INDEX) == done.entries["write"]
+        # The request's error names its first taint: the write's where the page held the step's new token.
+        site = tw.SITE_WRITE_INDEX if done.entries["write"] else tw.SITE_READ_INDEX
+        _assert_contained(out, ref, {victim}, handle, site, tag, eng, rebuilds)
+        assert mon.armed is None and _healthy(model.device)
 
     def test_several_victims_in_one_step(self, contained):
         _model, ref, eng, mon, _handle = contained
         tag, victims = "cs", {1, 4, 6}
         injections = [Injection("read", 7, f"{tag}-{v}", "negative", offset=v) for v in sorted(victims)]
-        if WRITES_CONTAINED:
-            injections.append(Injection("write", 7, f"{tag}-4", "far"))
+        injections.append(Injection("write", 7, f"{tag}-4", "far"))
         rebuilds = eng.rebuilds
         out, inj = _serve(eng, mon, injections, tag)
         assert len(inj.injected) == len(injections) and {i.step for i in inj.injected} == {7}
@@ -537,3 +546,58 @@ def test_default_monitor_path():
         assert tripwire.default_monitor().arena.get(torch.device("cpu")) is not None
     finally:
         h.uninstall()
+
+
+# ---------------------------------------------------------------------------------------------- the unwritten slot
+def _per_layer_cache(cache):
+    if getattr(cache, "cache_allocators", None) is not None:
+        pytest.skip("5.18+ builds its cache as zeros itself; the uninitialised per-layer cache is 5.17's (CI's venv)")
+    return cache
+
+
+@pytest.mark.parametrize("graphs", _configs())
+def test_a_contained_write_needs_a_cache_without_nans(graphs):
+    """The channel by which a contained write changed every other request on 5.17: the masked write leaves its slot
+    unwritten, its request reads that slot into the step's packed attention, and a NaN there (uninitialised memory)
+    times the other queries' zero softmax weights is NaN in every request. The control re-creates it (NaN in every
+    slot but the read trash, after tripwire zeroed the cache): the other requests change; zeroed, they are the clean run's
+    (TestContainment's write tests)."""
+    _model, ref, eng, mon, handle = _installed(graphs, mode="raise", contain=True)
+    try:
+        cache = _per_layer_cache(_cache(eng))
+        assert all(bool(torch.isfinite(t).all()) for t in (*cache.key_cache, *cache.value_cache)), "zeroed when built"
+        bs, trash = int(cache.block_size), int(cache.read_trash_index)
+        for t in (*cache.key_cache, *cache.value_cache):
+            t[:trash].fill_(float("nan"))
+            t[trash + bs :].fill_(float("nan"))
+        out, _inj = _serve(eng, mon, [Injection("write", 3, "cn-1", "end")], "cn")
+        assert out[1].error is not None and tw.SITE_WRITE_INDEX in out[1].error
+        changed = [
+            i
+            for i, (o, r) in enumerate(zip(out, ref, strict=True))
+            if i != 1 and o.generated_tokens != r.generated_tokens
+        ]
+        assert changed, "a NaN in the unwritten slot must reach the other requests (the channel the zeroing closes)"
+    finally:
+        eng.close()
+        handle.uninstall()
+        mon.stop()
+
+
+def test_a_cache_built_before_install_keeps_the_write_stop():
+    """A 5.17 cache built before tripwire was installed was not zeroed: a masked write cannot be contained there,
+    so under containment the write site still stops (the step's requests fail with tripwire's error)."""
+    model = tiny_llama("cuda" if HAS_CUDA else "cpu")
+    eng = PersistentEngine(model, TOKENS, cb_config())
+    ref = eng.run(PROMPTS, tag="ref")  # the engine and its cache exist before install
+    _per_layer_cache(eng.manager.batch_processor.cache)
+    mon = Monitor(interval=0.005, report_every=0.5, mode="raise", contain=True)
+    handle = tw.install(model, monitor=mon, contain=True)
+    try:
+        out, _inj = _serve(eng, mon, [Injection("write", 3, "cb-1", "end")], "cb")
+        _assert_stopped(eng, mon, out, "cb")
+        assert ref[0].error is None
+    finally:
+        eng.close()
+        handle.uninstall()
+        mon.stop()

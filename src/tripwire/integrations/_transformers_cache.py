@@ -12,6 +12,7 @@ import torch
 
 from ..monitor import Monitor
 from ..validate import Validator
+from ._transformers_engine import zeroed
 
 __all__ = ["SITE_BLOCK_TABLE", "SITE_READ_INDEX", "SITE_WRITE_INDEX", "SUPPORTED", "cache_groups", "CacheValidators"]
 
@@ -110,10 +111,12 @@ class CacheValidators:
     ) -> None:
         self.cache_ref = weakref.ref(cache)
         self.groups = cache_groups(cache)
-        # Whether a masked write can be contained (fail its request only) in this layout: 5.18+'s, yes; in 5.17's
-        # per-layer cache a contained masked write was seen to change other requests of the same batch (the real
-        # engine, CPU and H200), so there the write site stays a stop under containment too.
-        self.writes_contained = getattr(cache, "cache_allocators", None) is not None
+        # Whether a masked write can be contained (fail its request only): only where no slot a read can reach holds
+        # a NaN, since the masked write's own slot stays unwritten and its request reads it into the step's packed
+        # attention (see _transformers_engine: 5.18+'s cache is zeros by construction, 5.17's is zeroed when built
+        # while tripwire is installed). A 5.17 cache built before install may hold uninitialised memory: there the
+        # write site stays a stop under containment.
+        self.writes_contained = getattr(cache, "cache_allocators", None) is not None or cache in zeroed
         self.requests = requests
         attr = requests is not None
         self.indices = Validator("transformers", device, policy=policy, monitor=monitor)

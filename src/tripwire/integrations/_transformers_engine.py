@@ -14,6 +14,13 @@ Per step, in the engine's order (both IO classes, sync and async batching, every
   IOs, which is where the verdict's ticket is kept).
 * The cache's block-hash registration (``mark_complete_blocks`` from 5.18, ``mark_shareable_blocks_as_complete`` in
   5.17): skipped for a request a masked access touched, so its blocks never enter the prefix cache.
+* ``PagedAttentionCache.__init__``: after it, 5.17's per-layer KV tensors (``torch.empty``) are zeroed, once, at
+  construction (never in a capture, never on the step path). A masked write leaves its request's slot unwritten, and
+  that request's own read of the slot pulls it into the step's packed attention, where every query multiplies it by
+  its (zero) softmax weight: uninitialised memory holding a NaN made every request of the batch NaN. Zeroed (as
+  5.18+'s one cache tensor is by construction), an unwritten slot holds a zero or an earlier request's finite K/V, so
+  the rest of the batch is bit-identical and the masked write is contained to its request
+  (:attr:`zeroed`, ``CacheValidators.writes_contained``).
 * ``ContinuousBatchProcessor.prepare_next_batch``: before it, the reader-confirmed taints (``verdicts=False``).
 * ``ContinuousBatchingManager._run_generation_loop``: after it, the drain.
 """
@@ -21,10 +28,14 @@ Per step, in the engine's order (both IO classes, sync and async batching, every
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["patch", "unpatch"]
+__all__ = ["patch", "unpatch", "zeroed"]
+
+# The engine caches built while patched, whose KV tensors were zeroed at construction (5.17's per-layer layout).
+zeroed: weakref.WeakSet[Any] = weakref.WeakSet()
 
 # (class, attribute) -> the original function, restored exactly when the last handle is uninstalled.
 _originals: dict[tuple[type, str], Any] = {}
@@ -73,6 +84,18 @@ def patch(lookup: Callable[[str, Any], Any]) -> None:
     update = ios_cls.__dict__["prepare_batch_update"]
     mark_name = mark_complete_name(cache_cls)
     mark = cache_cls.__dict__[mark_name]
+    cache_init = cache_cls.__dict__["__init__"]
+
+    @functools.wraps(cache_init)
+    def cache_construct(self: Any, *args: Any, **kwargs: Any) -> None:
+        cache_init(self, *args, **kwargs)
+        tensors = (*getattr(self, "key_cache", ()), *getattr(self, "value_cache", ()))
+        if getattr(self, "cache_allocators", None) is None and tensors:
+            # 5.17 allocates its KV tensors with torch.empty: zero them (module docstring: a masked write's
+            # unwritten slot must never hold a NaN). In place, at construction: no capture, no step.
+            for t in tensors:
+                t.zero_()
+            zeroed.add(self)
 
     @functools.wraps(prepare)
     def prepare_next_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -128,6 +151,7 @@ def patch(lookup: Callable[[str, Any], Any]) -> None:
         (async_cls, "retrieve_device_outputs", _retrieving(retrieve_async)),
         (ios_cls, "prepare_batch_update", prepare_batch_update),
         (cache_cls, mark_name, mark_complete),
+        (cache_cls, "__init__", cache_construct),
     ):
         _originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)

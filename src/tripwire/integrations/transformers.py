@@ -242,6 +242,12 @@ class Handle:
             # Once per engine cache (its first forward is the engine's eager warm-up, before any capture).
             table = None if self.requests is None else self.requests.device
             v = self._validators = CacheValidators(cache, self.device, self.policy, self.monitor, table)
+            if self.contain and not v.writes_contained:
+                log.warning(
+                    "tripwire: this engine cache was built before tripwire was installed and may hold uninitialised "
+                    "memory, so a masked KV write cannot be contained to its request: under containment the write "
+                    "site stops the engine (install tripwire before the engine builds its cache)"
+                )
         v(kwargs)
         return None
 
@@ -292,11 +298,12 @@ class Handle:
         if self.contain and not (self._validators is None or self._validators.writes_contained):
             write = next((h for h in verdict.hits if h.site == SITE_WRITE_INDEX), None)
             if write is not None:
-                # 5.17: no containment of a masked write (CacheValidators.writes_contained): the stop, in this step.
+                # A 5.17 cache built before install: no containment of a masked write (CacheValidators.writes_contained).
                 exc = GuardTripped(
                     f"tripwire: MASKED FAULT (a KV write) at site {SITE_WRITE_INDEX!r} on {verdict.device} ({write.delta} in this "
-                    f"step); this transformers version's cache cannot contain a masked write to its request, so the "
-                    f"step's requests fail and the engine is stopped",
+                    f"step); this engine cache was built before tripwire was installed and may hold uninitialised memory, "
+                    f"so a masked write cannot be contained to its request: the step's requests fail and the engine is "
+                    f"stopped",
                     site=SITE_WRITE_INDEX,
                     device=verdict.device,
                     count=write.total,
