@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             mod = importlib.import_module(modname)
             res = mod.run(ctx)
+        except BrokenPipeError:
+            raise  # our reader went away (`| head`): not the question's error; the command ends quietly
         except Exception as e:  # one broken question must not lose the others' figures
             errors += 1
             traceback.print_exc()

@@ -206,3 +206,17 @@ def test_sites_has_a_header_and_aligned_columns(capsys):
 def test_control_a_table_is_as_wide_as_its_widest_cell():
     text = format_table([("a", "n", "b"), ("x" * 12, "7", "y"), ("z", "1234", "w")], right=(1,))
     assert text.splitlines() == ["a                n  b", "xxxxxxxxxxxx     7  y", "z             1234  w"]
+
+
+def test_bench_into_head_writes_its_lines_and_ends_quietly(tmp_path):
+    """`tripwire bench | head -3`: the three lines arrive, the question running when head leaves is not recorded as
+    a failure with a traceback, and the command ends with status 0 (the control: the same run uncut has more)."""
+    cmd = f"{sys.executable} -m tripwire bench --only q5 --quick --no-plot --out {tmp_path}"
+    cut = subprocess.run(
+        ["bash", "-c", f"{cmd} | head -3; exit ${{PIPESTATUS[0]}}"], capture_output=True, text=True, timeout=600
+    )
+    assert cut.returncode == 0 and "Traceback" not in cut.stderr and "Broken pipe" not in cut.stderr, cut.stderr
+    lines = cut.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("tripwire bench: ") and lines[2].startswith("[q5] ")
+    whole = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0 and len(whole.stdout.splitlines()) > 3
