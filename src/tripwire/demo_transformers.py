@@ -29,7 +29,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAULT_KINDS", "VALUE_KINDS", "FaultInjector", "Injection", "cb_config", "main", "run", "tiny_llama"]
+__all__ = [
+    "FAULT_KINDS",
+    "VALUE_KINDS",
+    "FaultInjector",
+    "Injection",
+    "cb_config",
+    "main",
+    "quiet_engine_logs",
+    "run",
+    "tiny_llama",
+]
 
 log = logging.getLogger("tripwire.demo")
 
@@ -311,8 +321,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    with quiet_engine_logs():
+        return _demo(args)
 
+
+class _EngineLogFilter(logging.Filter):
+    """The demo's filter on transformers' continuous-batching logger: a repeated psutil complaint (logged at every
+    manager's start) passes once, and the engine's error for a stop the demo provokes on purpose (a GuardTripped out
+    of its generation loop) keeps its one line and drops the traceback. Every other record, and every other
+    exception's traceback, passes unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "psutil" in msg:
+            if msg in self.seen:
+                return False
+            self.seen.add(msg)
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            from .errors import GuardTripped
+
+            if isinstance(exc, GuardTripped):
+                record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextmanager
+def quiet_engine_logs() -> Iterator[_EngineLogFilter]:
+    """For the demo's run only: transformers' continuous-batching logger at ERROR (its INFO/WARNING lines per
+    request), through :class:`_EngineLogFilter`; both undone on exit."""
+    engine_log = logging.getLogger("ContinuousBatchingLogger")
+    level, flt = engine_log.level, _EngineLogFilter()
+    engine_log.setLevel(logging.ERROR)
+    engine_log.addFilter(flt)
+    try:
+        yield flt
+    finally:
+        engine_log.removeFilter(flt)
+        engine_log.setLevel(level)
+
+
+def _demo(args: argparse.Namespace) -> int:
     import tripwire
     from tripwire.integrations import transformers as tw
 
