@@ -143,6 +143,32 @@ def test_the_readme_runs_as_printed(tmp_path: Path) -> None:
     assert "MASKED FAULT at site 'kernels.paged_gather.page'" in p.stderr
 
 
+FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?: ?(?:%|ms|us|x))?")
+
+
+def headline_figures(readme: str) -> list[str]:
+    """The figures of the README's headline table (its "figure" column), each a number with its unit."""
+    section = readme.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| question")]
+    return [f for ln in rows for f in FIGURE.findall(ln.split("|")[2]) if any(c.isdigit() for c in f)]
+
+
+def test_the_readme_headlines_are_results_figures() -> None:
+    """Every figure of the README's headline table is written as RESULTS.md writes it: the README quotes, it does
+    not measure (and a figure RESULTS.md has replaced cannot linger there)."""
+    figures = headline_figures((ROOT / "README.md").read_text())
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert len(figures) >= 10, figures
+    missing = [f for f in figures if f not in results]
+    assert not missing, f"README headline figures not in RESULTS.md: {missing}"
+
+
+def test_control_a_headline_figure_missing_from_results_is_found() -> None:
+    readme = "## Benchmarks\n\n| question | figure | target | mark |\n|---|---|---|---|\n| q | 0.0217 % and 7.77 ms | x | y |\n"
+    assert headline_figures(readme) == ["0.0217 %", "7.77 ms"]
+    assert "7.77 ms" not in (ROOT / "benchmarks" / "RESULTS.md").read_text()
+
+
 @pytest.mark.parametrize("block", MARKED, ids=[b.where for b in MARKED])
 def test_marked_snippet(block: Block) -> None:
     """Not run, by design: say which and why."""
