@@ -8,7 +8,8 @@ illegal memory access (or, worse, a silently wrong read) inside the kernel.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -29,6 +30,7 @@ __all__ = [
     "check_tensor",
     "interpreting",
     "pow2",
+    "recorded_launches",
     "resolve_ctr",
 ]
 
@@ -75,7 +77,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {dev}; all arguments must share a device")
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"tripwire kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), got {dev}")
-    if dev.type == "cpu" and not interpreting():
+    if dev.type == "cpu" and not interpreting() and not _recording:
         # Else Triton's own error, "0 active drivers", says neither what is wrong nor what to do.
         raise RuntimeError(
             f"{first_name} is on the CPU, but tripwire's reference kernels are Triton kernels and Triton compiles "
@@ -84,6 +86,22 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             f"it itself), or pass CUDA tensors"
         )
     return dev
+
+
+# Open recorded_launches() blocks: launches are recorded instead of run (tripwire.resources.capture_launches).
+_recording = 0
+
+
+@contextmanager
+def recorded_launches() -> Iterator[None]:
+    """Within it the launchers take CPU tensors without Triton's interpreter: their launches are being recorded
+    instead of run (nothing reaches a driver), to be compiled for a GPU target from the recorded arguments."""
+    global _recording
+    _recording += 1
+    try:
+        yield
+    finally:
+        _recording -= 1
 
 
 def interpreting() -> bool:
