@@ -461,18 +461,29 @@ def _demo(args: argparse.Namespace) -> int:
     handle.uninstall()
     monitor.stop()
 
-    print()
-    head = (
-        f"{'scenario':18s} {'injected':34s} {'site':26s} {'count':>5s} {'engine':26s} {'ok':>3s} {'failed':>6s} "
-        f"{'changed':>7s}  result"
-    )
-    print(head)
-    print("-" * len(head))
+    from .cli import format_table
+
+    table = [("scenario", "injected", "site", "count", "engine", "ok", "failed", "changed", "result")]
     for r in rows:
-        print(
-            f"{r.name:18s} {r.injected:34s} {r.site:26s} {r.count:>5d} {r.engine:26s} {r.ok_requests:>3d} "
-            f"{r.failed:>6d} {r.changed:>7d}  {'PASS' if r.passed else 'FAIL (expected count ' + str(r.expected) + ')'}"
+        result = "PASS" if r.passed else f"FAIL (expected count {r.expected})"
+        table.append(
+            (
+                r.name,
+                r.injected,
+                r.site,
+                str(r.count),
+                r.engine,
+                str(r.ok_requests),
+                str(r.failed),
+                str(r.changed),
+                result,
+            )
         )
+    lines = format_table(table, right=(3, 5, 6, 7)).splitlines()
+    print()
+    print(lines[0])
+    print("-" * max(map(len, lines)))
+    print("\n".join(lines[1:]))
     ok = all(r.passed for r in rows)
     print()
     print(
