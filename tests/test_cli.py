@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tripwire
-from tripwire.cli import bench_dir, format_table, main
+from tripwire.cli import bench_dir, format_table, help_text, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,6 +181,26 @@ def test_help_is_plain_text_and_whole(capsys):
         assert cmd in out
     description = out.split("\n\n")[1]
     assert description.rstrip().endswith("."), description  # a sentence, not a cut-off line
+
+
+@pytest.mark.parametrize(
+    "cmd", [["demo"], ["demo", "--engine", "transformers"], ["demo", "--engine", "vllm"], ["doctor"], ["bench"]]
+)
+def test_every_commands_help_is_plain_and_whole(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert e.value.code == 0 and description.startswith(f"tripwire {cmd[0]}"), out
+    assert "``" not in description and ":func:" not in description and description.rstrip().endswith("."), out
+
+
+def test_control_help_text_makes_a_docstring_plain():
+    doc = """``tripwire x``: reads :func:`tripwire.check` and
+    ``y``.
+
+    Not this paragraph."""
+    assert help_text(doc) == "tripwire x: reads tripwire.check and y."
 
 
 def test_demo_help_lists_the_engines(capsys):

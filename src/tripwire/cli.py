@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,15 @@ def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
         f"the repository: clone it and run `pip install -e '.[bench]'` there, or set TRIPWIRE_BENCH_DIR to a "
         f"checkout's benchmarks/ folder"
     )
+
+
+def help_text(doc: str | None) -> str:
+    """A command's ``--help`` description from its module's docstring: the first paragraph as plain text (reST's
+    double backquotes and roles dropped), whole, not its first line."""
+    para = (doc or "").strip().split("\n\n", 1)[0]
+    text = " ".join(para.split())
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "").replace("\\", "")
 
 
 def format_table(rows: Sequence[Sequence[str]], right: tuple[int, ...] = (), indent: str = "") -> str:

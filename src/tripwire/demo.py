@@ -305,7 +305,9 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tripwire demo", description=__doc__.splitlines()[0])
+    from .cli import help_text
+
+    p = argparse.ArgumentParser(prog="tripwire demo", description=help_text(__doc__))
     p.add_argument(
         "--engine",
         choices=["transformers", "vllm"],

@@ -313,7 +313,9 @@ def _device_healthy(device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tripwire demo --engine transformers", description=__doc__.splitlines()[0])
+    from .cli import help_text
+
+    parser = argparse.ArgumentParser(prog="tripwire demo --engine transformers", description=help_text(__doc__))
     parser.add_argument("--engine", choices=["transformers"], default="transformers")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="on a GPU, run the engine without CUDA graphs")
