@@ -1,11 +1,13 @@
-"""Render ``bench.json`` as Markdown tables, and splice them into ``benchmarks/RESULTS.md``.
+"""Render ``bench.json`` as Markdown tables, and bring ``benchmarks/RESULTS.md``'s suite rows up to a run.
 
-    python benchmarks/results_md.py BENCH_JSON                     # print the tables
-    python benchmarks/results_md.py BENCH_JSON --update RESULTS.md  # replace the GPU (or CPU) section in place
+    python benchmarks/results_md.py BENCH_JSON                     # print the tables (what --out's results.md holds)
+    python benchmarks/results_md.py BENCH_JSON --update RESULTS.md  # replace the rows of the questions the run measured
 
-The section replaced is the one between ``<!-- BEGIN GPU RESULTS -->`` and ``<!-- END GPU RESULTS -->`` for a GPU
-run, or ``<!-- BEGIN CPU RESULTS -->`` / ``<!-- END CPU RESULTS -->`` for a CPU run (``cpu_figures`` in the JSON),
-so the H200 figures and the CPU figures never overwrite each other.
+RESULTS.md holds the current figure of each question, one row per target, between ``<!-- BEGIN GPU RESULTS -->``
+and ``<!-- END GPU RESULTS -->`` for GPU runs and ``<!-- BEGIN CPU RESULTS -->`` / ``<!-- END CPU RESULTS -->`` for
+CPU runs (``cpu_figures`` in the JSON), so the H200 figures and the CPU figures never overwrite each other. An
+update replaces the rows of every question the run measured (skipped ones keep theirs), each carrying the run's
+device, versions, command and date, and leaves every other row and line of the file as it was.
 """
 
 from __future__ import annotations
@@ -115,15 +117,68 @@ def render(report: dict) -> str:
     return "\n".join(head + summary + [""] + body)
 
 
+ROW_HEAD = [
+    "| question | target | figure | mark | device | versions | command | date |",
+    "|---|---|---|---|---|---|---|---|",
+]
+
+
+def rows(report: dict) -> dict[str, list[str]]:
+    """RESULTS.md's rows of ``report``, by question: one per target of each question it measured (not skipped)."""
+    env = report.get("env", {})
+    device = env.get("device_name", "?")
+    versions = f"torch {env.get('torch')}, triton {env.get('triton')}"
+    command = _cell(report.get("command", "tripwire bench")).replace("`", "'")
+    date = str(report.get("started", "?"))[:10]
+    out: dict[str, list[str]] = {}
+    for q in report.get("questions", {}).values():
+        if q.get("status") == "skipped":
+            continue
+        got = out.setdefault(q["id"], [])
+        if not q.get("targets"):
+            got.append(
+                f"| {q['id']} | {_cell(q.get('title', ''))} | *{q.get('status', '?')}*: "
+                f"{_cell(q.get('reason', ''))} | n/a | {device} | {versions} | `{command}` | {date} |"
+            )
+        for t in q.get("targets", []):
+            unit = q.get("figures", {}).get(t.get("figure"), {}).get("unit", "")
+            got.append(
+                f"| {q['id']} | {_cell(t['name'])}: {_cell(t['target'])} | {_num(t.get('value'))} {unit} "
+                f"| {_mark(t.get('pass'))} | {device} | {versions} | `{command}` | {date} |"
+            )
+    return out
+
+
+def merge(block: str, new: dict[str, list[str]]) -> str:
+    """``block`` (the lines between one pair of markers) with the rows of each question in ``new`` replaced: a
+    question's new rows go where its first old row was (at the end of the table if it had none)."""
+    lines = block.strip("\n").splitlines() if block.strip() else list(ROW_HEAD)
+    if not any(ln.startswith("| question |") for ln in lines):
+        lines = list(ROW_HEAD) + lines
+    out: list[str] = []
+    placed: set[str] = set()
+    for ln in lines:
+        qid = ln.split("|")[1].strip() if ln.startswith("| q") else None
+        if qid in new:
+            if qid not in placed:
+                out += new[qid]
+                placed.add(qid)
+            continue
+        out.append(ln)
+    last = max((i for i, ln in enumerate(out) if ln.startswith("|")), default=len(out) - 1)
+    rest = [r for qid, rs in new.items() if qid not in placed for r in rs]
+    return "\n".join(out[: last + 1] + rest + out[last + 1 :])
+
+
 def update(results_md: Path, report: dict) -> None:
-    """Replace this run's section (GPU or CPU) of ``results_md`` with the tables of ``report``."""
+    """Replace the rows of the questions ``report`` measured in its section (GPU or CPU) of ``results_md``."""
     begin, end = MARKERS[bool(report.get("cpu_figures"))]
     text = results_md.read_text()
     if begin not in text or end not in text:
-        raise ValueError(f"{results_md} has no {begin} ... {end} section to replace")
+        raise ValueError(f"{results_md} has no {begin} ... {end} section to update")
     pre, rest = text.split(begin, 1)
-    _, post = rest.split(end, 1)
-    results_md.write_text(pre + begin + "\n" + render(report).rstrip() + "\n" + end + post)
+    block, post = rest.split(end, 1)
+    results_md.write_text(pre + begin + "\n" + merge(block, rows(report)) + "\n" + end + post)
 
 
 def main(argv: list[str] | None = None) -> int:

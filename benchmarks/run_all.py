@@ -54,7 +54,9 @@ def selection(only: str) -> tuple[set[str], set[str]]:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tripwire bench", description=__doc__.splitlines()[0])
+    from tripwire.cli import help_text
+
+    p = argparse.ArgumentParser(prog="tripwire bench", description=help_text(__doc__))
     p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (about 2 minutes)")
     p.add_argument("--out", default="bench-out", help="output folder (default: ./bench-out)")
     p.add_argument(
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             mod = importlib.import_module(modname)
             res = mod.run(ctx)
+        except BrokenPipeError:
+            raise  # our reader went away (`| head`): not the question's error; the command ends quietly
         except Exception as e:  # one broken question must not lose the others' figures
             errors += 1
             traceback.print_exc()

@@ -99,7 +99,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     finally:
         report = _report(before, _counts(), allowed)
         if report:
-            item.add_report_section("call", "tripwire", report)
             if mode == "strict" and not failed:
-                pytest.fail(report, pytrace=False)
+                pytest.fail(report, pytrace=False)  # the failure's message is the report: printed once
+            # A warning, or beside a test's own failure: kept with the test's output too.
+            item.add_report_section("call", "tripwire", report)
             item.warn(TripwireGuardWarning(report))

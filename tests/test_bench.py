@@ -143,21 +143,43 @@ def test_results_md_marks(mark, shown) -> None:
         assert "PASS" not in row  # control: only a measured pass is ever shown as one
 
 
-def test_results_md_update_replaces_only_its_section(tmp_path) -> None:
-    from results_md import MARKERS, update
+def test_results_md_update_replaces_only_the_measured_questions_rows(tmp_path) -> None:
+    from results_md import MARKERS, ROW_HEAD, update
 
     gb, ge = MARKERS[False]
     cb, ce = MARKERS[True]
+    head = "\n".join(ROW_HEAD)
+    old_q2 = "| q2 | tick p99: p99 < 1 ms | 0.9 ms | **PASS** | NVIDIA H200 | torch 2.10 | `old` | 2026-01-01 |"
+    other = "| q5 | tick time: < 50 us | 40 us | **PASS** | NVIDIA H200 | torch 2.10 | `old` | 2026-01-01 |"
+    skipped = "| q7 | failed captures: 0 | 0 captures | **PASS** | NVIDIA H200 | torch 2.10 | `old` | 2026-01-01 |"
     f = tmp_path / "RESULTS.md"
-    f.write_text(f"head\n{gb}\nOLD GPU\n{ge}\nmiddle\n{cb}\nOLD CPU\n{ce}\ntail\n")
-    update(f, _report(True))
+    f.write_text(f"head\n{gb}\n{head}\n{old_q2}\n{other}\n{skipped}\n{ge}\nmiddle\n{cb}\nOLD CPU\n{ce}\ntail\n")
+    report = _report(True)
+    report["started"] = "2026-12-02T00:00:00+00:00"
+    report["questions"]["q7"] = {"id": "q7", "status": "skipped", "reason": "budget", "targets": []}
+    update(f, report)
     text = f.read_text()
-    assert "OLD GPU" not in text and "NVIDIA H200" in text
+    lines = text.splitlines()
+    assert old_q2 not in text and other in text and skipped in text  # the skipped question keeps its row
+    new = next(ln for ln in lines if ln.startswith("| q2 |"))
+    assert "0.4 ms | **PASS** | NVIDIA H200 | torch 2.11, triton 3.6 | `tripwire bench` | 2026-12-02 |" in new
+    assert lines.index(new) < lines.index(other)  # in its old place
     assert "OLD CPU" in text and text.startswith("head\n") and text.endswith("tail\n")
     g = tmp_path / "bad.md"
     g.write_text("no markers")
     with pytest.raises(ValueError, match="no"):
         update(g, _report(True))
+
+
+def test_results_md_update_adds_a_question_it_did_not_have(tmp_path) -> None:
+    from results_md import MARKERS, update
+
+    gb, ge = MARKERS[False]
+    f = tmp_path / "RESULTS.md"
+    f.write_text(f"{gb}\n{ge}\n")
+    update(f, _report(False))
+    text = f.read_text()
+    assert "| question | target |" in text and "| q2 | tick p99: p99 < 1 ms | 0.4 ms | **SHORT** |" in text
 
 
 def test_stats_and_percentile_match_numpy() -> None:

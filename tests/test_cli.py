@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tripwire.cli import bench_dir
+import tripwire
+from tripwire.cli import bench_dir, format_table, help_text, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,3 +116,127 @@ def test_doctor_on_a_gpu_finds_cuda_the_relax_and_the_native_tick():
     assert c["CUDA"]["status"] == "ok" and "fast path" in c["CUDA"]["found"]
     assert c["capture-mode relax"]["status"] == "ok"
     assert c["native tick"]["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------- broken settings
+@pytest.mark.parametrize(
+    "cmd", [["demo"], ["demo", "--mode", "raise"], ["demo", "--engine", "transformers"], ["bench"], ["sites"]]
+)
+def test_a_bad_setting_value_is_one_line_and_status_2(cmd, monkeypatch, capsys):
+    monkeypatch.setenv("TRIPWIRE_MODE", "rasie")
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert err == f"tripwire {cmd[0]}: error: TRIPWIRE_MODE='rasie' is not a mode; expected one of raise, warn, off\n"
+
+
+def test_a_misspelt_setting_name_stops_the_command(monkeypatch, capsys):
+    monkeypatch.setenv("TRIPWIRE_MDOE", "raise")
+    assert main(["sites"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "tripwire sites: error: TRIPWIRE_MDOE is not a tripwire setting (did you mean TRIPWIRE_MODE?)"
+    )
+    assert err.count("\n") == 1
+
+
+def test_a_bad_setting_keyword_of_the_demo_is_one_line_too(capsys):
+    assert main(["demo", "--steps", "1", "--device", "cpu", "--interval", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "tripwire demo: error: " in err and "expected a finite number of seconds > 0" in err
+    assert "Traceback" not in err
+
+
+def test_a_bad_setting_through_the_command_line_has_no_traceback():
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TRIPWIRE_")}
+    e["TRIPWIRE_MODE"] = "rasie"
+    out = subprocess.run(
+        [sys.executable, "-m", "tripwire", "demo", "--mode", "raise"],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_doctor_fails_on_a_misspelt_setting_name():
+    out = doctor(TRIPWIRE_MDOE="raise")
+    assert out.returncode == 1, out.stdout
+    assert "[FAIL] settings: TRIPWIRE_MDOE is not a tripwire setting (did you mean TRIPWIRE_MODE?)" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- help, version
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"tripwire {tripwire.__version__}\n"
+
+
+def test_help_is_plain_text_and_whole(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and ":class:" not in out
+    for cmd in ("demo", "bench", "sites", "doctor", "resources", "--version"):
+        assert cmd in out
+    description = out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description  # a sentence, not a cut-off line
+
+
+@pytest.mark.parametrize(
+    "cmd", [["demo"], ["demo", "--engine", "transformers"], ["demo", "--engine", "vllm"], ["doctor"], ["bench"]]
+)
+def test_every_commands_help_is_plain_and_whole(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert e.value.code == 0 and description.startswith(f"tripwire {cmd[0]}"), out
+    assert "``" not in description and ":func:" not in description and description.rstrip().endswith("."), out
+
+
+def test_control_help_text_makes_a_docstring_plain():
+    doc = """``tripwire x``: reads :func:`tripwire.check` and
+    ``y``.
+
+    Not this paragraph."""
+    assert help_text(doc) == "tripwire x: reads tripwire.check and y."
+
+
+def test_demo_help_lists_the_engines(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "--engine {transformers,vllm}" in out and "--steps" in out
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+def test_sites_has_a_header_and_aligned_columns(capsys):
+    assert main(["sites"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["ID", "KIND", "FATAL", "NAME", "DESCRIPTION"]
+    name_at = lines[0].index("NAME")
+    desc_at = lines[0].index("DESCRIPTION")
+    for ln in lines[1:]:
+        assert ln[name_at - 1] == " " and ln[name_at] != " ", ln
+        assert ln[desc_at - 2 : desc_at] == "  " and ln[desc_at] != " ", ln  # every site has a description
+    assert any(" FATAL " in ln for ln in lines[1:])
+
+
+def test_control_a_table_is_as_wide_as_its_widest_cell():
+    text = format_table([("a", "n", "b"), ("x" * 12, "7", "y"), ("z", "1234", "w")], right=(1,))
+    assert text.splitlines() == ["a                n  b", "xxxxxxxxxxxx     7  y", "z             1234  w"]
+
+
+def test_bench_into_head_writes_its_lines_and_ends_quietly(tmp_path):
+    """`tripwire bench | head -3`: the three lines arrive, the question running when head leaves is not recorded as
+    a failure with a traceback, and the command ends with status 0 (the control: the same run uncut has more)."""
+    cmd = f"{sys.executable} -m tripwire bench --only q5 --quick --no-plot --out {tmp_path}"
+    cut = subprocess.run(
+        ["bash", "-c", f"{cmd} | head -3; exit ${{PIPESTATUS[0]}}"], capture_output=True, text=True, timeout=600
+    )
+    assert cut.returncode == 0 and "Traceback" not in cut.stderr and "Broken pipe" not in cut.stderr, cut.stderr
+    lines = cut.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("tripwire bench: ") and lines[2].startswith("[q5] ")
+    whole = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0 and len(whole.stdout.splitlines()) > 3

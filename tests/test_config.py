@@ -1,8 +1,11 @@
 import math
+import re
+from pathlib import Path
 
 import pytest
 
 from tripwire import Monitor, Settings, load_settings
+from tripwire.config import SettingError, check_variable_names, known_variables
 
 VARS = {
     "TRIPWIRE_INTERVAL": "interval",
@@ -105,3 +108,52 @@ def test_monitor_reads_environment(monkeypatch):
     monkeypatch.setenv("TRIPWIRE_INTERVAL", "nan")
     with pytest.raises(ValueError, match="TRIPWIRE_INTERVAL"):
         Monitor()
+
+
+# ---------------------------------------------------------------------------------------------------- variable names
+def test_a_misspelt_variable_is_refused_with_the_close_name():
+    with pytest.raises(SettingError, match=r"TRIPWIRE_MDOE is not a tripwire setting \(did you mean TRIPWIRE_MODE\?\)"):
+        load_settings({"TRIPWIRE_MDOE": "raise"})
+    with pytest.raises(ValueError, match=r"TRIPWIRE_INTREVAL .*did you mean TRIPWIRE_INTERVAL"):
+        Monitor(env={"TRIPWIRE_INTREVAL": "0.01"})
+
+
+def test_a_name_close_to_nothing_is_refused_without_a_guess():
+    with pytest.raises(SettingError, match="TRIPWIRE_XYZZY is not a tripwire setting;") as e:
+        load_settings({"TRIPWIRE_XYZZY": "1"})
+    assert "did you mean" not in str(e.value) and "TRIPWIRE_MODE" in str(e.value)  # the known names are listed
+
+
+def test_a_misspelt_name_is_refused_even_beside_valid_settings_and_keywords():
+    with pytest.raises(SettingError, match="TRIPWIRE_MDOE"):
+        load_settings({"TRIPWIRE_MODE": "raise", "TRIPWIRE_MDOE": "warn"}, mode="off")
+
+
+def test_control_every_name_tripwire_reads_is_accepted():
+    env = {var: "" for var in known_variables()}
+    check_variable_names(env)  # nothing raised
+    # Names outside tripwire's prefix are not tripwire's to judge.
+    check_variable_names({"TRIPWIRE": "1", "XTRIPWIRE_MODE": "1", "MY_TRIPWIRE_MODE": "1"})
+    assert load_settings({"TRIPWIRE_VLLM": "contain", "TRIPWIRE_BENCH_DIR": "/x"}) == Settings()
+
+
+SOURCES = ("src", "tests", "benchmarks", "scripts", "examples", ".ci", "docs")
+# C preprocessor names of the CUDA header (and its host shim), not environment variables.
+MACROS = {"TRIPWIRE_CUDA_SHIM", "TRIPWIRE_HAS_DEVICE", "TRIPWIRE_HD", "TRIPWIRE_DEVICE", "TRIPWIRE_COLD"}
+MACROS |= {"TRIPWIRE_FAULT_INLINE", "TRIPWIRE_LANE_ID"}
+
+
+def test_every_tripwire_name_in_the_tree_is_known():
+    """A name the package, its tests, benchmarks, scripts or CI read, or the docs show, that is missing from the
+    known names would be refused where it is set: grep the tree for every one."""
+    root = Path(__file__).resolve().parents[1]
+    found: dict[str, str] = {}
+    for top in SOURCES:
+        for f in (root / top).rglob("*"):
+            if f.is_file() and f.suffix in {"", ".py", ".md", ".sh", ".toml", ".yml", ".yaml"}:
+                for name in re.findall(r"\bTRIPWIRE_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace")):
+                    found.setdefault(name, str(f.relative_to(root)))
+    names = set(found) - MACROS - {"TRIPWIRE_MDOE", "TRIPWIRE_INTREVAL", "TRIPWIRE_XYZZY"}  # this file's typos
+    assert {"TRIPWIRE_MODE", "TRIPWIRE_VLLM", "TRIPWIRE_VLLM_PYTHON", "TRIPWIRE_CONTAIN"} <= names  # the grep works
+    unknown = {n: found[n] for n in names - set(known_variables())}
+    assert not unknown, f"read in the tree but refused by tripwire.config: {unknown}"

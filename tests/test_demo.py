@@ -59,6 +59,14 @@ def test_demo_default_run(device):
     assert kv_line.rstrip().endswith("drain")
     assert "tripwire demo summary" in out
     assert "every injected fault that ran (5) was masked and counted" in out
+    # The summary's columns hold every site's name, the longest included (decode attention's).
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.strip().startswith("site ") and "hits" in ln)
+    hits_end = lines[head].index("hits") + len("hits")
+    rows = [ln for ln in lines[head + 2 :] if ln.strip().startswith("kernels.")]
+    assert any("decode_attention.seq_len" in r for r in rows) and len(rows) >= 10
+    for r in rows:
+        assert r[hits_end - 1].isdigit() and r[hits_end : hits_end + 1] in ("", " "), (lines[head], r)
 
 
 def test_demo_control_mode_off_reports_nothing():

@@ -92,8 +92,11 @@ print(f"DOCS-TEST: {len(blocks)} snippet(s) ran")
 """
 
 
-def run_page(page_blocks: list[Block], tmp: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the blocks (skipped ones left out) in order in one fresh interpreter whose working folder is ``tmp``."""
+def run_page(
+    page_blocks: list[Block], tmp: Path, timeout: float = 600, interpret: bool = True
+) -> subprocess.CompletedProcess:
+    """Run the blocks (skipped ones left out) in order in one fresh interpreter whose working folder is ``tmp``;
+    with ``interpret`` False, TRITON_INTERPRET is left to the page (unset), as a reader's shell has it."""
     todo = []
     for b in page_blocks:
         if b.skip is None:
@@ -105,7 +108,8 @@ def run_page(page_blocks: list[Block], tmp: Path, timeout: float = 600) -> subpr
     (tmp / "blocks.json").write_text(json.dumps(todo))
     (tmp / "runner.py").write_text(RUNNER)
     env = dict(os.environ)
-    if not torch.cuda.is_available():
+    env.pop("TRITON_INTERPRET", None)
+    if interpret and not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     # Let sinks' and plugins' files, and anything a page writes, land in the scratch folder.
     return subprocess.run(
@@ -129,6 +133,40 @@ def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     ran = sum(b.skip is None for b in ALL[page])
     assert f"DOCS-TEST: {ran} snippet(s) ran" in p.stdout
+
+
+def test_the_readme_runs_as_printed(tmp_path: Path) -> None:
+    """The README's snippets in a shell without TRITON_INTERPRET (a reader's): on a CPU machine the page itself must
+    choose the interpreter, or the first launch fails."""
+    p = run_page(ALL[ROOT / "README.md"], tmp_path, interpret=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    assert "MASKED FAULT at site 'kernels.paged_gather.page'" in p.stderr
+
+
+FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?: ?(?:%|ms|us|x))?")
+
+
+def headline_figures(readme: str) -> list[str]:
+    """The figures of the README's headline table (its "figure" column), each a number with its unit."""
+    section = readme.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| question")]
+    return [f for ln in rows for f in FIGURE.findall(ln.split("|")[2]) if any(c.isdigit() for c in f)]
+
+
+def test_the_readme_headlines_are_results_figures() -> None:
+    """Every figure of the README's headline table is written as RESULTS.md writes it: the README quotes, it does
+    not measure (and a figure RESULTS.md has replaced cannot linger there)."""
+    figures = headline_figures((ROOT / "README.md").read_text())
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert len(figures) >= 10, figures
+    missing = [f for f in figures if f not in results]
+    assert not missing, f"README headline figures not in RESULTS.md: {missing}"
+
+
+def test_control_a_headline_figure_missing_from_results_is_found() -> None:
+    readme = "## Benchmarks\n\n| question | figure | target | mark |\n|---|---|---|---|\n| q | 0.0217 % and 7.77 ms | x | y |\n"
+    assert headline_figures(readme) == ["0.0217 %", "7.77 ms"]
+    assert "7.77 ms" not in (ROOT / "benchmarks" / "RESULTS.md").read_text()
 
 
 @pytest.mark.parametrize("block", MARKED, ids=[b.where for b in MARKED])

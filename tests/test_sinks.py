@@ -238,6 +238,49 @@ def test_prometheus_counters_equal_the_arena_after_a_soak_like_run(registry):
     assert value(preg, "tripwire_stop_armed", device="cpu", rank="") == 0
 
 
+def sample(reg, name: str, **labels) -> float | None:
+    return reg.get_sample_value(name, labels)
+
+
+def test_the_stop_gauge_is_0_from_the_start_then_1_then_0(registry):
+    preg = prometheus_client.CollectorRegistry()
+    m = quiet(registry)
+    m.prealloc("cpu")
+    m.add_sink(Prometheus(preg))
+    assert sample(preg, "tripwire_stop_armed", device="cpu", rank="") == 0  # exported, not absent
+    assert sample(preg, "tripwire_reader_ticks_total", device="cpu", rank="") == 0
+    m.arm(tripwire.GuardTripped.internal("a test's stop", "cpu"))
+    assert sample(preg, "tripwire_stop_armed", device="cpu", rank="") == 1
+    m.reset()
+    assert sample(preg, "tripwire_stop_armed", device="cpu", rank="") == 0
+
+
+def test_the_tick_counter_moves_at_the_readers_cadence_while_the_native_tick_runs(registry):
+    """With the native tick engaged the reader's Python ticks are seconds apart; a scrape still sees every tick."""
+    preg = prometheus_client.CollectorRegistry()
+    m = Monitor(registry=registry, capacity=8, interval=0.005, idle_tail=60, report_every=60, native_tick="on")
+    m.counter(registry.register("ticks.site"), "cpu")
+    m.add_sink(Prometheus(preg))
+    m.start()
+    try:
+        end = time.monotonic() + 10
+        while m.native_tick != "engaged" and time.monotonic() < end:
+            m.check()
+            time.sleep(0.005)
+        assert m.native_tick == "engaged"
+        h0, t0 = m.health(), sample(preg, "tripwire_reader_ticks_total", device="cpu", rank="")
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            m.check()
+            time.sleep(0.005)
+        h1, t1 = m.health(), sample(preg, "tripwire_reader_ticks_total", device="cpu", rank="")
+    finally:
+        m.stop()
+    native, python = h1["native_ticks"] - h0["native_ticks"], h1["python_ticks"] - h0["python_ticks"]
+    assert native >= 20 and python <= 2, (native, python)  # the native thread did the ticking
+    assert t0 is not None and t1 is not None and t1 - t0 >= 20, (t0, t1, native)
+
+
 def test_two_sinks_on_one_registry_share_its_metrics():
     preg = prometheus_client.CollectorRegistry()
     a, b = Prometheus(preg), Prometheus(preg)

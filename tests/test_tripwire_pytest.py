@@ -86,6 +86,9 @@ def test_strict_fails_the_test_that_tripped_a_guard_with_the_report(pytester):
     assert "PASSED test_suite.py::test_clean" in out and "PASSED test_suite.py::test_hits_on_purpose" in out
     assert "site 'plugin.gather' on cpu: 2 masked out-of-range access(es) during this test (2 in all)" in out
     assert "first offender: row 3, value 99" in out and "did NOT compute a correct result" in out
+    # Each failure prints its report once (the failure's message), not again as a captured section.
+    failure = out.split("_ test_trips_a_guard _", 1)[1].split("short test summary", 1)[0].split("_ test_", 1)[0]
+    assert failure.count("guards counted during this test") == 1, failure
 
 
 def test_the_ini_option_sets_the_default_and_a_bad_value_is_refused(pytester):

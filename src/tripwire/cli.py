@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sites import Site
 
 
 def _want_interpreter(device: str | None) -> bool:
@@ -42,6 +48,34 @@ def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
     )
 
 
+def help_text(doc: str | None) -> str:
+    """A command's ``--help`` description from its module's docstring: the first paragraph as plain text (reST's
+    double backquotes and roles dropped), whole, not its first line."""
+    para = (doc or "").strip().split("\n\n", 1)[0]
+    text = " ".join(para.split())
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "").replace("\\", "")
+
+
+def format_table(rows: Sequence[Sequence[str]], right: tuple[int, ...] = (), indent: str = "") -> str:
+    """``rows`` (the first is the header) as aligned columns two spaces apart, each as wide as its widest cell;
+    the columns in ``right`` are right-aligned, the last column is left ragged."""
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, width, strict=True))]
+        cells[-1] = r[-1]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return "\n".join(lines)
+
+
+def sites_table(sites: Sequence[Site]) -> str:
+    """``tripwire sites``' table: a header and one aligned row per site (id, kind, FATAL, name, description)."""
+    rows = [("ID", "KIND", "FATAL", "NAME", "DESCRIPTION")]
+    rows += [(str(s.id), s.kind, "FATAL" if s.fatal else "", s.name, s.description) for s in sites]
+    return format_table(rows, right=(0,))
+
+
 def _engine_arg(args: list[str]) -> str | None:
     """The value of ``--engine`` in ``args`` ("" when given without one), or None when absent."""
     for i, a in enumerate(args):
@@ -50,6 +84,14 @@ def _engine_arg(args: list[str]) -> str | None:
         if a.startswith("--engine="):
             return a.split("=", 1)[1]
     return None
+
+
+DESCRIPTION = (
+    "tripwire: masked, counted, reported out-of-range accesses in GPU kernels. Commands: demo (a decode loop with "
+    "injected metadata faults; --engine transformers or vllm for a real engine), bench (the benchmark suite), "
+    "sites (the registered sites), doctor (what works on this machine), resources (a guarded kernel's registers "
+    "and occupancy beside its twin's)."
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="tripwire", description=__doc__.splitlines()[0])
+    from . import __version__
+    from .errors import SettingError
+
+    parser = argparse.ArgumentParser(prog="tripwire", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"tripwire {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a paged-KV decode loop with injected metadata faults", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)
@@ -86,8 +132,21 @@ def _main(argv: list[str] | None) -> int:
         # argparse's REMAINDER drops leading options into `rest` out of order ("bench --only q2 --quick" would
         # become ["q2", "--quick", "--only"]): pass everything after the subcommand through verbatim instead.
         extra = argv[argv.index(ns.cmd) + 1 :]
+    try:
+        if ns.cmd != "doctor":  # the doctor reports a broken setting as one of its checks
+            from .config import load_settings
 
-    if ns.cmd == "demo":
+            # Before any work: the same refusal the monitor would give later, deep inside a run.
+            load_settings()
+        return _run(ns.cmd, extra)
+    except SettingError as e:
+        # A broken setting is the user's input, like a bad option: one line and argparse's status, no traceback.
+        print(f"tripwire {ns.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(cmd: str, extra: list[str]) -> int:
+    if cmd == "demo":
         device = None
         for i, a in enumerate(extra):
             if a == "--device" and i + 1 < len(extra):
@@ -108,7 +167,7 @@ def _main(argv: list[str] | None) -> int:
         from .demo import main as demo_main
 
         return demo_main(extra)
-    if ns.cmd == "bench":
+    if cmd == "bench":
         bdir, why = bench_dir()
         if bdir is None:
             print(f"tripwire bench: no benchmark suite: {why}", file=sys.stderr)
@@ -119,7 +178,7 @@ def _main(argv: list[str] | None) -> int:
         import run_all  # type: ignore[import-not-found]
 
         return int(run_all.main(extra) or 0)
-    if ns.cmd == "sites":
+    if cmd == "sites":
         if _want_interpreter(None):
             os.environ.setdefault("TRITON_INTERPRET", "1")
         import tripwire
@@ -129,14 +188,13 @@ def _main(argv: list[str] | None) -> int:
                 __import__(mod)
             except ImportError:
                 pass
-        for s in tripwire.sites():
-            print(f"{s.id:4d}  {s.kind:9s} {'FATAL' if s.fatal else '     '} {s.name}  {s.description}")
+        print(sites_table(tripwire.sites()))
         return 0
-    if ns.cmd == "doctor":
+    if cmd == "doctor":
         from .doctor import main as doctor_main
 
         return doctor_main(extra)
-    if ns.cmd == "resources":
+    if cmd == "resources":
         # Compiling for the GPU target needs Triton's compiler, which the interpreter replaces: never interpret.
         os.environ.pop("TRITON_INTERPRET", None)
         from .resources import main as resources_main

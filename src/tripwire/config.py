@@ -2,18 +2,35 @@
 
 Validation fails closed. A setting that is present but broken (an unknown mode, ``nan``, ``0``, ``-1``, ``abc``, an
 empty string) raises ``ValueError`` naming the variable and the value: a typo must never silently disarm the
-instrument by falling back to a default. Only an *absent* variable takes the default.
+instrument by falling back to a default. Only an *absent* variable takes the default. A ``TRIPWIRE_*`` name that
+tripwire does not read (``TRIPWIRE_MDOE``) is refused the same way, with the known name it is closest to: a
+misspelt name would otherwise leave its setting at the default without a word. The errors are
+:class:`tripwire.errors.SettingError`, a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["MODES", "NATIVE_TICK", "SettingView", "Settings", "check_timeout", "load_settings"]
+from .errors import SettingError
+
+__all__ = [
+    "MODES",
+    "NATIVE_TICK",
+    "OTHER_VARIABLES",
+    "SettingError",
+    "SettingView",
+    "Settings",
+    "check_timeout",
+    "check_variable_names",
+    "known_variables",
+    "load_settings",
+]
 
 MODES = ("raise", "warn", "off")
 
@@ -33,19 +50,52 @@ _ENV = {
 }
 NATIVE_TICK = ("auto", "on", "off")
 
+# The TRIPWIRE_* variables read outside Settings, by the integrations, the tools and CI. Every name the package, its
+# tests, benchmarks and CI read is here or in _ENV (tests/test_config.py greps the tree for them).
+OTHER_VARIABLES = {
+    "TRIPWIRE_VLLM": "the vLLM plugin's mode (tripwire.integrations.vllm)",
+    "TRIPWIRE_VLLM_PYTHON": "the python of the vLLM environment (tripwire demo --engine vllm, the vLLM tests)",
+    "TRIPWIRE_VLLM_FAULTS": "the faults the vLLM demo and tests inject into the engine (a JSON list)",
+    "TRIPWIRE_VLLM_FAULTS_LOG": "where the vLLM fault injection logs what it injected",
+    "TRIPWIRE_VLLM_FAULTS_NO_EVICT": "the vLLM tests' control: containment keeps a failed request's cached blocks",
+    "TRIPWIRE_BENCH_DIR": "the benchmark suite `tripwire bench` runs (a checkout's benchmarks/ folder)",
+    "TRIPWIRE_VLLM_VENV": "where CI (.ci/run) makes the vLLM environment",
+}
+
+
+def known_variables() -> tuple[str, ...]:
+    """Every ``TRIPWIRE_*`` name tripwire reads, sorted: the settings' and :data:`OTHER_VARIABLES`."""
+    return tuple(sorted({var for var, _ in _ENV.values()} | set(OTHER_VARIABLES)))
+
+
+def check_variable_names(env: Mapping[str, str] | None = None) -> None:
+    """:class:`SettingError` naming each ``TRIPWIRE_*`` name in ``env`` (default ``os.environ``) that tripwire does
+    not read, with the known name closest to it."""
+    env = os.environ if env is None else env
+    known = known_variables()
+    unknown = sorted(k for k in env if k.startswith("TRIPWIRE_") and k not in known)
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        # Compared after the prefix, which every name shares (it would make any name look close to a short one).
+        close = difflib.get_close_matches(name[9:], [k[9:] for k in known], n=1, cutoff=0.6)
+        parts.append(f"{name} is not a tripwire setting" + (f" (did you mean TRIPWIRE_{close[0]}?)" if close else ""))
+    raise SettingError(f"{'; '.join(parts)}; tripwire reads {', '.join(known)} (unset any other TRIPWIRE_* name)")
+
 
 def _parse_mode(var: str, raw: Any) -> str:
     if not isinstance(raw, str):
-        raise ValueError(f"{var}={raw!r}: the mode must be a string, one of {', '.join(MODES)}")
+        raise SettingError(f"{var}={raw!r}: the mode must be a string, one of {', '.join(MODES)}")
     mode = raw.strip().lower()
     if mode not in MODES:
-        raise ValueError(f"{var}={raw!r} is not a mode; expected one of {', '.join(MODES)}")
+        raise SettingError(f"{var}={raw!r} is not a mode; expected one of {', '.join(MODES)}")
     return mode
 
 
 def _parse_native_tick(var: str, raw: Any) -> str:
     if not isinstance(raw, str) or raw.strip().lower() not in NATIVE_TICK:
-        raise ValueError(f"{var}={raw!r} is not a native-tick choice; expected one of {', '.join(NATIVE_TICK)}")
+        raise SettingError(f"{var}={raw!r} is not a native-tick choice; expected one of {', '.join(NATIVE_TICK)}")
     return raw.strip().lower()
 
 
@@ -60,7 +110,7 @@ def _parse_switch(var: str, raw: Any) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"{var}={raw!r} is not a switch; expected one of {', '.join(_TRUE + _FALSE)}")
+    raise SettingError(f"{var}={raw!r} is not a switch; expected one of {', '.join(_TRUE + _FALSE)}")
 
 
 def _parse_path(var: str, raw: Any) -> str | None:
@@ -71,25 +121,25 @@ def _parse_path(var: str, raw: Any) -> str | None:
     if isinstance(raw, os.PathLike):
         raw = os.fspath(raw)
     if not isinstance(raw, str) or not raw.strip():
-        raise ValueError(f"{var}={raw!r}: expected a file path (unset it for no event log)")
+        raise SettingError(f"{var}={raw!r}: expected a file path (unset it for no event log)")
     return raw
 
 
 def _parse_seconds(var: str, raw: Any) -> float:
     if isinstance(raw, bool):
-        raise ValueError(f"{var}={raw!r}: expected a positive number of seconds, got a bool")
+        raise SettingError(f"{var}={raw!r}: expected a positive number of seconds, got a bool")
     try:
         value = float(raw.strip()) if isinstance(raw, str) else float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{var}={raw!r} is not a number of seconds") from None
+        raise SettingError(f"{var}={raw!r} is not a number of seconds") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{var}={raw!r}: expected a finite number of seconds > 0")
+        raise SettingError(f"{var}={raw!r}: expected a finite number of seconds > 0")
     return value
 
 
 def _parse_count(var: str, raw: Any, what: str, most: int, why: str) -> int:
     if isinstance(raw, bool):
-        raise ValueError(f"{var}={raw!r}: expected a positive whole number of {what}, got a bool")
+        raise SettingError(f"{var}={raw!r}: expected a positive whole number of {what}, got a bool")
     if isinstance(raw, int):
         value = raw
     else:
@@ -97,11 +147,11 @@ def _parse_count(var: str, raw: Any, what: str, most: int, why: str) -> int:
         try:
             value = int(text)
         except (TypeError, ValueError):
-            raise ValueError(f"{var}={raw!r} is not a whole number of {what}") from None
+            raise SettingError(f"{var}={raw!r} is not a whole number of {what}") from None
     if value <= 0:
-        raise ValueError(f"{var}={raw!r}: expected a whole number of {what} > 0")
+        raise SettingError(f"{var}={raw!r}: expected a whole number of {what} > 0")
     if value > most:
-        raise ValueError(f"{var}={raw!r}: more than {most} {what} is {why}")
+        raise SettingError(f"{var}={raw!r}: more than {most} {what} is {why}")
     return value
 
 
@@ -201,13 +251,15 @@ class SettingView:
 def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Read the ``TRIPWIRE_*`` variables (``env`` defaults to ``os.environ``), then apply keyword overrides.
 
-    A keyword argument that is not ``None`` wins over its variable. Every value is validated; a broken variable
+    A keyword argument that is not ``None`` wins over its variable. Every value is validated, and every
+    ``TRIPWIRE_*`` name in ``env`` must be one tripwire reads (:func:`check_variable_names`); a broken variable
     raises even when a keyword overrides it, because a broken deployment setting is a bug worth hearing about.
     """
     env = os.environ if env is None else env
     unknown = set(overrides) - set(_ENV)
     if unknown:
         raise TypeError(f"unknown tripwire setting(s) {sorted(unknown)}; known: {sorted(_ENV)}")
+    check_variable_names(env)
     values: dict[str, Any] = {}
     for name, (var, default) in _ENV.items():
         raw = env.get(var)

@@ -305,7 +305,16 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tripwire demo", description=__doc__.splitlines()[0])
+    from .cli import help_text
+
+    p = argparse.ArgumentParser(prog="tripwire demo", description=help_text(__doc__))
+    p.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default=None,
+        help="run the story inside a real engine instead of this toy loop: transformers (its continuous batching, "
+        "in this process) or vllm (vLLM's own engine, in a vLLM environment); `--engine NAME --help` for its options",
+    )
     p.add_argument("--steps", type=int, default=30, help="decode steps (default 30)")
     p.add_argument("--device", default=None, help="cpu (Triton interpreter) or cuda[:N]; default: cuda if available")
     p.add_argument("--mode", default="warn", choices=tripwire.MODES, help="tripwire mode (default warn)")
@@ -480,6 +489,7 @@ def _report(
     elapsed: float,
 ) -> int:
     from . import kernels
+    from .cli import format_table
 
     out = sys.stdout
     print("\ntripwire demo summary", file=out)
@@ -492,22 +502,22 @@ def _report(
     print("  faults injected:", file=out)
     for f in faults:
         print(f"    step {f.step:3d}  {f.kind:5s}  {f.entry} = {f.value}", file=out)
-    hdr = f"  {'site':28s} {'fatal':5s} {'hits':>5s}  {'first (row, value)':20s} {'min..max value':>20s}  reported by"
-    print(hdr, file=out)
-    print("  " + "-" * (len(hdr) - 2), file=out)
+    rows = [("site", "fatal", "hits", "first (row, value)", "min..max value", "reported by")]
     for site in kernels.ALL_SITES:
         s = summary.get(site.name)
+        fatal = "yes" if site.fatal else ""
         if s is None:
-            print(f"  {site.name:28s} {'yes' if site.fatal else '':5s} {0:5d}", file=out)
+            rows.append((site.name, fatal, "0", "", "", ""))
             continue
         first = f"({s.first[0]}, {s.first[1]})" if s.first else "-"
-        span = f"{s.vmin}..{s.vmax}"
         by = ", ".join(sorted(observer.seen.get(site.name, set()))) or (
             "not read (mode off)" if args.mode == "off" else "-"
         )
-        print(
-            f"  {site.name:28s} {'yes' if site.fatal else '':5s} {s.count:5d}  {first:20s} {span:>20s}  {by}", file=out
-        )
+        rows.append((site.name, fatal, str(s.count), first, f"{s.vmin}..{s.vmax}", by))
+    table = format_table(rows, right=(2, 4), indent="  ").splitlines()
+    print(table[0], file=out)
+    print("  " + "-" * (max(map(len, table)) - 2), file=out)
+    print("\n".join(table[1:]), file=out)
     if args.mode == "off":
         print("  (mode off: no reader; the kernels still masked and counted, read here by a snapshot)", file=out)
     missing = []

@@ -29,7 +29,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAULT_KINDS", "VALUE_KINDS", "FaultInjector", "Injection", "cb_config", "main", "run", "tiny_llama"]
+__all__ = [
+    "FAULT_KINDS",
+    "VALUE_KINDS",
+    "FaultInjector",
+    "Injection",
+    "cb_config",
+    "main",
+    "quiet_engine_logs",
+    "run",
+    "tiny_llama",
+]
 
 log = logging.getLogger("tripwire.demo")
 
@@ -374,7 +384,9 @@ def _device_healthy(device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tripwire demo --engine transformers", description=__doc__.splitlines()[0])
+    from .cli import help_text
+
+    parser = argparse.ArgumentParser(prog="tripwire demo --engine transformers", description=help_text(__doc__))
     parser.add_argument("--engine", choices=["transformers"], default="transformers")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="on a GPU, run the engine without CUDA graphs")
@@ -382,8 +394,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    with quiet_engine_logs():
+        return _demo(args)
 
+
+class _EngineLogFilter(logging.Filter):
+    """The demo's filter on transformers' continuous-batching logger: a repeated psutil complaint (logged at every
+    manager's start) passes once, and the engine's error for a stop the demo provokes on purpose (a GuardTripped out
+    of its generation loop) keeps its one line and drops the traceback. Every other record, and every other
+    exception's traceback, passes unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "psutil" in msg:
+            if msg in self.seen:
+                return False
+            self.seen.add(msg)
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            from .errors import GuardTripped
+
+            if isinstance(exc, GuardTripped):
+                record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextmanager
+def quiet_engine_logs() -> Iterator[_EngineLogFilter]:
+    """For the demo's run only: transformers' continuous-batching logger at ERROR (its INFO/WARNING lines per
+    request), through :class:`_EngineLogFilter`; both undone on exit."""
+    engine_log = logging.getLogger("ContinuousBatchingLogger")
+    level, flt = engine_log.level, _EngineLogFilter()
+    engine_log.setLevel(logging.ERROR)
+    engine_log.addFilter(flt)
+    try:
+        yield flt
+    finally:
+        engine_log.removeFilter(flt)
+        engine_log.setLevel(level)
+
+
+def _demo(args: argparse.Namespace) -> int:
     import tripwire
     from tripwire.integrations import transformers as tw
 
@@ -477,18 +532,29 @@ def main(argv: list[str] | None = None) -> int:
     handle.uninstall()
     monitor.stop()
 
-    print()
-    head = (
-        f"{'scenario':18s} {'injected':34s} {'site':26s} {'count':>5s} {'engine':26s} {'ok':>3s} {'failed':>6s} "
-        f"{'changed':>7s}  result"
-    )
-    print(head)
-    print("-" * len(head))
+    from .cli import format_table
+
+    table = [("scenario", "injected", "site", "count", "engine", "ok", "failed", "changed", "result")]
     for r in rows:
-        print(
-            f"{r.name:18s} {r.injected:34s} {r.site:26s} {r.count:>5d} {r.engine:26s} {r.ok_requests:>3d} "
-            f"{r.failed:>6d} {r.changed:>7d}  {'PASS' if r.passed else 'FAIL (expected count ' + str(r.expected) + ')'}"
+        result = "PASS" if r.passed else f"FAIL (expected count {r.expected})"
+        table.append(
+            (
+                r.name,
+                r.injected,
+                r.site,
+                str(r.count),
+                r.engine,
+                str(r.ok_requests),
+                str(r.failed),
+                str(r.changed),
+                result,
+            )
         )
+    lines = format_table(table, right=(3, 5, 6, 7)).splitlines()
+    print()
+    print(lines[0])
+    print("-" * max(map(len, lines)))
+    print("\n".join(lines[1:]))
     ok = all(r.passed for r in rows)
     print()
     print(

@@ -41,7 +41,9 @@ def _describe(f: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tripwire demo --engine vllm", description=__doc__.splitlines()[0])
+    from .cli import help_text
+
+    parser = argparse.ArgumentParser(prog="tripwire demo --engine vllm", description=help_text(__doc__))
     parser.add_argument("--engine", choices=["vllm"], default="vllm")
     parser.add_argument("--quick", action="store_true", help="skip the multiprocess engine-core run")
     parser.add_argument("--workdir", default=None, help="where the model and the runs' logs go (default: a temp dir)")

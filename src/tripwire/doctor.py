@@ -224,7 +224,9 @@ def main(argv: list[str]) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="tripwire doctor", description=__doc__.splitlines()[0])
+    from .cli import help_text
+
+    p = argparse.ArgumentParser(prog="tripwire doctor", description=help_text(__doc__))
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = p.parse_args(argv)
     checks = run_checks()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CaptureError", "GuardTripped"]
+__all__ = ["CaptureError", "GuardTripped", "SettingError"]
 
 
 class CaptureError(RuntimeError):
@@ -11,6 +11,12 @@ class CaptureError(RuntimeError):
     Examples: allocating the counter arena, or creating the reader's pinned mirror, while the current stream is
     capturing. The exception is raised *before* any CUDA call, so the capture in progress stays usable.
     """
+
+
+class SettingError(ValueError):
+    """A ``TRIPWIRE_*`` variable or a setting keyword that is set but broken (a bad value, or a name tripwire does
+    not read). The message names the variable and what is wrong with it; the ``tripwire`` command prints it as one
+    line and exits 2."""
 
 
 class GuardTripped(RuntimeError):

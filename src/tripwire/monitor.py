@@ -212,9 +212,13 @@ class Monitor:
     # ------------------------------------------------------------------ reports and sinks
     def add_sink(self, sink: Callable[[Event], None]) -> None:
         """Hand every event from now on to ``sink`` (a callable taking a :class:`tripwire.Event`; see
-        :mod:`tripwire.sinks`). The log always gets the reports. Adding the same sink twice adds it once."""
+        :mod:`tripwire.sinks`). The log always gets the reports. Adding the same sink twice adds it once. A sink
+        with ``bind`` gets this monitor's :meth:`health` (a metrics sink reads it at each scrape)."""
         with self._lock:
-            self._sync_due |= self.sinks.add(sink)
+            added = self.sinks.add(sink)
+            self._sync_due |= added
+        if added and hasattr(sink, "bind"):
+            sink.bind(self.health)
 
     def remove_sink(self, sink: Callable[[Event], None]) -> None:
         """Stop handing events to ``sink`` (ValueError if it was not added)."""

@@ -116,9 +116,12 @@ def _recording(out: list[Launch]) -> Iterator[None]:
     def record(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> None:
         out.append(Launch(self, args, kwargs))
 
+    from .kernels._common import recorded_launches
+
     JITFunction.run = record  # type: ignore[method-assign]
     try:
-        yield
+        with recorded_launches():  # the reference launchers take CPU tensors then (nothing is launched)
+            yield
     finally:
         JITFunction.run = saved  # type: ignore[method-assign]
 

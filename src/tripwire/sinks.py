@@ -13,7 +13,9 @@ not the engine). A sink that raises is logged (at most once per report window, w
 the last line), counted in ``Monitor.health()["sink_errors"]``, and called again for the next event: it never stops
 the reader. A sink object may also have ``sync(health)``: called with :meth:`tripwire.Monitor.health` at once
 after the stop is armed or reset, else on the reader's Python ticks at most once a second (:class:`Prometheus`
-keeps its gauges and its tick counter there).
+keeps its gauges and its tick counter there); and ``bind(health)``: called once by
+:meth:`tripwire.Monitor.add_sink` with the monitor's ``health`` method, for a sink that reads the health itself
+when it is asked (:class:`Prometheus`, at each scrape).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time as _time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -283,7 +286,26 @@ class JsonLines:
 
 
 # ---------------------------------------------------------------------------------------------------- Prometheus
+class _Refresh:
+    """Registered on a registry before tripwire's metrics, so that a scrape (which collects a registry's collectors in
+    their registration order) first brings the tick counter and the stop gauge up to each bound sink's monitor.
+    While the native tick is engaged the reader's Python ticks, where ``sync`` otherwise runs, are seconds apart: a
+    ``rate()`` over the counter would call a live reader dead."""
+
+    def __init__(self) -> None:
+        self.sinks: weakref.WeakSet[Prometheus] = weakref.WeakSet()
+
+    def describe(self) -> list[Any]:
+        return []  # no metric of its own (a registry asks at registration)
+
+    def collect(self) -> list[Any]:
+        for sink in list(self.sinks):
+            sink.refresh()
+        return []
+
+
 class _Metrics(NamedTuple):
+    refresh: _Refresh
     masked: Any
     clipped: Any
     nonfinite: Any
@@ -301,7 +323,10 @@ def _metrics(registry: Any) -> _Metrics:
 
     m = _METRICS.get(registry)
     if m is None:
+        refresh = _Refresh()
+        registry.register(refresh)  # first: see _Refresh
         m = _METRICS[registry] = _Metrics(
+            refresh,
             Counter(
                 "tripwire_masked_accesses_total",
                 "Out-of-range accesses masked by tripwire guards (those lanes did not compute a correct result)",
@@ -354,8 +379,11 @@ class Prometheus:
     cannot be written is a clear error (its metrics would otherwise be lost).
 
     Counters move when the monitor's window releases a report (at most ``report_every`` seconds after a rise; at
-    once for a site's first rise and at ``drain()``); the tick counter and the gauge on the reader's Python ticks
-    (see :meth:`sync`) and when the stop is armed.
+    once for a site's first rise and at ``drain()``). The tick counter and the stop gauge (0 for every device of the
+    monitor until its stop is armed) are brought up to the monitor at each scrape of ``registry``, the native
+    tick's ticks included, and at the monitor's syncs (see :meth:`sync`). In multiprocess mode the scrape happens in
+    another process, so there they move at the syncs only: at once when the stop is armed or reset, else on the
+    reader's Python ticks (seconds apart while the native tick is engaged).
     """
 
     def __init__(self, registry: Any = None) -> None:
@@ -376,6 +404,8 @@ class Prometheus:
         self._m = _metrics(self.registry)
         self._ticks_seen = 0
         self._armed_labels: set[tuple[str, str]] = set()
+        self._health: Callable[[], Callable[[], Mapping[str, Any]] | None] | None = None
+        self._sync_lock = threading.Lock()  # the reader thread's syncs and a scrape's refresh
 
     @staticmethod
     def _rank() -> str:
@@ -394,26 +424,41 @@ class Prometheus:
             self._m.armed.labels(event.device, rank).set(1)
             self._armed_labels.add((event.device, rank))
 
+    def bind(self, health: Callable[[], Mapping[str, Any]]) -> None:
+        """Read ``health`` (a monitor's :meth:`~tripwire.Monitor.health`, held weakly) at each scrape of the
+        registry (:meth:`tripwire.Monitor.add_sink` calls this)."""
+        self._health = weakref.WeakMethod(health) if hasattr(health, "__self__") else (lambda: health)  # type: ignore[arg-type]
+        self._m.refresh.sinks.add(self)
+
+    def refresh(self) -> None:
+        """Sync with the bound monitor's health now (a scrape's; nothing when unbound or the monitor is gone)."""
+        fn = self._health() if self._health is not None else None
+        if fn is not None:
+            self.sync(fn())
+
     def sync(self, health: Mapping[str, Any]) -> None:
         """Bring the tick counter and the stop gauge up to ``health`` (a :meth:`tripwire.Monitor.health` dict)."""
-        rank = self._rank()
-        ticks = int(health["ticks"])
-        new, self._ticks_seen = max(ticks - self._ticks_seen, 0), ticks
-        stop = health.get("stop")
-        armed_dev = None if stop is None else str(stop["device"])
-        now_armed: set[tuple[str, str]] = set()
-        for device, info in health["devices"].items():
-            if new and info.get("lost") is None:
-                self._m.ticks.labels(device, rank).inc(new)
-            if armed_dev in (device, "*"):
-                now_armed.add((device, rank))
-        if armed_dev is not None:
-            now_armed.add((armed_dev, rank))
-        for labels in self._armed_labels - now_armed:
-            self._m.armed.labels(*labels).set(0)
-        for labels in now_armed:
-            self._m.armed.labels(*labels).set(1)
-        self._armed_labels = now_armed
+        with self._sync_lock:
+            rank = self._rank()
+            ticks = int(health["ticks"])
+            # Never counted twice: a total read while an engagement's ticks are being folded in may dip for a moment.
+            new, self._ticks_seen = max(ticks - self._ticks_seen, 0), max(ticks, self._ticks_seen)
+            stop = health.get("stop")
+            armed_dev = None if stop is None else str(stop["device"])
+            now_armed: set[tuple[str, str]] = set()
+            shown: set[tuple[str, str]] = set()
+            for device, info in health["devices"].items():
+                ticks_of = self._m.ticks.labels(device, rank)  # exported from the start, at 0
+                if new and info.get("lost") is None:
+                    ticks_of.inc(new)
+                shown.add((device, rank))
+                if armed_dev in (device, "*"):
+                    now_armed.add((device, rank))
+            if armed_dev is not None:
+                now_armed.add((armed_dev, rank))
+            for labels in shown | self._armed_labels | now_armed:
+                self._m.armed.labels(*labels).set(1 if labels in now_armed else 0)
+            self._armed_labels = now_armed
 
     def __repr__(self) -> str:
         return f"Prometheus(multiprocess={self.multiprocess})"

@@ -7,7 +7,9 @@ illegal memory access (or, worse, a silently wrong read) inside the kernel.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -26,7 +28,9 @@ __all__ = [
     "check_requests",
     "check_same_device",
     "check_tensor",
+    "interpreting",
     "pow2",
+    "recorded_launches",
     "resolve_ctr",
 ]
 
@@ -73,7 +77,37 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {dev}; all arguments must share a device")
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"tripwire kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), got {dev}")
+    if dev.type == "cpu" and not interpreting() and not _recording:
+        # Else Triton's own error, "0 active drivers", says neither what is wrong nor what to do.
+        raise RuntimeError(
+            f"{first_name} is on the CPU, but tripwire's reference kernels are Triton kernels and Triton compiles "
+            f"them for a GPU in this process: without a GPU, set TRITON_INTERPRET=1 before triton is first imported "
+            f"(Triton's interpreter then runs them on the CPU, slowly: for tests and demos; `tripwire demo` does "
+            f"it itself), or pass CUDA tensors"
+        )
     return dev
+
+
+# Open recorded_launches() blocks: launches are recorded instead of run (tripwire.resources.capture_launches).
+_recording = 0
+
+
+@contextmanager
+def recorded_launches() -> Iterator[None]:
+    """Within it the launchers take CPU tensors without Triton's interpreter: their launches are being recorded
+    instead of run (nothing reaches a driver), to be compiled for a GPU target from the recorded arguments."""
+    global _recording
+    _recording += 1
+    try:
+        yield
+    finally:
+        _recording -= 1
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``) rather than compiling them."""
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_ctr(name: str, ctr: object, device: torch.device, n_sites: int = 1) -> torch.Tensor:

@@ -1,48 +1,4 @@
-"""Several ranks: one rank's stop becomes every rank's stop, through the job's torch.distributed store.
-
-Counters are per process. Without help, a rank that stops leaves its tensor/pipeline peers blocked inside the next
-collective until the NCCL watchdog fires (minutes later) and the cause drowns in a multi-rank timeout.
-:func:`coordinate` connects a :class:`~tripwire.Monitor` to a ``torch.distributed`` store:
-
-* **Publish.** When this rank's stop is armed for a local reason (a fatal site, any hit under ``raise``, a lost
-  reader, a fatal hit confirmed by ``drain()`` at shutdown), a JSON record (rank, site, device, count, first
-  offender, message, host, pid, time) is written under one job-scoped key with ``compare_set`` from "absent", so
-  the first rank to publish wins and later ones never overwrite it. A stop learned from a peer is never re-published.
-* **Learn.** Every ``store_poll`` seconds (``TRIPWIRE_STORE_POLL``, default 0.5 s) the key is checked with
-  ``store.check([key])`` (one non-blocking round trip; ``get`` only once it exists). When a peer published, this rank
-  arms its own stop with a :class:`~tripwire.GuardTripped` whose ``rank`` is the peer's and whose message carries
-  the peer's message; the engine raises it at its next ``tripwire.check()``. Nothing runs on the engine thread,
-  nothing is a collective, and nothing runs on the reader's ticks: they stay native (the store poll would otherwise
-  make every tick a Python tick, each holding the engine's GIL).
-* **Abort** (``abort=True``). On any stop (local or learned) the process groups are aborted (``ProcessGroup.abort``,
-  which for NCCL is ``ncclCommAbort`` of every communicator), so a thread blocked inside a collective returns at once
-  with an error instead of waiting for the watchdog. The stop is armed *before* the abort, so an engine that catches
-  the collective's error finds the GuardTripped already there (:meth:`Coordinator.raise_if_stopped`,
-  :meth:`Coordinator.guarded`). After an abort the groups are unusable: the engine must exit or rebuild them.
-
-Threads. The store calls run on a ``tripwire-coord`` thread, at the poll cadence (and at once to publish). A
-``tripwire-coord-watch`` thread watches it: a TCPStore whose server is alive but stalled (SIGSTOP, a wedged host, a
-dropped network path) makes ``check()`` block indefinitely -- the client's timeout does not bound it (a SIGSTOPped
-master blocks ``check()`` far past it). A call outstanding longer than ``store_timeout`` counts as a failure at every
-poll slot it occupies; a call that raises counts once. After ``max_store_failures`` consecutive failures the
-rank arms with "coordination lost" (its peers can no longer reach it, nor it them): about ``max_store_failures x
-store_poll`` seconds of a store that refuses connections, ``store_timeout`` more of one that stopped answering. The
-abort runs on its own short-lived thread, so a hung store cannot delay it either.
-
-Latency. The firing rank arms about one reader interval after the hit (its reader sees the rise on its next tick and
-re-polls at once for the confirming copy) and publishes at once; a peer sees the record at its next poll: peers
-raise within about one reader interval plus one ``store_poll`` of the hit.
-
-Load on the store. Each rank sends one ``check`` (a ~30-byte request, a ~10-byte reply) per ``store_poll``; a
-published stop adds one ``compare_set`` and, on every peer, one ``get``. At the default 0.5 s: 128 requests/s at 64
-ranks, 1,024/s at 512, 8,192/s at 4,096, all on the one TCPStore master (the job's rendezvous store). See
-``benchmarks/RESULTS.md`` (the store's load) for what one master serves; at thousands of ranks raise
-``store_poll`` (1-2 s) or give ``coordinate`` a store of its own.
-
-Scope of the key. ``{key_prefix}/stop`` inside the given store. The default process group's store is already
-scoped to the job (and, under torchrun, to the restart attempt); a store you pass in must be private to the job,
-or use a ``key_prefix`` unique to it: a record left from an earlier job under the same key stops the new one at once.
-"""
+"""The coordinator: :func:`coordinate` and :class:`Coordinator` (see :mod:`tripwire.distributed`)."""
 
 from __future__ import annotations
 
@@ -57,15 +13,16 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from ._default import default_monitor
-from .capture import relax_thread_capture_mode
-from .errors import GuardTripped
-from .monitor import Monitor
+from .._default import default_monitor
+from ..capture import relax_thread_capture_mode
+from ..errors import GuardTripped
+from ..monitor import Monitor
+from ._abort import abort_groups, all_groups
+from ._store import as_bytes, default_store, opt_int, pg_initialized, private_client
 
 __all__ = [
     "COORDINATION_SITE",
@@ -74,6 +31,7 @@ __all__ = [
     "Coordinator",
     "coordinate",
 ]
+
 
 log = logging.getLogger("tripwire")
 
@@ -133,7 +91,7 @@ def coordinate(
     if not isinstance(key_prefix, str) or not key_prefix:
         raise ValueError(f"key_prefix={key_prefix!r}: expected a non-empty string")
 
-    initialized = _pg_initialized()
+    initialized = pg_initialized()
     if store is None:
         if not initialized:
             raise RuntimeError(
@@ -142,7 +100,7 @@ def coordinate(
                 "torch.distributed.init_process_group(...) first (its store is used), or pass the job's store, e.g. "
                 "coordinate(torch.distributed.TCPStore(host, port, is_master=False), rank=rank)."
             )
-        store = _default_store()
+        store = default_store()
     for op in ("check", "get"):
         if not callable(getattr(store, op, None)):
             raise TypeError(
@@ -220,7 +178,7 @@ class Coordinator:
         self.max_store_failures = max_store_failures
         self.store_timeout = store_timeout
         self._groups = groups
-        self._store = _private_client(store, store_timeout)
+        self._store = private_client(store, store_timeout)
         self._cv = threading.Condition()  # guards everything below that two threads touch
         self._closed = False
         self._kick = False
@@ -414,7 +372,7 @@ class Coordinator:
                 self.polls += 1
                 # check() is one round trip that never waits for the key; get() only once it exists.
                 if self._store.check([self.key]):
-                    found = _as_bytes(self._store.get(self.key))
+                    found = as_bytes(self._store.get(self.key))
         except Exception as e:
             with self._cv:
                 lost = self._failed_locked(e, time.monotonic())
@@ -436,7 +394,7 @@ class Coordinator:
         won: bool
         try:
             # From "absent" ("" expected) to the record: the first publisher wins, nobody overwrites it.
-            current = _as_bytes(self._store.compare_set(self.key, "", raw))
+            current = as_bytes(self._store.compare_set(self.key, "", raw))
             won = current == raw
         except (NotImplementedError, AttributeError):
             # Stores without compare_set: claim with an atomic counter, the claimant writes the record.
@@ -481,8 +439,8 @@ class Coordinator:
             site=str(rec.get("site", "?")),
             device=str(rec.get("device", "?")),
             count=int(rec.get("count") or 0),
-            first_row=_opt_int(rec.get("first_row")),
-            first_value=_opt_int(rec.get("first_value")),
+            first_row=opt_int(rec.get("first_row")),
+            first_value=opt_int(rec.get("first_value")),
             rank=peer_rank,
             fatal=bool(rec.get("fatal", False)),
         )
@@ -534,12 +492,12 @@ class Coordinator:
             if torch.cuda.is_initialized():
                 # ncclCommAbort makes CUDA calls; relaxed, they cannot invalidate a capture the engine is making.
                 relax_thread_capture_mode()
-            groups = self._groups if self._groups is not None else _all_groups()
+            groups = self._groups if self._groups is not None else all_groups()
             if not groups:
                 log.info("tripwire: no process group to abort")
                 return
             t0 = time.monotonic()
-            self.aborted, self.abort_errors = _abort_groups(groups)
+            self.aborted, self.abort_errors = abort_groups(groups)
             log.error(
                 "tripwire: aborted %d process group(s) in %.3f s so peers blocked in a collective return%s",
                 len(self.aborted),
@@ -570,129 +528,3 @@ class Coordinator:
 
 
 # ---------------------------------------------------------------------- helpers
-def _pg_initialized() -> bool:
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized())
-
-
-def _default_store() -> Any:
-    """The default process group's store (the job's rendezvous store, prefixed for the default group)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    getter = getattr(c10d, "_get_default_store", None)
-    if getter is not None:
-        return getter()
-    try:  # older layouts: _world.pg_map[pg] = (backend, store)
-        return c10d._world.pg_map[c10d._get_default_group()][1]
-    except Exception as e:
-        raise RuntimeError(
-            "tripwire: cannot find the default process group's store in this torch; pass store=... to coordinate()"
-        ) from e
-
-
-def _private_client(store: Any, timeout: float) -> Any:
-    """A clone of ``store`` (its own connection) with ``timeout``; the store itself when it cannot be cloned. The
-    job's store is never modified (its timeout governs the job's own rendezvous and barriers)."""
-    clone = getattr(store, "clone", None)
-    if not callable(clone):
-        return store
-    try:
-        private = clone()
-        private.set_timeout(timedelta(seconds=timeout))
-        return private
-    except Exception as e:
-        log.debug("tripwire: could not clone the store (%s); using it directly", e)
-        return store
-
-
-def _all_groups() -> list[Any]:
-    """Every process group of this process, newest first (the order torch's own _abort_process_group uses)."""
-    if not _pg_initialized():
-        return []
-    from torch.distributed import distributed_c10d as c10d
-
-    try:
-        names = dict(c10d._world.pg_names)
-    except Exception:
-        return [c10d._get_default_group()]
-    return sorted(names, key=lambda pg: names[pg], reverse=True)
-
-
-def _nccl_backend() -> Any:
-    dist = torch.distributed
-    try:
-        if not (dist.is_available() and dist.is_nccl_available() and dist.is_initialized()):
-            return None
-        from torch.distributed import distributed_c10d as c10d
-
-        backend = c10d._get_default_group()._get_backend(torch.device("cuda"))
-        return backend if isinstance(backend, dist.ProcessGroupNCCL) else None
-    except Exception:
-        return None
-
-
-def _abort_one(pg: Any) -> None:
-    fn = getattr(pg, "abort", None)
-    if callable(fn):
-        fn()
-        return
-    for dev in ("cuda", "cpu"):  # torch without ProcessGroup.abort: abort the device backend
-        try:
-            backend = pg._get_backend(torch.device(dev))
-        except Exception:
-            continue
-        if callable(getattr(backend, "abort", None)):
-            backend.abort()
-            return
-    raise RuntimeError(
-        f"this torch ({torch.__version__}) offers no abort for {type(pg).__name__}; peers blocked in a collective "
-        f"wait for the process group's timeout"
-    )
-
-
-def _abort_groups(groups: list[Any]) -> tuple[list[str], list[str]]:
-    """Abort each group; returns (aborted, errors). Several NCCL communicators are aborted inside one NCCL group
-    (as torch's _abort_process_group does), so that aborting one cannot deadlock on another's pending kernel."""
-    aborted: list[str] = []
-    errors: list[str] = []
-    nccl = _nccl_backend() if len(groups) > 1 else None
-    if nccl is not None:
-        try:
-            nccl._group_start()
-        except Exception:
-            nccl = None
-    try:
-        for pg in groups:
-            name = _group_name(pg)
-            try:
-                _abort_one(pg)
-                aborted.append(name)
-            except Exception as e:
-                errors.append(f"{name}: {type(e).__name__}: {e}")
-                log.warning("tripwire: could not abort process group %s: %s", name, e)
-    finally:
-        if nccl is not None:
-            try:
-                nccl._group_end()
-            except Exception as e:
-                errors.append(f"ncclGroupEnd: {type(e).__name__}: {e}")
-    return aborted, errors
-
-
-def _group_name(pg: Any) -> str:
-    try:
-        return str(pg.group_name)
-    except Exception:
-        return repr(pg)
-
-
-def _as_bytes(v: Any) -> bytes:
-    if isinstance(v, bytes):
-        return v
-    if isinstance(v, str):
-        return v.encode()
-    return bytes(v)
-
-
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)

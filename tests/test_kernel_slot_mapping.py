@@ -1,0 +1,78 @@
+"""The slot mapping (`tripwire.kernels.slot_mapping`) against torch/Python references: in-range metadata (identical outputs, zero counts, the
+unguarded twin identical) and corrupted metadata (masked outputs, exact counts, exact first offender and extremes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_helpers import I32, I64, INT32_MAX, INT32_MIN, assert_hits, ids
+from tripwire.kernels import counters
+from tripwire.kernels import slot_mapping as sm
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("pos_dtype", [I32, I64])
+def test_slot_mapping_in_range(kernel_device, monitor, guard, pos_dtype):
+    R, W, bs = 4, 5, 4
+    table = (torch.arange(R * W, dtype=I32).reshape(R, W).flip(1) * 3).contiguous().to(kernel_device)
+    pos = ids([0, 3, 4, 19, 7, 12, 1], kernel_device, pos_dtype)
+    rows = ids([0, 1, 2, 3, 3, 0, 2], kernel_device)
+    slots = torch.full((7,), -5, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    sm.slot_mapping(pos, rows, table, slots, bs, num_kv_blocks=R * W * 3, guard=guard, ctr=ctr)
+    ref, hits = sm.slot_mapping_reference(pos, rows, table, bs, R * W * 3)
+    assert hits == {"row": [], "column": [], "block": []}
+    assert torch.equal(slots.cpu(), ref)
+    assert (ref >= 0).all()
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
+
+
+# 4: the power-of-two path (shift and mask); 3 and 6: the general floor-division path.
+@pytest.mark.parametrize("bs", [4, 3, 6])
+def test_slot_mapping_corrupted(kernel_device, monitor, bs):
+    R, W = 4, 5
+    table = (torch.arange(R * W, dtype=I32).reshape(R, W) * 3).to(kernel_device)
+    table[2, 1] = 60  # == num_kv_blocks
+    table[3, 0] = -4
+    table[1, 4] = INT32_MAX
+    pos = ids([0, -1, -4, -5, 20, 5, 6, INT32_MAX, INT32_MIN, 0, 3, 16, 5, 2], kernel_device)
+    rows = ids([0, 0, 1, 1, 0, 2, 4, 1, 0, -1, 3, 1, INT32_MIN, INT32_MAX], kernel_device)
+    slots = torch.zeros(14, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    sm.slot_mapping(pos, rows, table, slots, bs, num_kv_blocks=60, ctr=ctr)
+    ref, hits = sm.slot_mapping_reference(pos, rows, table, bs, 60)
+    if bs == 4:
+        # negative positions floor into negative columns (-1 -> -1, -4 -> -1, -5 -> -2), not into column 0
+        assert hits["column"] == [(1, -1), (2, -1), (3, -2), (4, 5), (7, INT32_MAX // 4), (8, INT32_MIN // 4)]
+        assert hits["row"] == [(6, 4), (9, -1), (12, INT32_MIN), (13, INT32_MAX)]
+        assert hits["block"] == [(5, 60), (10, -4), (11, INT32_MAX)]
+        assert slots[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]].eq(-1).all()
+    else:
+        assert hits["column"][0] == (1, -1)  # position -1 floors to column -1 at any block size
+    assert torch.equal(slots.cpu(), ref)
+    assert_hits(ctr[0], hits["row"])
+    assert_hits(ctr[1], hits["column"])
+    assert_hits(ctr[2], hits["block"])
+
+
+def test_slot_mapping_without_block_limit_does_not_guard_block_ids(kernel_device, monitor):
+    table = ids([[5, -3]], kernel_device)
+    slots = torch.zeros(2, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    sm.slot_mapping(ids([1, 5], kernel_device), ids([0, 0], kernel_device), table, slots, 4, ctr=ctr)
+    assert slots.cpu().tolist() == [21, -11]  # HAS_BLOCK_LIMIT off: the ids pass through, as documented
+    assert ctr[..., :7].cpu().abs().sum() == 0  # slot 7 is layout (the offender block)
+
+
+def test_control_truncating_division_would_hide_negative_positions(kernel_device, monitor):
+    """Triton's // truncates toward zero: position -1 // 4 == 0, a valid column. The kernel floors instead; this
+    control shows the truncating version would map the bad token to a real slot."""
+    table = ids([[3, 4]], kernel_device)
+    slots = torch.zeros(1, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    sm.slot_mapping(ids([-1], kernel_device), ids([0], kernel_device), table, slots, 4, ctr=ctr)
+    truncated_col = int(-1 / 4)  # what a truncating division computes
+    assert 0 <= truncated_col < 2  # would have passed the column guard
+    assert slots.cpu().tolist() == [-1]
+    assert_hits(ctr[1], [(0, -1)])
