@@ -78,16 +78,16 @@ def reshape_and_cache_kernel_flash(
 ):
     token_idx = tl.program_id(axis=0)
     slot_idx = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
-    if slot_idx == -1:
-        # Padding token that should be ignored.
-        return
-    # tripwire: one compare; a bad slot writes nothing and is recorded by the token's first tile program.
-    if (slot_idx < 0) | (slot_idx >= num_slots):
-        if tl.program_id(axis=1) == 0:
+    # tripwire: one compare (unsigned: a negative slot is huge), in place of vLLM's `slot_idx < 0` padding test: it
+    # lets padding (-1) and bad slots alike through the clean path in one branch. A bad slot writes nothing and is
+    # recorded by the token's first tile program; padding returns as in vLLM.
+    if slot_idx.to(tl.uint64) >= num_slots.to(tl.uint64):
+        if (slot_idx != -1) & (tl.program_id(axis=1) == 0):
             req = None
             if HAS_REQ:
                 req = tl.load(Req + token_idx)
             record_hit(Ctr, token_idx, slot_idx, req)
+        # Padding token that should be ignored.
         return
 
     block_idx = slot_idx // block_size
