@@ -87,7 +87,10 @@ def test_decode_attention_counts_each_bad_entry_once(make_monitor, hit_of, kerne
     assert length.count == 1 and tuple(length.offenders[0]) == (3, 10_000, 103)
     assert torch.isfinite(out).all()
     ref = _decode_ref(q.cpu(), kb.cpu(), vb.cpu(), table.cpu(), lens.cpu(), P, 0.3)
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    # On a GPU the grouped kernel's tl.dot runs in TF32 (10-bit mantissa): its error, not the masking's, sets the
+    # bound there; a bad page's tokens left in would move outputs by O(0.1).
+    tol = 1e-2 if out.is_cuda else 1e-4
+    torch.testing.assert_close(out.cpu(), ref, rtol=tol, atol=tol)
 
 
 def _reshape(mod, k, v, slots, nb, **kw):  # type: ignore[no-untyped-def]
@@ -134,7 +137,10 @@ def test_gpu_graph_replay_counts_n_times(make_monitor, hit_of, captured):
     table[2, 3], table[5, 0] = 10_000, -1
     lens = torch.full((8,), 200, dtype=torch.int32, device="cuda")
     ctr = counters(guard.SITES, "cuda", mon)
-    graph = captured(lambda: _decode(guard, q, kb, vb, table, lens, 8, ctr=ctr), mon)
+    # The scales made before the capture, as an engine passes them: without them vLLM's launcher builds a tensor
+    # from a Python float (a host-to-device copy, which a capture refuses).
+    one = torch.ones((), device="cuda")
+    graph = captured(lambda: _decode(guard, q, kb, vb, table, lens, 8, ctr=ctr, k_scale=one, v_scale=one), mon)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

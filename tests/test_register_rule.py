@@ -7,9 +7,9 @@ interpreter): the guarded kernel needs at most one allocation unit (8 registers 
 more spills, and fits as many programs per SM. The twin: the kernel's GUARD=False build, vLLM's original, or, for
 kernels without a switch, the same launch with the fault path reduced to its count (``resources.fault_path("stub")``).
 
-The control: the same kernels compiled with the fault path inlined (``resources.fault_path("inline")``) instead of
-called out of line; at least one of them then breaks the rule on the stack where that shows (vLLM's MHA decode
-stage 1 on Triton 3.6), so the comparison can fail.
+The control: a guarded kernel that does cost registers and programs (slot_mapping's, against its twin) fails the
+rule, so the comparison can fail. The probe also compiles every kernel with the fault path inlined
+(``resources.fault_path("inline")``), reported beside the out-of-line build.
 
 KNOWN: the cases that do not meet the rule yet on a Triton version, each marked xfail (strict: a case that starts
 passing must be taken off the list). They are reported by ``tripwire resources`` too.
@@ -40,10 +40,13 @@ KNOWN: dict[str, dict[tuple[str, str], str]] = {
         ("slot_mapping", "_slot_mapping"): "the guard's int64 checks and the block fault path: 56 vs 27 registers",
         ("validator", "_validate"): "the block fault path of its rules",
         ("nonfinite", "_nonfinite_kernel"): "the block fault path (256-lane tiles) over a 4-element hot loop",
-        ("vllm_decode_gqa", "_fwd_grouped_kernel_stage1"): "86 vs 72 registers on this compiler (3.6: within)",
+        ("vllm_decode_mha", "_fwd_kernel_stage1"): "90 registers and 8 bytes of spills vs 80 on this compiler: the "
+        "page pre-check with the masking loop (3.6: within)",
     },
 }
-CONTROL = {"3.6": ("vllm_decode_mha", "_fwd_kernel_stage1")}
+# A kernel whose guarded build costs registers beyond the rule on every compiler here (KNOWN on each): the rule's
+# comparison must flag it.
+COSTLY = ("slot_mapping", "_slot_mapping")
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +109,12 @@ def test_guarded_costs_no_occupancy(usage, case, kernel):
     assert _free(g, t), f"{case}/{kernel}: guarded {g} vs twin {t}"
 
 
-def test_control_inlined_fault_path_breaks_the_rule(usage):
-    """With the fault path inlined, the control kernel needs more registers and fits fewer programs than its twin,
-    while the shipped (out-of-line) fault path fits: the rule above can fail, and the cold path is what passes it."""
-    if VERSION not in CONTROL:
-        pytest.skip(f"no kernel here separates inlined from out-of-line on Triton {VERSION} (3.6 has one)")
-    case, kernel = CONTROL[VERSION]
-    g, t, inl = (_rows(usage, case, kernel, v) for v in ("guarded", "twin", "inline"))
-    assert _free(g, t), (g, t)
-    assert not _free(inl, t) and inl[3] < t[3], (inl, t)
+def test_control_the_rule_flags_a_costly_guard(usage):
+    """The control: the rule fails a guarded kernel that does cost registers and programs (slot_mapping's int64
+    checks and block fault path, against its GUARD=False twin), so a pass above is a measurement, not a comparison
+    that cannot fail. The inlined fault path is reported beside it: on Triton 3.6 and 3.9 no shipped or adopted
+    kernel's inlined build differs from its out-of-line one by a register unit any more, so it is no control."""
+    case, kernel = COSTLY
+    g, t = _rows(usage, case, kernel, "guarded"), _rows(usage, case, kernel, "twin")
+    assert not _free(g, t) and g[3] < t[3], (g, t)
+    assert _free(t, t)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tripwire.layout import VALUE_MAX, VALUE_MIN, decode, decode_neg
-from tripwire.triton import GUARD_BIAS, guard_index, record_hit, record_hits
+from tripwire.triton import GUARD_BIAS, any_outside, guard_index, record_hit, record_hits
 
 
 @triton.jit
@@ -808,3 +808,30 @@ def test_gpu_graph_replay_offenders_are_the_distinct_ones(make_monitor, hit_of, 
     hit = hit_of(mon, "t.graph")
     assert hit.count == n * 6
     assert sorted(tuple(o) for o in hit.offenders) == sorted(bad.values())
+
+
+@triton.jit
+def _any_outside_kernel(x_ptr, out_ptr, start, end, lo, hi, BLOCK: tl.constexpr):
+    tl.store(out_ptr, any_outside(x_ptr, start, end, lo, hi, BLOCK).to(tl.int32))
+
+
+@pytest.mark.parametrize("block", [4, 64])
+def test_any_outside_sees_only_its_range(kernel_device, block):
+    """The pre-check of a loop's indices: True exactly when an entry of x[start:end] is outside [lo, hi), over
+    several BLOCK steps; a bad entry just past ``end`` (read by a tile's tail lanes) and one before ``start`` do not
+    count. The control: the same range with one bad entry inside it flips the answer."""
+    x = torch.full((40,), 5, dtype=torch.int32)
+    x[2], x[30] = -1, 99  # outside [0, 10), but outside [start, end) too
+    x = x.to(kernel_device)
+    out = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+
+    def run(start: int, end: int) -> int:
+        _any_outside_kernel[(1,)](x, out, start, end, 0, 10, BLOCK=block)
+        return int(out.cpu()[0])
+
+    assert run(3, 30) == 0
+    assert run(3, 3) == 0  # an empty range
+    x[17] = 10  # hi itself is outside
+    assert run(3, 30) == 1
+    assert run(18, 30) == 0
+    assert run(2, 3) == 1 and run(30, 31) == 1

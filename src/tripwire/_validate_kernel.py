@@ -21,7 +21,8 @@ after the indptr repair), so it does not matter which of the two they see.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -376,7 +377,7 @@ class Launcher:
     rules' constexprs. Same preconditions as :func:`launch`.
     """
 
-    __slots__ = ("_aux", "_bound", "_consts", "_direct", "_main", "_n_aux", "_rq", "_sg", "arena", "mask", "rules")
+    __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "arena", "mask", "rules")
 
     def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool) -> None:
         self.arena = arena
@@ -384,41 +385,37 @@ class Launcher:
         self.mask = mask
         slots = arena.shape[1]
         # In the kernel's parameter order (after its ten runtime arguments): what the compiled launcher is given.
-        self._consts = dict(
-            KIND=rules.kind,
-            HAS_PAD=rules.has_pad,
-            HAS_LEN=rules.has_len,
-            OWN_AUX=rules.own_aux,
-            REQ=rules.req,
-            LO=rules.lo,
-            HI=rules.hi,
-            PAD=rules.pad,
-            SAFE=rules.safe,
-            C=tuple(r * slots for r in rules.row),
-            AC=tuple(r * slots for r in rules.aux_row),
-            MASK=mask,
-            BLOCK=BLOCK,
-            ABLOCK=ABLOCK,
+        self._consts = (
+            rules.kind,
+            rules.has_pad,
+            rules.has_len,
+            rules.own_aux,
+            rules.req,
+            rules.lo,
+            rules.hi,
+            rules.pad,
+            rules.safe,
+            tuple(r * slots for r in rules.row),
+            tuple(r * slots for r in rules.aux_row),
+            mask,
+            BLOCK,
+            ABLOCK,
         )
-        self._main, self._aux, self._rq, self._sg = rules.tensor, rules.aux, rules.requests, rules.segments
+        # One operator.itemgetter per group: a call selects its tuples in C, not in generator expressions.
+        self._pick = tuple(_getter(ix) for ix in (rules.tensor, rules.aux, rules.requests, rules.segments))
         self._n_aux = sum(rules.own_aux)
         self._bound: dict[tuple, Any] = {}
-        # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an InterpretedFunction.
-        self._direct = arena.is_cuda and hasattr(_validate, "device_caches")
+        self._dev = arena.device.index if arena.is_cuda else -1
+        # Decided at the first eager call, not here: a plan built while torch.compile traces (its op never calls
+        # this launcher) must not touch the JITFunction, which the tracer cannot follow.
+        self._direct: bool | None = None
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
-        if not self.rules.kind:
-            return
-        main = tuple(tensors[i] for i in self._main)
-        aux = tuple(tensors[i] for i in self._aux)
-        rq = tuple(tensors[i] for i in self._rq)
-        sg = tuple(tensors[i] for i in self._sg)
+    def _args(self, tensors: Sequence[torch.Tensor]) -> tuple[int, tuple]:
+        main, aux, rq, sg = (p(tensors) for p in self._pick)
         n = tuple(t.numel() for t in main)
         total = self._n_aux
         for x in n:
             total += -(-x // BLOCK)
-        if total == 0:
-            return
         args = (
             self.arena,
             main,
@@ -431,22 +428,57 @@ class Launcher:
             tuple(t.numel() for t in rq),
             tuple(t.numel() for t in sg),
         )
-        if not self._direct:
-            _validate[(total,)](*args, **self._consts)
+        return total, args
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not self.rules.kind:
             return
-        rt = triton.knobs.runtime
-        hooked = rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
-        drv = triton.runtime.driver.active
-        device = drv.get_current_device()
-        key = (device, *(t.dtype for t in tensors))
-        k = None if hooked else self._bound.get(key)
+        total, args = self._args(tensors)
+        if total == 0:
+            return
+        if self._direct is None:
+            # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an
+            # InterpretedFunction.
+            self._direct = self.arena.is_cuda and hasattr(_validate, "device_caches")
+        if not self._direct or _hooked():
+            _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
+            return
+        key = tuple(t.dtype for t in tensors)
+        k = self._bound.get(key)
         if k is None:
-            k = _validate[(total,)](*args, **self._consts)
+            k = _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
             # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
-            if not hooked and hasattr(k, "packed_metadata"):
+            if hasattr(k, "packed_metadata"):
                 self._bound[key] = k
             return
+        # The compiled kernel's own launcher, with no launch metadata and no hooks (_hooked() said none is set):
+        # the stream straight from torch (what Triton's driver asks too), on the arena's device.
         k.run(
-            total, 1, 1, drv.get_current_stream(device), k.function, k.packed_metadata, None, None, None,
-            *args, *self._consts.values(),
+            total, 1, 1, torch._C._cuda_getCurrentRawStream(self._dev), k.function, k.packed_metadata, None, None,
+            None, *args, *self._consts,
         )  # fmt: skip
+
+
+_CONST_NAMES = ("KIND", "HAS_PAD", "HAS_LEN", "OWN_AUX", "REQ", "LO", "HI", "PAD", "SAFE", "C", "AC", "MASK", "BLOCK",
+                "ABLOCK")  # fmt: skip
+
+
+def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]:
+    """``tensors -> tuple(tensors[i] for i in ix)``, always a tuple (itemgetter of one index returns the item)."""
+    if not ix:
+        return lambda ts: ()
+    if len(ix) == 1:
+        one = ix[0]
+        return lambda ts: (ts[one],)
+    return operator.itemgetter(*ix)  # type: ignore[return-value]
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch hook (a profiler) is installed: then every launch goes through the JITFunction, which
+    hands the hook its metadata. Triton's hooks are HookChains (never None; empty when nothing is installed) or, on
+    older releases, None or a callable."""
+    rt = triton.knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False

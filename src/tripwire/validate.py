@@ -37,7 +37,7 @@ nor its interpreter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -55,6 +55,7 @@ __all__ = ["POLICIES", "Rule", "Validator"]
 
 POLICIES = ("mask", "flag")
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_INDEX_DTYPE_SET = frozenset(_INDEX_DTYPES)
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -126,6 +127,11 @@ class Validator:
         self.device = normalize_device(device)
         # The arena never moves (captured graphs hold its address): resolve it once, here, before any capture.
         self._arena = self.monitor.prealloc(self.device)
+        # The fast host check of a tensor's device (Validator._fast): attribute reads, no torch.device built.
+        index = self.device.index
+        self._on_device: Callable[[torch.Tensor], bool] = (
+            (lambda t: t.is_cuda and t.get_device() == index) if self.device.type == "cuda" else (lambda t: t.is_cpu)
+        )
         # Static for torch.compile(mode="reduce-overhead"): the op writes it in place, where the reader looks.
         torch._dynamo.mark_static_address(self._arena)
         self._offenders = self.monitor.arena.offenders(self.device)
@@ -343,7 +349,14 @@ class Validator:
             _kernel().Launcher(self._arena, rules, mask=self.policy == "mask") if self.device.type == "cuda" else None
         )
         self._plan = _Plan(
-            names, whats, tuple(ndims[n] for n in names), rules, _spec(rules), tuple(with_lengths), launcher
+            names,
+            whats,
+            tuple(ndims[n] for n in names),
+            rules,
+            _spec(rules),
+            tuple(with_lengths),
+            tuple(n for n, kind in self._aux_kind.items() if kind == "indptr"),
+            launcher,
         )
         return self._plan
 
@@ -362,13 +375,33 @@ class Validator:
             raise ValueError(f"{what} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
         return t
 
-    def __call__(self, **tensors: torch.Tensor) -> None:
-        """Check (and under ``mask`` repair, in place) every declared tensor, in one launch.
+    def _fast(self, plan: _Plan, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """The tensors in call order when every host check passes, else None (then :meth:`_checked` finds and names
+        what is wrong). The eager host cost of a call is mostly these checks: one pass of cheap attribute reads per
+        tensor, no device objects built, no messages."""
+        if len(tensors) != len(plan.names):
+            return None
+        try:
+            ordered = [tensors[n] for n in plan.names]
+        except KeyError:
+            return None
+        on = self._on_device
+        for t, nd in zip(ordered, plan.ndims, strict=True):
+            # type(), not isinstance: a subclass (a FakeTensor while torch.compile traces) takes the full checks.
+            if type(t) is not torch.Tensor or t.dtype not in _INDEX_DTYPE_SET or not on(t) or t.dim() not in nd:
+                return None
+            if not t.is_contiguous():
+                return None
+        for table, lengths in plan.with_lengths:
+            if tensors[lengths].size(0) != tensors[table].size(0):
+                return None
+        for n in plan.indptrs:
+            if tensors[n].size(0) == 0:
+                return None
+        return ordered
 
-        Every declared name must be passed, and nothing else. Host checks only (dtype, device, layout, shapes):
-        no sync, no allocation, so the call is safe inside a CUDA-graph capture and on an engine's step path.
-        """
-        plan = self._plan if self._plan is not None else self._build_plan()
+    def _checked(self, plan: _Plan, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Every host check, raising the first failure's error; the tensors in call order."""
         if len(tensors) != len(plan.names) or any(n not in tensors for n in plan.names):
             missing = [n for n in plan.names if n not in tensors]
             unknown = sorted(set(tensors) - set(plan.names))
@@ -386,6 +419,18 @@ class Validator:
                 raise ValueError(
                     f"validator {self.name!r}: indptr {n!r} is empty (a CSR indptr has B + 1 >= 1 entries)"
                 )
+        return ordered
+
+    def __call__(self, **tensors: torch.Tensor) -> None:
+        """Check (and under ``mask`` repair, in place) every declared tensor, in one launch.
+
+        Every declared name must be passed, and nothing else. Host checks only (dtype, device, layout, shapes):
+        no sync, no allocation, so the call is safe inside a CUDA-graph capture and on an engine's step path.
+        """
+        plan = self._plan if self._plan is not None else self._build_plan()
+        ordered = self._fast(plan, tensors)
+        if ordered is None:
+            ordered = self._checked(plan, tensors)
         mask = self.policy == "mask"
         if torch.compiler.is_compiling():
             torch.ops.tripwire.validate(ordered, self._arena, list(plan.spec), mask)
@@ -408,6 +453,7 @@ class _Plan:
     rules: _r.Rules
     spec: tuple[int, ...]
     with_lengths: tuple[tuple[str, str], ...]
+    indptrs: tuple[str, ...]  # the CSR indptr names (each must be non-empty)
     launch: Any  # _validate_kernel.Launcher on CUDA, None on the CPU (the torch path)
 
 

@@ -30,7 +30,10 @@ It supports page size >= 1.
 tripwire: vLLM's kernels guarded by following docs/guarding.md (the diff against ../original/ is the guard). The
 page ids read from the block table are checked against the KV pool and each sequence length against the table's
 width; a bad entry is masked (its tokens take no weight), counted once per entry (not per token lane, head program
-or split), and the fault path (after the loop, behind one vote) reads the block table again to record it.
+or split). Each split's page ids are checked once before its loop (tripwire.triton.any_outside); the grouped kernel
+then runs vLLM's own loop for a clean split and a masking copy for a split with a bad id, the MHA kernel its one
+masking loop. The fault path (one out-of-line call at the end of the program) reads the block table again to
+record.
 """
 
 import logging
@@ -43,7 +46,7 @@ from vllm.triton_utils import tl, triton
 
 import tripwire
 from tripwire.kernels import counters
-from tripwire.triton import record_hit
+from tripwire.triton import any_outside, record_hit
 
 # Adjacent rows (the kernels reach the length site at Ctr + 8).
 SITE_PAGE = tripwire.register_site(
@@ -74,24 +77,31 @@ def tanh(x):
     return 2 * tl.sigmoid(2 * x) - 1
 
 
-@triton.jit
-def _record_faults(Ctr, Req, Req_to_tokens, row_base, cur_batch, raw_len, bad_len, split_kv_start, split_kv_end,
-                   num_pages, COUNT_LEN, COUNT_PAGES, PAGE_SIZE: tl.constexpr, HAS_REQ: tl.constexpr):
-    """The fault path, called from one place at the end of the program (one call site: each extra one cost the
-    kernel registers). A bad length is recorded by the one program of the sequence that has ``COUNT_LEN``. The
-    split's page ids are read again one at a time (scalars, so the record is out of line as a whole and adds no
-    per-lane state) and the bad ones recorded: a page counts in the split that holds its FIRST token (token splits
-    are not page-aligned: a page straddling two splits is read by both and counted by one), and only in the
-    program of the sequence that has ``COUNT_PAGES`` (head programs read the same pages). Requests are read here
-    only."""
+@triton.jit(noinline=True)
+def _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b, B_Seqlen, max_len, num_pages, cur_batch, cur_head,
+                   split_kv_id, NUM_KV_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_REQ: tl.constexpr):
+    """The fault path: one call at the end of the program, out of line as a whole. Its arguments are the kernel's
+    own parameters and program ids, and it re-reads the length and the page ids itself, so the kernel keeps nothing
+    of the guard live across its loop (kept for the call, a length, a split range and a row base raised a kernel's
+    registers by a program per SM). A bad length is recorded by program (head 0, split 0) of its sequence. The
+    split's page ids are read again one at a time (scalars: no per-lane state) and the bad ones recorded: a page
+    counts in the split that holds its FIRST token (token splits are not page-aligned: a page straddling two splits
+    is read by both and counted by one), and only by the head-0 program (head programs read the same pages).
+    Requests are read here only."""
     req = None
     if HAS_REQ:
         req = tl.load(Req + cur_batch)
-    if bad_len & COUNT_LEN:
-        record_hit(Ctr + 8, cur_batch, raw_len, req)
-    if COUNT_PAGES:
+    raw_len = tl.load(B_Seqlen + cur_batch)
+    if (raw_len < 0) | (raw_len > max_len):
+        if (cur_head == 0) & (split_kv_id == 0):
+            record_hit(Ctr + 8, cur_batch, raw_len, req)
+    elif cur_head == 0:
+        kv_len_per_split = tl.cdiv(raw_len, NUM_KV_SPLITS)
+        split_kv_start = kv_len_per_split * split_kv_id
+        split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, raw_len)
+        row = Req_to_tokens + stride_req_to_tokens_b * cur_batch
         for p in range(tl.cdiv(split_kv_start, PAGE_SIZE), tl.cdiv(split_kv_end, PAGE_SIZE)):
-            page = tl.load(Req_to_tokens + row_base + p)
+            page = tl.load(row + p)
             if (page < 0) | (page >= num_pages):
                 record_hit(Ctr, cur_batch, page, req)
 
@@ -156,10 +166,8 @@ def _fwd_kernel_stage1(
     cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
     cur_batch_req_idx = cur_batch
     # tripwire: a bad length masks the whole sequence (recorded at the end, by one of its programs).
-    raw_len = cur_batch_seq_len
-    bad_len = (raw_len < 0) | (raw_len > max_len)
-    cur_batch_seq_len = tl.where(bad_len, 0, raw_len)
-    bad_pages = bad_len & False
+    faulty = (cur_batch_seq_len < 0) | (cur_batch_seq_len > max_len)
+    cur_batch_seq_len = tl.where(faulty, 0, cur_batch_seq_len)
 
     off_q = cur_batch * stride_qbs + cur_head * stride_qh + offs_d
     q = tl.load(Q + off_q, mask=mask_d, other=0.0)
@@ -175,8 +183,14 @@ def _fwd_kernel_stage1(
     if split_kv_end > split_kv_start:
         ks = tl.load(k_scale)
         vs = tl.load(v_scale)
-        # tripwire: bad page ids seen by each lane, voted on once after the loop (no reduction inside it).
-        bad_seen = tl.zeros([BLOCK_N], dtype=tl.int1)
+        # tripwire: the split's page ids checked once, before its loop (one lane per page); the loop masks each
+        # token of a bad page. One loop here, not a clean copy beside a masking one: in this kernel two loops
+        # cost registers (a program per SM).
+        bad_pages = any_outside(
+            Req_to_tokens + stride_req_to_tokens_b * cur_batch_req_idx, split_kv_start // PAGE_SIZE,
+            tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 64,
+        )
+        faulty = faulty | bad_pages
         for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kv_page_number = tl.load(
@@ -188,7 +202,6 @@ def _fwd_kernel_stage1(
             ).to(tl.int64)  # page_number * page stride overflows int32
             # tripwire: one compare; a bad page's tokens are masked out of the loads and the softmax.
             page_ok = (kv_page_number >= 0) & (kv_page_number < num_pages)
-            bad_seen = bad_seen | (page_ok == 0)
             live = (offs_n < split_kv_end) & page_ok
             kv_in_page = offs_n % PAGE_SIZE
             offs_buf_k = (
@@ -238,10 +251,6 @@ def _fwd_kernel_stage1(
 
             e_sum = e_sum * re_scale + tl.sum(p, 0)
             e_max = n_e_max
-
-        # tripwire: the vote, once per program (the fault path, at the end, reads the split's page ids again).
-        bad_pages = tl.max(bad_seen.to(tl.int32), axis=0) > 0
-
         offs_mid_o = (
             cur_batch * stride_mid_ob
             + cur_head * stride_mid_oh
@@ -268,10 +277,9 @@ def _fwd_kernel_stage1(
         )
 
     # tripwire: the fault path, one call site.
-    if bad_len | bad_pages:
-        _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b * cur_batch_req_idx, cur_batch, raw_len,
-                       bad_len, split_kv_start, split_kv_end, num_pages, (cur_head == 0) & (split_kv_id == 0),
-                       cur_head == 0, PAGE_SIZE, HAS_REQ)
+    if faulty:
+        _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b, B_Seqlen, max_len, num_pages, cur_batch,
+                       cur_head, split_kv_id, NUM_KV_SPLITS, PAGE_SIZE, HAS_REQ)
 
 
 def _guard_args(q, k_buffer, req_to_tokens, page_size, ctr, requests):
@@ -414,10 +422,8 @@ def _fwd_grouped_kernel_stage1(
     cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
     cur_batch_req_idx = cur_batch
     # tripwire: a bad length masks the whole sequence (recorded at the end, by one of its programs).
-    raw_len = cur_batch_seq_len
-    bad_len = (raw_len < 0) | (raw_len > max_len)
-    cur_batch_seq_len = tl.where(bad_len, 0, raw_len)
-    bad_pages = bad_len & False
+    faulty = (cur_batch_seq_len < 0) | (cur_batch_seq_len > max_len)
+    cur_batch_seq_len = tl.where(faulty, 0, cur_batch_seq_len)
 
     offs_q = cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(
@@ -456,90 +462,168 @@ def _fwd_grouped_kernel_stage1(
 
         ks = tl.load(k_scale)
         vs = tl.load(v_scale)
-        # tripwire: bad page ids seen by each lane, voted on once after the loop (no reduction inside it).
-        bad_seen = tl.zeros([BLOCK_N], dtype=tl.int1)
-        for start_n in tl.range(split_kv_start, split_kv_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            kv_page_number = tl.load(
-                Req_to_tokens
-                + stride_req_to_tokens_b * cur_batch_req_idx
-                + offs_n // PAGE_SIZE,
-                mask=offs_n < split_kv_end,
-                other=0,
-                cache_modifier=".ca",
-            ).to(tl.int64)  # page_number * page stride overflows int32
-            # tripwire: one compare; a bad page's tokens are masked out of the loads and the softmax.
-            page_ok = (kv_page_number >= 0) & (kv_page_number < num_pages)
-            bad_seen = bad_seen | (page_ok == 0)
-            live = (offs_n < split_kv_end) & page_ok
-            kv_off_k = (
-                kv_page_number * stride_buf_kpbs + (offs_n % PAGE_SIZE) * stride_buf_kbs
-            )
+        # tripwire: the split's page ids checked once, before its loop: one lane per page in a 1-D pass. In the
+        # loop a check would run on every replica of a page id in the tile's layout and put a data-dependent
+        # mask on the pipelined loads. A clean split runs vLLM's own loop; a split with a bad page the masking one.
+        bad_pages = any_outside(
+            Req_to_tokens + stride_req_to_tokens_b * cur_batch_req_idx, split_kv_start // PAGE_SIZE,
+            tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 64,
+        )
+        faulty = faulty | bad_pages
+        if bad_pages:
+            for start_n in tl.range(split_kv_start, split_kv_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kv_page_number = tl.load(
+                    Req_to_tokens
+                    + stride_req_to_tokens_b * cur_batch_req_idx
+                    + offs_n // PAGE_SIZE,
+                    mask=offs_n < split_kv_end,
+                    other=0,
+                    cache_modifier=".ca",
+                ).to(tl.int64)  # page_number * page stride overflows int32
+                # tripwire: one compare; a bad page's tokens are masked out of the loads and the softmax.
+                page_ok = (kv_page_number >= 0) & (kv_page_number < num_pages)
+                live = (offs_n < split_kv_end) & page_ok
+                kv_off_k = (
+                    kv_page_number * stride_buf_kpbs + (offs_n % PAGE_SIZE) * stride_buf_kbs
+                )
 
-            # explicitly facilitate overlapping load/compute
-            offs_buf_k = kv_off_k[None, :] + base_offs_k
-            k = tl.load(
-                K_Buffer + offs_buf_k,
-                mask=(live[None, :]) & (mask_d[:, None]),
-                other=0.0,
-                cache_modifier=".cg",
-            )
-
-            if k.dtype.is_fp8():
-                k = (k.to(tl.float32) * ks).to(q.dtype)
-            qk = tl.dot(q, k.to(q.dtype))
-            if BLOCK_DPE > 0:
-                offs_buf_kpe = kv_off_k[None, :] + base_offs_kpe
-                kpe = tl.load(
-                    K_Buffer + offs_buf_kpe,
-                    mask=(offs_n[None, :] < split_kv_end) & (mask_dpe[:, None]),
+                # explicitly facilitate overlapping load/compute
+                offs_buf_k = kv_off_k[None, :] + base_offs_k
+                k = tl.load(
+                    K_Buffer + offs_buf_k,
+                    mask=(live[None, :]) & (mask_d[:, None]),
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                if kpe.dtype.is_fp8():
-                    kpe = (kpe.to(tl.float32) * ks).to(qpe.dtype)
-                qk += tl.dot(qpe, kpe.to(qpe.dtype))
-            qk *= sm_scale
 
-            if logit_cap > 0:
-                qk = logit_cap * tanh(qk / logit_cap)
+                if k.dtype.is_fp8():
+                    k = (k.to(tl.float32) * ks).to(q.dtype)
+                qk = tl.dot(q, k.to(q.dtype))
+                if BLOCK_DPE > 0:
+                    offs_buf_kpe = kv_off_k[None, :] + base_offs_kpe
+                    kpe = tl.load(
+                        K_Buffer + offs_buf_kpe,
+                        mask=(offs_n[None, :] < split_kv_end) & (mask_dpe[:, None]),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    if kpe.dtype.is_fp8():
+                        kpe = (kpe.to(tl.float32) * ks).to(qpe.dtype)
+                    qk += tl.dot(qpe, kpe.to(qpe.dtype))
+                qk *= sm_scale
 
-            qk = tl.where(
-                mask_h[:, None] & (live[None, :]), qk, float("-inf")
-            )
+                if logit_cap > 0:
+                    qk = logit_cap * tanh(qk / logit_cap)
 
-            if not IS_MLA:
-                kv_off_v = (
-                    kv_page_number * stride_buf_vpbs
-                    + (offs_n % PAGE_SIZE) * stride_buf_vbs
+                qk = tl.where(
+                    mask_h[:, None] & (live[None, :]), qk, float("-inf")
                 )
-                offs_buf_v = kv_off_v[:, None] + base_offs_v
-                v = tl.load(
-                    V_Buffer + offs_buf_v,
-                    mask=(live[:, None]) & (mask_dv[None, :]),
+
+                if not IS_MLA:
+                    kv_off_v = (
+                        kv_page_number * stride_buf_vpbs
+                        + (offs_n % PAGE_SIZE) * stride_buf_vbs
+                    )
+                    offs_buf_v = kv_off_v[:, None] + base_offs_v
+                    v = tl.load(
+                        V_Buffer + offs_buf_v,
+                        mask=(live[:, None]) & (mask_dv[None, :]),
+                        other=0.0,
+                    )
+                    if v.dtype.is_fp8():
+                        v = (v.to(tl.float32) * vs).to(q.dtype)
+                else:
+                    # MLA uses a single c_kv.
+                    # loading the same c_kv to interpret it as v is not necessary.
+                    # transpose the existing c_kv (aka k) for the dot product.
+                    v = tl.trans(k)
+
+                n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+                # tripwire: a tile of masked tokens only: subtract 0, not -inf (exp(-inf - -inf) is NaN).
+                m_use = tl.where(n_e_max == float("-inf"), 0.0, n_e_max)
+                re_scale = tl.exp(e_max - m_use)
+                p = tl.exp(qk - m_use[:, None])
+                acc *= re_scale[:, None]
+                acc += tl.dot(p.to(v.dtype), v)
+
+                e_sum = e_sum * re_scale + tl.sum(p, 1)
+                e_max = n_e_max
+        else:
+            # vLLM's loop, as it ships (the split's pages are all good)
+            for start_n in tl.range(split_kv_start, split_kv_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kv_page_number = tl.load(
+                    Req_to_tokens
+                    + stride_req_to_tokens_b * cur_batch_req_idx
+                    + offs_n // PAGE_SIZE,
+                    mask=offs_n < split_kv_end,
+                    other=0,
+                    cache_modifier=".ca",
+                ).to(tl.int64)  # page_number * page stride overflows int32
+                kv_off_k = (
+                    kv_page_number * stride_buf_kpbs + (offs_n % PAGE_SIZE) * stride_buf_kbs
+                )
+
+                # explicitly facilitate overlapping load/compute
+                offs_buf_k = kv_off_k[None, :] + base_offs_k
+                k = tl.load(
+                    K_Buffer + offs_buf_k,
+                    mask=(offs_n[None, :] < split_kv_end) & (mask_d[:, None]),
                     other=0.0,
+                    cache_modifier=".cg",
                 )
-                if v.dtype.is_fp8():
-                    v = (v.to(tl.float32) * vs).to(q.dtype)
-            else:
-                # MLA uses a single c_kv.
-                # loading the same c_kv to interpret it as v is not necessary.
-                # transpose the existing c_kv (aka k) for the dot product.
-                v = tl.trans(k)
 
-            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
-            # tripwire: a tile of masked tokens only: subtract 0, not -inf (exp(-inf - -inf) is NaN).
-            m_use = tl.where(n_e_max == float("-inf"), 0.0, n_e_max)
-            re_scale = tl.exp(e_max - m_use)
-            p = tl.exp(qk - m_use[:, None])
-            acc *= re_scale[:, None]
-            acc += tl.dot(p.to(v.dtype), v)
+                if k.dtype.is_fp8():
+                    k = (k.to(tl.float32) * ks).to(q.dtype)
+                qk = tl.dot(q, k.to(q.dtype))
+                if BLOCK_DPE > 0:
+                    offs_buf_kpe = kv_off_k[None, :] + base_offs_kpe
+                    kpe = tl.load(
+                        K_Buffer + offs_buf_kpe,
+                        mask=(offs_n[None, :] < split_kv_end) & (mask_dpe[:, None]),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    if kpe.dtype.is_fp8():
+                        kpe = (kpe.to(tl.float32) * ks).to(qpe.dtype)
+                    qk += tl.dot(qpe, kpe.to(qpe.dtype))
+                qk *= sm_scale
 
-            e_sum = e_sum * re_scale + tl.sum(p, 1)
-            e_max = n_e_max
+                if logit_cap > 0:
+                    qk = logit_cap * tanh(qk / logit_cap)
 
-        # tripwire: the vote, once per program (the fault path, at the end, reads the split's page ids again).
-        bad_pages = tl.max(bad_seen.to(tl.int32), axis=0) > 0
+                qk = tl.where(
+                    mask_h[:, None] & (offs_n[None, :] < split_kv_end), qk, float("-inf")
+                )
+
+                if not IS_MLA:
+                    kv_off_v = (
+                        kv_page_number * stride_buf_vpbs
+                        + (offs_n % PAGE_SIZE) * stride_buf_vbs
+                    )
+                    offs_buf_v = kv_off_v[:, None] + base_offs_v
+                    v = tl.load(
+                        V_Buffer + offs_buf_v,
+                        mask=(offs_n[:, None] < split_kv_end) & (mask_dv[None, :]),
+                        other=0.0,
+                    )
+                    if v.dtype.is_fp8():
+                        v = (v.to(tl.float32) * vs).to(q.dtype)
+                else:
+                    # MLA uses a single c_kv.
+                    # loading the same c_kv to interpret it as v is not necessary.
+                    # transpose the existing c_kv (aka k) for the dot product.
+                    v = tl.trans(k)
+
+                n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+                re_scale = tl.exp(e_max - n_e_max)
+                p = tl.exp(qk - n_e_max[:, None])
+                acc *= re_scale[:, None]
+                acc += tl.dot(p.to(v.dtype), v)
+
+                e_sum = e_sum * re_scale + tl.sum(p, 1)
+                e_max = n_e_max
 
         offs_mid_o = (
             cur_batch * stride_mid_ob
@@ -568,10 +652,9 @@ def _fwd_grouped_kernel_stage1(
         )
 
     # tripwire: the fault path, one call site.
-    if bad_len | bad_pages:
-        _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b * cur_batch_req_idx, cur_batch, raw_len,
-                       bad_len, split_kv_start, split_kv_end, num_pages, (cur_head_id == 0) & (split_kv_id == 0),
-                       cur_head_id == 0, PAGE_SIZE, HAS_REQ)
+    if faulty:
+        _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b, B_Seqlen, max_len, num_pages, cur_batch,
+                       cur_head_id, split_kv_id, NUM_KV_SPLITS, PAGE_SIZE, HAS_REQ)
 
 
 def _decode_grouped_att_m_fwd(

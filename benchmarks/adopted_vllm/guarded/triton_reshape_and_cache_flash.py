@@ -78,16 +78,17 @@ def reshape_and_cache_kernel_flash(
 ):
     token_idx = tl.program_id(axis=0)
     slot_idx = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
-    if slot_idx == -1:
-        # Padding token that should be ignored.
-        return
-    # tripwire: one compare; a bad slot writes nothing and is recorded by the token's first tile program.
+    # tripwire: vLLM's padding test widened to the cache's end, one branch for padding (-1) and bad slots alike. A
+    # bad slot writes nothing and is recorded by the token's first tile program; padding returns as in vLLM. Signed
+    # compares, not one unsigned one: past this branch the compiler knows the slot is not negative and divides it
+    # by the page size with shifts (an unsigned compare lost that and cost the copy signed division).
     if (slot_idx < 0) | (slot_idx >= num_slots):
-        if tl.program_id(axis=1) == 0:
+        if (slot_idx != -1) & (tl.program_id(axis=1) == 0):
             req = None
             if HAS_REQ:
                 req = tl.load(Req + token_idx)
             record_hit(Ctr, token_idx, slot_idx, req)
+        # Padding token that should be ignored.
         return
 
     block_idx = slot_idx // block_size

@@ -10,6 +10,9 @@ calls one of:
 * :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None)`` -> ``(safe_idx, ok)``: the index
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
+* :func:`any_outside` ``(ptr, start, end, lo, hi, BLOCK)`` -> scalar: whether any of ``ptr[start:end]`` lies outside
+  ``[lo, hi)``; reads only, records nothing. The pre-check of a loop's indices (a split's page ids): run the
+  kernel's own loop when it is False and a masking copy of the loop only when it is True (docs/guarding.md).
 
 Cost: the fault path is out of line (called ``noinline`` functions, not code inlined into the kernel), so a clean
 launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
@@ -61,7 +64,7 @@ from ..layout import OFFENDERS as _OFFENDERS
 from ..layout import VALUE_MAX as _VALUE_MAX
 from ..layout import VALUE_MIN as _VALUE_MIN
 
-__all__ = ["GUARD_BIAS", "guard_index", "record_hit", "record_hits"]
+__all__ = ["GUARD_BIAS", "any_outside", "guard_index", "record_hit", "record_hits"]
 
 # A constexpr, because a plain module-level int is not readable from a @triton.jit body.
 GUARD_BIAS = tl.constexpr(_GUARD_BIAS_INT)
@@ -312,3 +315,22 @@ def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None):
     record_hits(ctr_ptr, bad, row, idx, req)
     safe = tl.minimum(tl.maximum(idx, lo), hi - 1)
     return safe, ok
+
+
+@triton.jit
+def any_outside(ptr, start, end, lo, hi, BLOCK: tl.constexpr):
+    """Whether any entry of ``ptr[start:end]`` (integer entries) lies outside ``[lo, hi)``: a scalar, the same in
+    every lane. Reads only and records nothing: the pre-check that lets a kernel keep its own hot loop for clean
+    index ranges and run a masking copy (which records) only for a range with a bad entry.
+
+    One lane per entry, ``BLOCK`` entries per step, one reduction at the end: checked inside a loop whose tile
+    layout replicates each index over many lanes (a page id broadcast over its tokens), the same compare would run
+    once per replica and put a data-dependent mask on the loop's pipelined loads.
+    """
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for s0 in range(start, end, BLOCK):
+        offs = s0 + tl.arange(0, BLOCK)
+        inside = offs < end
+        x = tl.load(ptr + offs, mask=inside, other=0)
+        bad = bad | (inside & ((x < lo) | (x >= hi))).to(tl.int32)
+    return tl.max(bad, axis=0) > 0
