@@ -312,7 +312,8 @@ def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     instance whose BlockTables is a torch stand-in, with a real V2 ``InputBatch``, feeds the V2 step validator: a
     bad block id in a used column of a request state counts once at ``vllm.block_table`` under that batch row's
     vLLM request id and is masked to the null block; one past a state's used blocks does not count. Control: per-row
-    block counts read by batch row instead of through ``idx_mapping`` miss the bad entry."""
+    block counts read by batch row instead of through ``idx_mapping`` miss the bad entry. V2's warm-up and capture
+    batches (``execute_model(dummy_run=True)``) pass through the step wrapper untouched (no reader start, no step)."""
     p = python_in_vllm_env(V2_CODE)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = {
@@ -320,6 +321,8 @@ def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     }
     out = json.loads(lines["RESULT"])
     assert out["bound"] is True and out["validator"] == "V2StepValidator"
+    # A dummy batch (warm-up, capture) passes through untouched: the reader not started, no step open; a step opens.
+    assert out["seen"] == [[True, False, False], [False, True, True]]
     assert out["sites"] == sorted(
         [
             tw_vllm.SITE_BLOCK_COUNTS,
@@ -347,6 +350,15 @@ import tripwire.integrations.vllm as tv
 from tripwire.integrations import _vllm_v2
 from tripwire import Monitor, SiteRegistry
 
+seen = []
+
+
+def execute_model(self, scheduler_output, *args, **kwargs):  # stands in for V2's own step
+    st = getattr(self, "_tripwire", None)
+    seen.append([kwargs.get("dummy_run", False), tv.installed().started, st is not None and st.in_step])
+
+
+V2.execute_model = execute_model
 own = {n: V2.__dict__[n] for n in _vllm_v2.HOOKS}
 m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
 plugin = tv.install("mask", monitor=m)
@@ -383,7 +395,9 @@ r.__dict__.update(
 )
 plugin.build(r, _vllm_v2.V2StepValidator)
 st = r._tripwire
-out = {"bound": bound, "validator": type(st.validator).__name__, "sites": sorted(s.name for s in st.validator.sites)}
+V2.execute_model(r, None, dummy_run=True)  # a warm-up or capture batch: not a step
+V2.execute_model(r, None)
+out = {"seen": seen, "bound": bound, "validator": type(st.validator).__name__, "sites": sorted(s.name for s in st.validator.sites)}
 
 def step(staged, counts, idx, pos):
     bt = r.block_tables

@@ -306,7 +306,9 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
     @functools.wraps(orig["execute_model"])
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         st: _RunnerState | None = getattr(self, "_tripwire", None)
-        if st is None:
+        if st is None or kwargs.get("dummy_run", False):
+            # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
+            # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
             return orig["execute_model"](self, scheduler_output, *args, **kwargs)
         plugin.start()  # idempotent: the first step comes after vLLM's warm-up and captures
         if plugin.mode != "flag":
