@@ -21,7 +21,9 @@ and verdicts name vLLM's request id.
 
 Hot path: the tensors passed are slices of the runner's persistent buffers (views: no device memory is allocated),
 the request numbers go into a preallocated buffer, and the validator does no sync on CUDA tensors. On the CPU build
-every tensor is a host tensor and the validator's CPU path reads them directly.
+every tensor is a host tensor: a step is first read through numpy views of those buffers with the validator's own
+clean test (:class:`_HostCheck`), and only a step that fails it calls the validator (which then counts, attributes
+and repairs exactly as always).
 """
 
 from __future__ import annotations
