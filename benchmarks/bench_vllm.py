@@ -8,7 +8,9 @@ Two figures:
   again, in alternating order). A measurement is the median wall time of a round's decode steps
   (``llm_engine.step()``: scheduler, model runner, outputs; ``--steps`` new tokens per request, the prefill step
   left out). The noise floor is off against off: two "off" measurements per repeat. Target: the median overhead at
-  most 2 % of the step. Beside it, ``hook_us``: the plugin's own per-step work (the validator call, the verdict,
+  most 2 % of the step. The same figures from the process's CPU time per step (``time.process_time``, all its
+  threads) beside the wall time: on a machine whose cores other jobs share, the wall time also holds the waits for
+  a core, which the CPU time leaves out. Beside them, ``hook_us``: the plugin's own per-step work (the validator call, the verdict,
   the scheduler's side) timed inside the engine during the "on" rounds, and its share of the "off" step: the cost
   apart from the machine's noise (the wrappers' call overhead, a few microseconds, is outside it).
 * ``validator_us``: the validator's CPU path per call (plain torch, no Triton), with the plugin's own rules (slot
@@ -75,6 +77,13 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _paired(on: list[float], off: list[float], off2: list[float]) -> tuple[list[float], list[float]]:
+    """Per repeat: on against the mean of its two offs, and |off against off| (the noise floor)."""
+    over = [x / ((a + c) / 2) - 1 for x, a, c in zip(on, off, off2, strict=True)]
+    noise = [abs(a / c - 1) for a, c in zip(off, off2, strict=True)]
+    return over, noise
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
@@ -98,17 +107,26 @@ def main(argv: list[str] | None = None) -> int:
     out["vllm"] = run.result["vllm"]
     out["engine"] = {}
     print(f"vLLM {run.result['vllm']} CPU engine, decode step, plugin mode {bench['mode']}, {args.repeats} repeats")
-    print(f"{'batch':>5s} {'off ms':>8s} {'on ms':>8s} {'overhead':>9s} {'noise (off/off)':>16s} {'in hooks':>16s}")
+    print(
+        f"{'batch':>5s} {'off ms':>8s} {'on ms':>8s} {'overhead':>9s} {'noise (off/off)':>16s} {'in hooks':>16s}"
+        f"   CPU time: {'off ms':>7s} {'on ms':>7s} {'overhead':>9s} {'noise':>7s}"
+    )
     for b in BATCHES:
         r = bench[str(b)]
-        # Paired per repeat: the relative difference of on against the mean of its two offs, and off against off.
-        over = [on / ((a + c) / 2) - 1 for on, a, c in zip(r["on"], r["off"], r["off2"], strict=True)]
-        noise = [abs(a / c - 1) for a, c in zip(r["off"], r["off2"], strict=True)]
+        over, noise = _paired(r["on"], r["off"], r["off2"])
+        c = r["cpu"]
+        c_over, c_noise = _paired(c["on"], c["off"], c["off2"])
         fig = {
             "off_ms": round(_med(r["off"] + r["off2"]) * 1e3, 3),
             "on_ms": round(_med(r["on"]) * 1e3, 3),
             "overhead_pct": round(_med(over) * 100, 2),
             "noise_floor_pct": round(_med(noise) * 100, 2),
+            # The same from the process's CPU time per step (all its threads): what waiting for the cores of a
+            # shared machine adds to the wall time is not in it.
+            "cpu_off_ms": round(_med(c["off"] + c["off2"]) * 1e3, 3),
+            "cpu_on_ms": round(_med(c["on"]) * 1e3, 3),
+            "cpu_overhead_pct": round(_med(c_over) * 100, 2),
+            "cpu_noise_floor_pct": round(_med(c_noise) * 100, 2),
             # The plugin's own work per step (validator, verdict, scheduler side), timed inside the engine.
             "hook_us": round(_med(r["hook_s_per_step"]) * 1e6, 1),
             "hook_pct": round(_med(r["hook_s_per_step"]) / _med(r["off"] + r["off2"]) * 100, 2),
@@ -118,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{b:>5d} {fig['off_ms']:>8.3f} {fig['on_ms']:>8.3f} {fig['overhead_pct']:>8.2f}% "
             f"{fig['noise_floor_pct']:>15.2f}% {fig['hook_us']:>8.1f} us {fig['hook_pct']:>4.2f}%"
+            f"             {fig['cpu_off_ms']:>7.3f} {fig['cpu_on_ms']:>7.3f} {fig['cpu_overhead_pct']:>8.2f}% "
+            f"{fig['cpu_noise_floor_pct']:>6.2f}%"
         )
     print("validator CPU path per call: " + ", ".join(f"batch {b}: {us} us" for b, us in out["validator_us"].items()))
     if args.json:

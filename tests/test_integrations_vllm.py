@@ -13,6 +13,7 @@ A request's step is how many tokens it had generated (0: the prefill; 15: the la
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -279,7 +280,15 @@ except ValueError as e:
     print("refused:", e)
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 import tripwire.integrations.vllm as tv
+saved = GPUModelRunner._build_attention_metadata
 del GPUModelRunner._build_attention_metadata
+try:
+    tv.install("mask")
+except RuntimeError as e:
+    print("refused:", e)
+GPUModelRunner._build_attention_metadata = saved
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+del V2.prepare_attn
 try:
     tv.install("mask")
 except RuntimeError as e:
@@ -289,10 +298,139 @@ print("installed:", tv.installed())
     p = python_in_vllm_env(code)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [x for x in p.stdout.splitlines() if x.startswith(("refused:", "installed:"))]
-    assert len(lines) == 3, p.stdout
+    assert len(lines) == 4, p.stdout
     assert "TRIPWIRE_VLLM='masked' is not a tripwire vLLM mode" in lines[0]
     assert "vLLM 0.32.0" in lines[1] and "_build_attention_metadata" in lines[1]
-    assert lines[2] == "installed: None"
+    assert "vLLM 0.32.0" in lines[2] and "vllm.v1.worker.gpu.model_runner" in lines[2] and "prepare_attn" in lines[2]
+    assert lines[3] == "installed: None"
+
+
+def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
+    """vLLM 0.32 ships the V2 model runner (``vllm.v1.worker.gpu.model_runner``); it cannot run on this CPU build
+    (it needs Triton's GPU backend and pinned memory), so this is what is exercised of it: ``install`` wraps the
+    real class's hook points (and ``uninstall`` restores them), and vLLM's own ``prepare_attn``, run on a V2
+    instance whose BlockTables is a torch stand-in, with a real V2 ``InputBatch``, feeds the V2 step validator: a
+    bad block id in a used column of a request state counts once at ``vllm.block_table`` under that batch row's
+    vLLM request id and is masked to the null block; one past a state's used blocks does not count. Control: per-row
+    block counts read by batch row instead of through ``idx_mapping`` miss the bad entry. V2's warm-up and capture
+    batches (``execute_model(dummy_run=True)``) pass through the step wrapper untouched (no reader start, no step)."""
+    p = python_in_vllm_env(V2_CODE)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = {
+        x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in p.stdout.splitlines() if x.startswith(("RESULT", "RESTORED"))
+    }
+    out = json.loads(lines["RESULT"])
+    assert out["bound"] is True and out["validator"] == "V2StepValidator"
+    # A dummy batch (warm-up, capture) passes through untouched: the reader not started, no step open; a step opens.
+    assert out["seen"] == [[True, False, False], [False, True, True]]
+    assert out["sites"] == sorted(
+        [
+            tw_vllm.SITE_BLOCK_COUNTS,
+            tw_vllm.SITE_BLOCK_TABLE,
+            tw_vllm.SITE_POSITIONS,
+            tw_vllm.SITE_QUERY_START_LOC,
+            tw_vllm.SITE_SEQ_LENS,
+            tw_vllm.SITE_SLOT_MAPPING,
+        ]
+    )
+    assert out["clean"] == {}
+    assert out["bad"] == {tw_vllm.SITE_BLOCK_TABLE: 1}
+    assert out["offenders"] == [[2, 10_000_000, True]]
+    assert out["masked_row"] == [5, 6, 7, 0]
+    assert out["control"] == 1  # the control step counted nothing more
+    assert lines["RESTORED"] == "True"
+
+
+V2_CODE = """
+import json, torch
+from types import SimpleNamespace as NS
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+import tripwire.integrations.vllm as tv
+from tripwire.integrations import _vllm_v2
+from tripwire import Monitor, SiteRegistry
+
+seen = []
+
+
+def execute_model(self, scheduler_output, *args, **kwargs):  # stands in for V2's own step
+    st = getattr(self, "_tripwire", None)
+    seen.append([kwargs.get("dummy_run", False), tv.installed().started, st is not None and st.in_step])
+
+
+V2.execute_model = execute_model
+own = {n: V2.__dict__[n] for n in _vllm_v2.HOOKS}
+m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+plugin = tv.install("mask", monitor=m)
+bound = all(V2.__dict__[n] is not own[n] and V2.__dict__[n].__wrapped__ is own[n] for n in own)
+
+class Tables:
+    # vLLM's BlockTables, in torch on the CPU (the real one needs pinned memory and Triton's GPU backend).
+    def __init__(self):
+        self.block_sizes = [32]
+        self.staged = torch.zeros(8, 4, dtype=torch.int32)
+        self.input_block_tables = [torch.zeros(8, 4, dtype=torch.int32)]
+        self.num_blocks = NS(gpu=torch.zeros(1, 8, dtype=torch.int32))
+        self.slot_mappings = torch.zeros(1, 64, dtype=torch.int64)
+    def gather_block_tables(self, idx_mapping, num_reqs_padded):
+        n = idx_mapping.shape[0]
+        self.input_block_tables[0][:n] = self.staged[idx_mapping]
+        self.input_block_tables[0][n:num_reqs_padded] = 0
+        return (self.input_block_tables[0][:num_reqs_padded],)
+    def compute_slot_mappings(self, idx_mapping, query_start_loc, positions, num_tokens_padded):
+        sm = self.slot_mappings[0]
+        sm[:num_tokens_padded] = -1
+        for b in range(idx_mapping.shape[0]):
+            for t in range(int(query_start_loc[b]), int(query_start_loc[b + 1])):
+                p = int(positions[t])
+                sm[t] = int(self.staged[int(idx_mapping[b]), p // 32]) * 32 + p % 32
+        return self.slot_mappings[:, :num_tokens_padded]
+
+r = object.__new__(V2)
+spec = NS(block_size=32)
+r.__dict__.update(
+    device=torch.device("cpu"), max_model_len=128, max_num_reqs=8, dcp_size=1, pcp_manager=None,
+    kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64),
+    vllm_config=NS(parallel_config=NS(world_size=1)), block_tables=Tables(),
+)
+plugin.build(r, _vllm_v2.V2StepValidator)
+st = r._tripwire
+V2.execute_model(r, None, dummy_run=True)  # a warm-up or capture batch: not a step
+V2.execute_model(r, None)
+out = {"seen": seen, "bound": bound, "validator": type(st.validator).__name__, "sites": sorted(s.name for s in st.validator.sites)}
+
+def step(staged, counts, idx, pos):
+    bt = r.block_tables
+    bt.staged[:3] = torch.tensor(staged, dtype=torch.int32)
+    bt.num_blocks.gpu[0, :3] = torch.tensor(counts, dtype=torch.int32)
+    batch = InputBatch.make_dummy(3, 3, InputBuffers(8, 64, torch.device("cpu")))
+    batch.idx_mapping = torch.tensor(idx, dtype=torch.int64)
+    batch.positions[:3] = torch.tensor(pos)
+    batch.seq_lens[:3] = torch.tensor(pos, dtype=torch.int32) + 1
+    st.in_step, st.validated = True, False
+    tables, slots = V2.prepare_attn(r, batch)  # vLLM's own prepare_attn, then tripwire's validation
+    st.in_step = False
+    return batch, tables, slots
+
+good = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+step(good, [1, 4, 1], [2, 0, 1], [5, 100, 7])
+out["clean"] = {k[1]: h.count for k, h in m.snapshot().items()}
+# State 1 uses 4 blocks (column 3 counted); state 2 uses 1 (column 1 not); in batch order [2, 0, 1].
+bad = [[1, 2, 3, 4], [5, 6, 7, 10_000_000], [9, 10_000_000, 11, 12]]
+batch, tables, slots = step(bad, [1, 4, 1], [2, 0, 1], [5, 100, 7])
+snap = m.snapshot()
+hit = snap[("cpu", "vllm.block_table")]
+out["bad"] = {k[1]: h.count for k, h in snap.items()}
+out["offenders"] = [[o.row, o.value, o.request == batch.req_ids[o.row]] for o in hit.offenders]
+out["masked_row"] = tables[0][2].tolist()
+# Control: per-row counts taken by batch row instead of through idx_mapping count nothing of the same step.
+torch.index_select = lambda src, dim, idx, out: out.copy_(src[: out.shape[0]])
+step(bad, [1, 4, 1], [2, 0, 1], [5, 100, 7])
+out["control"] = m.snapshot()[("cpu", "vllm.block_table")].count
+print("RESULT", json.dumps(out))
+tv.uninstall()
+print("RESTORED", all(V2.__dict__[n] is own[n] for n in own))
+"""
 
 
 def test_demo(tmp_path, capsys):

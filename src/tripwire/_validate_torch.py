@@ -25,11 +25,11 @@ scalar reads are host reads of host tensors: this module is never given a CUDA t
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
+from . import _validate_rules as _r
 from ._validate_rules import ABLOCK, BLOCK, CSR, Rules
 from .arena import _IMMORTAL
 from .layout import (
@@ -257,13 +257,15 @@ def _indptr(ctr: torch.Tensor, block: torch.Tensor | None, a: torch.Tensor, ni: 
 
 def _in_range(t: torch.Tensor, lo: int, hi: int) -> bool:
     """Every entry of ``t`` is in ``[lo, hi)`` (an empty tensor: yes). The clean path's one reduction: a small tensor
-    (a decode step's metadata) is read as a list, which costs less than a torch op's dispatch; a larger one is one
-    ``aminmax``."""
+    (a decode step's metadata) is read as a list, which costs less than a torch op's dispatch (so is a 2-D one row
+    by row: a flattening ``view`` would be one more dispatch); a larger one is one ``aminmax``."""
     n = t.numel()
     if n == 0:
         return True
     if n <= _SMALL:
-        vals = t.view(-1).tolist()
+        vals = t.tolist()
+        if t.dim() == 2:
+            return lo <= min(map(min, vals)) and max(map(max, vals)) < hi
         return lo <= min(vals) and max(vals) < hi
     mn, mx = torch.aminmax(t)
     return lo <= int(mn) and int(mx) < hi
@@ -274,10 +276,48 @@ def _indptr_clean(a: torch.Tensor, ni: int) -> bool:
     n = a.numel()
     if n <= _SMALL:
         v = a.tolist()
-        return v[0] == 0 and v[-1] <= ni and all(x <= y for x, y in itertools.pairwise(v))
+        return v[0] == 0 and v[-1] <= ni and v == sorted(v)
     if int(a[0]) != 0:
         return False
     return int(a[n - 1]) <= ni and bool((a[1:] >= a[:-1]).all())
+
+
+# Per rule, the fields launch() reads, in one tuple: (kind, tensor, aux, requests, segments, lo, hi, pad or None,
+# safe, row, aux_row, req, has_len, own_aux).
+_Fields = tuple[int, int, int, int, int, int, int, "int | None", int, int, int, int, bool, bool]
+# Rules -> its fields, keyed by identity (a validator keeps one Rules for its life; the custom op builds one per
+# call, hence the bound).
+_FIELDS_OF: dict[int, tuple[_r.Rules, tuple[_Fields, ...]]] = {}
+_FIELDS_KEEP = 64
+
+
+def _fields(rules: _r.Rules) -> tuple[_Fields, ...]:
+    hit = _FIELDS_OF.get(id(rules))
+    if hit is not None and hit[0] is rules:
+        return hit[1]
+    out = tuple(
+        (
+            rules.kind[i],
+            rules.tensor[i],
+            rules.aux[i],
+            rules.requests[i],
+            rules.segments[i],
+            rules.lo[i],
+            rules.hi[i],
+            rules.pad[i] if rules.has_pad[i] else None,
+            rules.safe[i],
+            rules.row[i],
+            rules.aux_row[i],
+            rules.req[i],
+            rules.has_len[i],
+            rules.own_aux[i],
+        )
+        for i in range(len(rules.kind))
+    )
+    if len(_FIELDS_OF) >= _FIELDS_KEEP:
+        _FIELDS_OF.clear()
+    _FIELDS_OF[id(rules)] = (rules, out)
+    return out
 
 
 def launch(
@@ -299,14 +339,10 @@ def launch(
         ctr = arena[row]
         return ctr, (offenders[row] if offenders is not None and int(ctr[OFFENDERS]) != 0 else None)
 
-    for i, kind in enumerate(rules.kind):
-        t = tensors[rules.tensor[i]]
-        a = tensors[rules.aux[i]]
-        rq = tensors[rules.requests[i]]
-        sg = tensors[rules.segments[i]]
-        lo, hi = rules.lo[i], rules.hi[i]
-        pad = rules.pad[i] if rules.has_pad[i] else None
+    for kind, ti, ai, ri, si, lo, hi, pad, safe, row, aux_row, req, has_len, own_aux in _fields(rules):
+        t = tensors[ti]
         if kind == CSR:
+            a = tensors[ai]
             ni = t.numel()
             if not _in_range(t, lo, hi):
                 # The used end: the largest in-range indptr entry past the first (what the repaired indptr ends at).
@@ -314,18 +350,18 @@ def launch(
                 ok = tail[(tail >= 0) & (tail <= ni)]
                 end = int(ok.max()) if ok.numel() else 0
                 used = torch.arange(ni) < end
-                _entries(at, rules.row[i], t, used, 1, lo, hi, pad, rules.safe[i], mask, rules.req[i], rq, a)
-            if rules.own_aux[i] and not _indptr_clean(a, ni):
-                _indptr(*at(rules.aux_row[i]), a, ni, mask)
+                _entries(at, row, t, used, 1, lo, hi, pad, safe, mask, req, tensors[ri], a)
+            if own_aux and not _indptr_clean(a, ni):
+                _indptr(*at(aux_row), a, ni, mask)
         else:
             width = t.shape[1] if t.dim() == 2 else 1
             if not _in_range(t, lo, hi):
                 used = None
-                if rules.has_len[i]:
+                if has_len:
                     # Clamped on read like the kernel: a length past the width checks the whole row, a negative one
                     # checks nothing.
-                    ln = a.to(torch.int64).clamp(0, width)
+                    ln = tensors[ai].to(torch.int64).clamp(0, width)
                     used = (torch.arange(width).unsqueeze(0) < ln.unsqueeze(1)).view(-1)
-                _entries(at, rules.row[i], t, used, width, lo, hi, pad, rules.safe[i], mask, rules.req[i], rq, sg)
-            if rules.own_aux[i] and not _in_range(a, 0, width + 1):
-                _lengths(*at(rules.aux_row[i]), a, width, mask, rules.req[i], rq, sg)
+                _entries(at, row, t, used, width, lo, hi, pad, safe, mask, req, tensors[ri], tensors[si])
+            if own_aux and not _in_range(tensors[ai], 0, width + 1):
+                _lengths(*at(aux_row), tensors[ai], width, mask, req, tensors[ri], tensors[si])

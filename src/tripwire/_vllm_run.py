@@ -107,9 +107,12 @@ def run_rounds(llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list
     return out
 
 
-def _decode_steps(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> list[float]:
+def _decode_steps(
+    llm: Any, prompts: list[list[int]], steps: int, tag: str, cpu: list[float] | None = None
+) -> list[float]:
     """The wall time of each decode step of one round (``llm_engine.step()``: scheduler, runner, outputs), the
-    prefill step left out: ``len(prompts)`` requests of ``steps`` new tokens."""
+    prefill step left out: ``len(prompts)`` requests of ``steps`` new tokens. ``cpu``: each step's CPU time of this
+    process (all its threads) is appended there, a figure that waiting for a shared machine's cores leaves out."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=steps, detokenize=False, ignore_eos=True)
@@ -119,11 +122,13 @@ def _decode_steps(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> l
     times = []
     first = True
     while eng.has_unfinished_requests():
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         eng.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if not first:
             times.append(dt)
+            if cpu is not None:
+                cpu.append(dc)
         first = False
     return times
 
@@ -148,6 +153,7 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
         off: list[float] = []
         off2: list[float] = []
         inside: list[float] = []
+        cpu: dict[str, list[float]] = {"on": [], "off": [], "off2": []}
         for k in range(repeats):
             order = ("on", "off", "off2") if k % 2 == 0 else ("off", "off2", "on")
             for which in order:
@@ -157,12 +163,14 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
                 else:
                     tw.uninstall()
                 hook.clear()
-                fig = statistics.median(_decode_steps(llm, prompts, steps, f"r{n}"))
+                step_cpu: list[float] = []
+                fig = statistics.median(_decode_steps(llm, prompts, steps, f"r{n}", step_cpu))
                 {"on": on, "off": off, "off2": off2}[which].append(fig)
+                cpu[which].append(statistics.median(step_cpu))
                 if which == "on":
                     inside.append(sum(hook) / max(steps, 1))
         tw.install(mode)
-        out[str(b)] = {"on": on, "off": off, "off2": off2, "hook_s_per_step": inside}
+        out[str(b)] = {"on": on, "off": off, "off2": off2, "hook_s_per_step": inside, "cpu": cpu}
     return out
 
 

