@@ -77,13 +77,15 @@ def run() -> dict:
     req = torch.tensor([mon.requests.number(i) for i in ("a", "b", "c")], device=dev)
     cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32, device=dev)
     enq, take, dirty = [], [], []
+    # The engine's own stream object, as an engine passes it (the transformers integration: io.compute_stream).
+    stream = torch.cuda.current_stream()
     for i in range(2200):
         bad = i % 10 == 9
         if bad:
             slots[4] = 1000
         v(slots=slots, req=req, cu=cu)
         t0 = time.perf_counter()
-        t = ring.enqueue()
+        t = ring.enqueue(stream)
         t1 = time.perf_counter()
         torch.cuda.synchronize()  # stands in for the engine's own wait (outside the timed regions)
         t2 = time.perf_counter()

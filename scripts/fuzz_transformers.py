@@ -5,7 +5,7 @@
 
 Each run serves the same prompts through one persistent continuous-batching manager (so a later run serves the same
 prompts again on an engine whose cache saw the earlier victims), with 1 to 10 corrupted metadata entries written into
-the engine's own prepared step (a read index, a write index; one step, one or several victims; just past the end,
+the engine's own prepared step (a read index, a write index, a block-table page; one step, one or several victims; just past the end,
 far past, negative), at any step from the prefill to the last token's. It checks:
 
 * every injected entry was counted exactly once at its site;
@@ -18,7 +18,9 @@ far past, negative), at any step from the prefill to the last token's. It checks
 * ``failed_closed``: runs with more than K distinct offenders in one step, where every request of that step fails
   (allowed: fail closed, the engine goes on).
 
-The block-table path is not fuzzed: the engine takes it only on its decode fast path, which needs flash-attn.
+A page fault (``--page-share``) is a bad page id in the request's own block table (the engine's allocator), from which
+the engine builds the step's read and write indices: every index of that page is out of range, each counted once. The
+decode fast path's device block table is not fuzzed: the engine takes that path only with flash-attn.
 Prints one line per failing run and a JSON summary; exit status 1 on any failure.
 """
 
@@ -38,10 +40,17 @@ from typing import Any
 import torch
 
 
-def _plan(rng: random.Random, n_prompts: int, tokens: int, multi_share: float, write_share: float, tag: str) -> list:
+def _plan(
+    rng: random.Random, n_prompts: int, tokens: int, multi_share: float, write_share: float, page_share: float, tag: str
+) -> list:
     from tripwire.demo_transformers import Injection
 
     step = rng.randrange(1, tokens + 1)
+    if rng.random() < page_share:
+        # One bad page id in one request's block table (from step 2: a request has a table after its prefill).
+        victim = rng.randrange(n_prompts)
+        kind = rng.choice(["end", "far", "negative"])
+        return [Injection("page", max(step, 2), f"{tag}-{victim}", kind, rng.randrange(4))]
     n = rng.randrange(2, 11) if rng.random() < multi_share else 1
     victims = rng.sample(range(n_prompts), min(n, n_prompts))
     kinds = ["write" if rng.random() < write_share else "read" for _ in range(n)]
@@ -96,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=None, help="the reader's interval (default: TRIPWIRE_INTERVAL's)")
     p.add_argument("--write-share", type=float, default=0.35, help="the share of bad entries that are writes")
     p.add_argument("--multi-share", type=float, default=0.3, help="the share of runs with 2 to 10 bad entries")
+    p.add_argument("--page-share", type=float, default=0.2, help="the share of runs with one bad block-table page")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "read",
             "write",
             "multi",
+            "page",
             "victims",
             "contained",
             "escapes",
@@ -140,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for run in range(a.runs):
         tag = f"f{run}"
-        plan = _plan(rng, len(PROMPTS), a.tokens, a.multi_share, a.write_share, tag)
+        plan = _plan(rng, len(PROMPTS), a.tokens, a.multi_share, a.write_share, a.page_share, tag)
         tally["multi"] += len(plan) > 1
+        tally["page"] += plan[0].kind == "page"
         tally["steps_first"] += plan[0].step == 1
         tally["steps_last"] += plan[0].step == a.tokens
         mon.reset()
@@ -157,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, site in (("read", tw.SITE_READ_INDEX), ("write", tw.SITE_WRITE_INDEX)):
             # Distinct entries: two injections may land on one entry (a request's span is short), counted once.
             want = len({i.position for i in fi.injected if i.injection.kind == kind})
+            want += sum(i.entries.get(kind, 0) for i in fi.injected if i.injection.kind == "page")
             tally[kind] += want
             got = sum(h.count for (_, s), h in snap.items() if s == site)
             if got != want:
@@ -180,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         # More than K distinct offenders at one site in the step: the step fails whole (fail closed).
         per_site = [
             len({(i.position, i.injection.request) for i in fi.injected if i.injection.kind == kd})
+            + sum(i.entries.get(kd, 0) for i in fi.injected if i.injection.kind == "page")
             for kd in ("read", "write")
         ]
         closed = max(per_site) > k

@@ -227,7 +227,9 @@ class Verdicts:
             self._np[slot, :, SLOTS:] = off[self._ids]
             off[self._ids, OFF_HEADER:] = 0
             return self._issue(slot, captured=False)
-        captured = is_capturing()
+        # The ring's construction initialised CUDA: the capture query alone (is_capturing's init check is for callers
+        # that may not have touched CUDA), one C call on the step path.
+        captured = torch.cuda.is_current_stream_capturing()
         if captured:
             # Recorded into the caller's graph (on the stream it captures): the kernel, and on the staging path the
             # copy to the pinned slot.
@@ -241,7 +243,7 @@ class Verdicts:
         drv = self._driver
         if drv is not None:
             # The slot's graph and its event through the driver: two C calls, no Python stream switch.
-            handle = ctypes.c_void_p(s.cuda_stream)
+            handle = s.cuda_stream  # an int: the argtypes (c_void_p) convert it in C, no ctypes object per step
             rc = drv.launch(self._execs[slot], handle) or drv.record(self._cu_events[slot], handle)
             if rc != 0:
                 raise RuntimeError(f"tripwire: the verdict's graph launch on {self.name} failed (CUDA error {rc})")
@@ -260,7 +262,7 @@ class Verdicts:
 
         A captured ticket is read after each replay; with ``wait`` it needs the ``stream`` the graph was replayed
         on (an event is recorded there then). Not inside a capture (CaptureError)."""
-        if is_capturing():
+        if torch.cuda.is_current_stream_capturing() if self._cuda else is_capturing():
             raise CaptureError("a verdict is read on the host and cannot be taken inside a CUDA-graph capture")
         if ticket.taken or self._open[ticket.slot] is not ticket:
             raise ValueError(f"{ticket!r} is not an open ticket of this ring (taken already, or another ring's)")
