@@ -33,7 +33,7 @@ from tripwire.validate import Validator
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256
 PAGE = 16
-TRIPWIRE_KERNELS = ("_validate", "_verdict", "validate", "verdict")
+TRIPWIRE_KERNELS = ("_validate", "_gather_consume")  # the validator kernel, the verdict's gather-and-consume
 
 
 class Step:
@@ -77,10 +77,10 @@ class Step:
 def _tripwire(mon: Monitor, batch: int, ctx: int):
     """The validator over the step's metadata and the verdict ring of its sites: (validate, enqueue)."""
     pages = batch * (ctx // PAGE) + 1
-    v = Validator("step", "cuda", policy="mask", monitor=mon)
+    v = Validator(f"step{batch}", "cuda", policy="mask", monitor=mon)  # one ring per site: sites per batch
     v.index("slot_mapping", hi=pages * PAGE, padding=-1, fatal=True, requests="requests")
-    v.index("block_table", hi=pages, lengths="block_counts", requests="requests")
-    v.index("positions", hi=ctx + 1, requests="requests")
+    v.index("block_table", hi=pages, safe=0, lengths="block_counts", requests="requests")
+    v.index("positions", hi=ctx + 1, safe=0, requests="requests")
     sites = [r.site for r in v.rules.values()]
     ring = mon.verdicts("cuda", sites, depth=4)
     table = torch.arange(batch * (ctx // PAGE), device="cuda", dtype=torch.int32).view(batch, ctx // PAGE)

@@ -58,11 +58,24 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
+def _restoring(undo, logger: logging.Logger, level: int):
+    def run() -> None:
+        undo()
+        logger.setLevel(level)  # setLevel, not the attribute: it also clears the logger's enabled-for cache
+
+    return run
+
+
 def test_the_demo_filter_drops_only_an_expected_stops_traceback_and_repeats(monkeypatch):
     engine = logging.getLogger("ContinuousBatchingLogger")
     got = Records()
     monkeypatch.setattr(engine, "handlers", [got])  # only ours (the engine's own holds the stderr of its import)
     monkeypatch.setattr(engine, "propagate", False)
+    # Other test modules quiet this logger (CRITICAL); this test needs its errors through.
+    level = engine.level
+    engine.setLevel(logging.DEBUG)
+    monkeypatch.setattr(engine, "level", logging.DEBUG)
+    monkeypatch.undo = _restoring(monkeypatch.undo, engine, level)  # type: ignore[method-assign]
     with quiet_engine_logs():
         _emit(engine, GuardTripped("tripwire: MASKED FAULT at a test's site", site="s", device="cpu", count=1))
         _emit(engine, RuntimeError("a real engine bug"))  # the control: a real error keeps its traceback

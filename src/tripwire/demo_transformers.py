@@ -256,7 +256,7 @@ class FaultInjector:
                 applied.extend(i for i in due if saved)
 
         ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch  # type: ignore[method-assign,assignment]
-        PagedAttentionCache.extend_read_and_write_indices = extend_read_and_write_indices  # type: ignore[method-assign]
+        PagedAttentionCache.extend_read_and_write_indices = extend_read_and_write_indices  # type: ignore[method-assign,assignment]
         try:
             yield self
         finally:
