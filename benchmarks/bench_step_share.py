@@ -33,7 +33,7 @@ from tripwire.validate import Validator
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256
 PAGE = 16
-TRIPWIRE_KERNELS = ("_validate", "_gather_consume")  # the validator kernel, the verdict's gather-and-consume
+OUR_KERNELS = ("_validate", "_gather_consume")  # the validator kernel, the verdict's gather-and-consume
 
 
 class Step:
@@ -132,7 +132,7 @@ def _profiled_share(g: torch.cuda.CUDAGraph, reps: int = 10) -> dict:
             continue
         t = e.device_time if hasattr(e, "device_time") else e.cuda_time
         total += t
-        if any(k in e.name for k in TRIPWIRE_KERNELS):
+        if any(k in e.name for k in OUR_KERNELS):
             ours += t
             names[e.name] = names.get(e.name, 0.0) + t
     return {
