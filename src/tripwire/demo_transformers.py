@@ -227,7 +227,7 @@ class FaultInjector:
         original = ContinuousBatchProcessor.__dict__["prepare_next_batch"]
         extend = PagedAttentionCache.__dict__["extend_read_and_write_indices"]
         injector = self
-        applied: list[Injection] = []
+        applied: list[tuple[Injection, int, int]] = []  # this step's page injections: (injection, column, bad id)
 
         def prepare_next_batch(processor: Any, *args: Any, **kwargs: Any) -> Any:
             applied.clear()
@@ -245,15 +245,21 @@ class FaultInjector:
             due = [
                 i
                 for i in injector.pending
-                if i.kind == "page" and i.step <= injector.steps + 1 and i.request == request_id and i not in applied
+                if i.kind == "page"
+                and i.step <= injector.steps + 1
+                and i.request == request_id
+                and all(i is not a for a, _, _ in applied)
             ]
-            saved = [entry for i in due for entry in injector._page(cache, i)]
+            written = [(i, injector._page(cache, i)) for i in due]
             try:
                 return extend(cache, request_id, *args, **kwargs)
             finally:
-                for table, col, page in reversed(saved):
-                    table[col] = page
-                applied.extend(i for i in due if saved)
+                for i, saved in reversed(written):
+                    if saved:
+                        table, col, _page = saved[0]
+                        applied.append((i, col, table[col]))  # the bad id, read before the real page goes back
+                    for table, col, page in reversed(saved):
+                        table[col] = page
 
         ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch  # type: ignore[method-assign,assignment]
         PagedAttentionCache.extend_read_and_write_indices = extend_read_and_write_indices  # type: ignore[method-assign,assignment]
@@ -282,7 +288,7 @@ class FaultInjector:
                 table[col] = bad
         return out
 
-    def _pages_built(self, processor: Any, applied: list[Injection]) -> None:
+    def _pages_built(self, processor: Any, applied: list[tuple[Injection, int, int]]) -> None:
         """Record the page injections applied in this step: the bad indices the engine built from the page."""
         from .integrations.transformers import _cache_groups
 
@@ -292,7 +298,7 @@ class FaultInjector:
         target = io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
         group = _cache_groups(processor.cache)[0]
         batch = [fs.state.request_id for fs in target.requests_in_batch]
-        for inj in applied:
+        for inj, col, bad in applied:
             b = batch.index(inj.request)
             entries = {}
             for kind, storage in (("write", target.write_index_storage), ("read", target.read_index_storage)):
@@ -300,10 +306,7 @@ class FaultInjector:
                 start = sum(spans[:b])
                 span = storage[0, start : start + spans[b]].cpu()  # a test tool: this sync is deliberate
                 entries[kind] = int(((span < 0) | (span >= group.rows)).sum())
-            col = inj.offset  # the column is taken modulo the table's length at the time
-            self.injected.append(
-                Injected(inj, self.steps, col, _bad_value(inj.value_kind, int(group.pages or 0)), entries)
-            )
+            self.injected.append(Injected(inj, self.steps, col, bad, entries))
 
     def _inject(self, processor: Any) -> None:
         from .integrations.transformers import _cache_groups
