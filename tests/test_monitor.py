@@ -757,6 +757,9 @@ def test_configure_refuses_to_replace_a_default_monitor_with_arenas():
     tripwire.counter(tripwire.register_site("test_monitor.configure"), "cpu")
     with pytest.raises(RuntimeError, match=r"already has counter arenas on cpu.*replace_live=True"):
         tripwire.configure(mode="raise")
+    # A broken setting is named first, whatever the monitor it would replace (the CLI turns it into one line).
+    with pytest.raises(tripwire.errors.SettingError, match="interval"):
+        tripwire.configure(mode="raise", interval=-1)
     assert tripwire.default_monitor() is second and second.mode == "warn"  # untouched
     third = tripwire.configure(mode="raise", replace_live=True)
     assert tripwire.default_monitor() is third and third.mode == "raise"

@@ -37,7 +37,7 @@ from .sinks import Event, Offender
 from .sites import Site, SiteRegistry, register_site, sites
 from .verdict import Verdict, Verdicts
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     # sites

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .config import load_settings
 from .monitor import Hit, Monitor
 from .sites import Site
 
@@ -63,6 +64,9 @@ def configure(*, replace_live: bool = False, **settings: Any) -> Monitor:
     arenas stay allocated forever (graphs may hold them).
     """
     global _monitor
+    # The settings are checked first: a broken setting is the caller's error to hear about, whatever the state of
+    # the monitor it would have replaced.
+    load_settings(settings.get("env"), **{k: v for k, v in settings.items() if k not in ("env", "registry")})
     with _lock:
         old = _monitor
     if old is not None and not replace_live:
