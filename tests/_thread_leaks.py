@@ -24,7 +24,10 @@ def _alive_non_daemon(before: set[int] | None = None) -> list[threading.Thread]:
     return [
         t
         for t in threading.enumerate()
-        if t is not threading.main_thread() and not t.daemon and t.is_alive() and (before is None or id(t) not in before)
+        if t is not threading.main_thread()
+        and not t.daemon
+        and t.is_alive()
+        and (before is None or id(t) not in before)
     ]
 
 
