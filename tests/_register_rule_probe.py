@@ -70,7 +70,6 @@ def instruments() -> dict:
     """Kernels without a GUARD switch: their twin is the same launch with the fault path stubbed out."""
     import tripwire.validate as tv
 
-    tv._interpreting = lambda: True  # a CPU validator whose launches are recorded, never run
     v = Validator("probe", "cpu", policy="mask", monitor=mon)
     v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
     v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
@@ -79,8 +78,14 @@ def instruments() -> dict:
               kv_indices=z(32768, dtype=i32), kv_indptr=z(257, dtype=i32))  # fmt: skip
     logits = z(256, 152064, dtype=bf)
     nf_site = nf.register_nonfinite_site("probe.logits", monitor=mon)
+
+    def validate() -> None:
+        # The kernel's own launch with the validator's rules: a CPU validator runs its torch path, not the kernel.
+        plan = v._build_plan()
+        tv._kernel().launch(v._arena, plan.rules, [md[n] for n in plan.names], mask=True)
+
     return {
-        "validator": lambda: v(**md),
+        "validator": validate,
         "nonfinite": lambda: nf.count_nonfinite(logits, nf_site, ctr=mon.counter(nf_site, "cpu")),
     }
 

@@ -669,7 +669,8 @@ def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_pat
     for has in ("False", "True"):
         # Out of line, each compare-and-swap is in the PTX once (in its .func), called from every helper.
         assert r[has]["cas"] >= 2 and r[has]["release"] >= 1, r
-        assert r[has]["cold"] == ["_claim", "_record_one", "_record_words"], r
+        # The claim walk is inlined into the claim loop (a call there costs registers: see _claim).
+        assert r[has]["cold"] == ["_record_one", "_record_words"], r
     assert r["control"].startswith("CompilationError"), r
     if INTERPRET:  # ... which the interpreter runs without a complaint
         spec = importlib.util.spec_from_file_location("early_return", tmp_path / "early_return.py")
@@ -746,7 +747,8 @@ def regs(fn, types, consts, warps):
 
 # The launchers' default shapes: the non-finite counter over bf16 (a wide read), the slot mapping's guarded path.
 KERNELS = {
-    "nonfinite": (nf._nonfinite_kernel, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"},
+    # int32 sizes: the launcher's signature below 2**31 elements (Triton passes such ints as i32).
+    "nonfinite": (nf._nonfinite_kernel, {"x_ptr": "*i16", "numel": "i32", "ncols": "i32"},
                   dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80), nf._NUM_WARPS),
     "wide": (wide, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"}, dict(BLOCK=2048), 8),
     "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},

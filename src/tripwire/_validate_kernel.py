@@ -74,39 +74,118 @@ def _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
 def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
     if REQ == 0:
         record_hits(ctr_ptr, bad, rows, v)
-    elif tl.sum(bad.to(tl.int32), axis=0) > 0:  # the request lookups are fault-path work
+    elif tl.sum(bad.to(tl.int32), axis=0) > 0:  # the request lookups only for a tile with a bad entry
         record_hits(ctr_ptr, bad, rows, v, _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ))
+
+
+# The fault paths: a block (or an auxiliary chunk) with a bad entry is recorded and repaired by one out-of-line call
+# made with scalars only, which reads the entries again in tiles of _TILE (one per thread at the launch's 4 warps).
+# A kernel is allocated registers for its hungriest path, taken or not, and this one has every rule's paths: recorded
+# in the kernel, over whole 1024-entry blocks, the records' reductions and claims (and the requests' bisection) held
+# it at 128 registers, 4 programs per SM (sm_90); out of line, 72 and 7. Each tile is recorded before it is repaired;
+# the entries a tile reads are its own.
+_TILE = tl.constexpr(128)
+
+
+@triton.jit(noinline=True)
+def _entries_fault(ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND: tl.constexpr,
+                   HAS_PAD: tl.constexpr, HAS_LEN: tl.constexpr, REQ: tl.constexpr, LO: tl.constexpr,
+                   HI: tl.constexpr, PAD: tl.constexpr, SAFE: tl.constexpr, MASK: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """The bounds rule's fault path over the block ``[start, start + BLOCK)`` of entries below ``end`` (an INDEX
+    rule's size, a CSR rule's used end)."""
+    for s0 in tl.range(0, BLOCK, _TILE, loop_unroll_factor=1):
+        offs = start + s0 + tl.arange(0, _TILE)
+        m = offs < end
+        v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
+        if KIND == 1:
+            row = offs // w
+            if HAS_LEN:
+                ln = tl.load(a_ptr + row, mask=m, other=0).to(tl.int64)
+                m = m & ((offs - row * w) < ln)
+        else:
+            row = offs  # a CSR rule's requests are per row of its layout: the segments are its own indptr
+        bad = m & ((v < LO) | (v >= HI))
+        if HAS_PAD:
+            bad = bad & (v != PAD)
+        _record(ctr_ptr, bad, row, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
+        if MASK:
+            tl.store(t_ptr + offs, (v * 0 + SAFE).to(t_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit(noinline=True)
+def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, start, an, w, rqn, sgn, REQ: tl.constexpr, MASK: tl.constexpr,
+                   ABLOCK: tl.constexpr):  # fmt: skip
+    """The lengths rule's fault path over the chunk ``[start, start + ABLOCK)``."""
+    for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
+        k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
+        valid = k < an
+        ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        bad = valid & ((ln < 0) | (ln > w))
+        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ)
+        if MASK:
+            tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit(noinline=True)
+def _indptr_fault(ctr_ptr, a_ptr, start, an, ni, carry, MASK: tl.constexpr, ABLOCK: tl.constexpr):
+    """The indptr rule's fault path over the chunk ``[start, start + ABLOCK)``; ``carry``: the last good entry
+    before the chunk. The tiles run in order and carry the last good entry before each (a repaired entry is the
+    last good one before it, so reading it again never raises the max)."""
+    for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
+        k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
+        valid = (k < an) & (s0 + tl.arange(0, _TILE) < ABLOCK)
+        v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        in_range = (v >= 0) & (v <= ni)
+        kp = k - 1
+        prev_here = valid & (kp >= start) & (kp >= 1)
+        vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
+        wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
+        last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
+        bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+        record_hits(ctr_ptr, bad, k, v)
+        if MASK:
+            tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
+        carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
 
 
 @triton.jit
 def _check(
     ctr_ptr,
     t_ptr,
-    offs,
+    a_ptr,
     m,
     v,
-    rows,
-    lo,
-    hi,
-    pad,
-    safe,
+    start,
+    end,
+    w,
     rq_ptr,
     rqn,
     sg_ptr,
     sgn,
+    KIND: tl.constexpr,
     HAS_PAD: tl.constexpr,
+    HAS_LEN: tl.constexpr,
     REQ: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    PAD: tl.constexpr,
+    SAFE: tl.constexpr,
     MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """The bounds rule over one block of entries ``v`` (live lanes ``m``): count each entry outside ``[lo, hi)`` that
-    is not the padding value, against ``rows`` (the row of each lane, for offenders and requests), and with ``MASK``
-    overwrite it in place with ``safe``."""
-    bad = m & ((v < lo) | (v >= hi))
+    """The bounds rule over one block of entries ``v`` (live lanes ``m``): an entry outside ``[LO, HI)`` that is not
+    the padding value is bad. One vote; a block with a bad entry is counted (against the row of each entry, for
+    offenders and requests) and with ``MASK`` each bad entry overwritten in place with ``SAFE``, out of line
+    (:func:`_entries_fault`, which reads the block again). A clean block stores nothing."""
+    bad = m & ((v < LO) | (v >= HI))
     if HAS_PAD:
-        bad = bad & (v != pad)
-    _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
-    if MASK:
-        tl.store(t_ptr + offs, (v * 0 + safe).to(t_ptr.dtype.element_ty), mask=bad)
+        bad = bad & (v != PAD)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        _entries_fault(
+            ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND, HAS_PAD, HAS_LEN, REQ, LO, HI, PAD,
+            SAFE, MASK, BLOCK,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -139,7 +218,10 @@ def _index_block(
         # Clamped on read: a length past the width checks the whole row, a negative one checks nothing.
         ln = tl.load(a_ptr + row, mask=m, other=0).to(tl.int64)
         m = m & ((offs - row * w) < ln)
-    _check(ctr_ptr, t_ptr, offs, m, v, row, lo, hi, pad, safe, rq_ptr, rqn, sg_ptr, sgn, HAS_PAD, REQ, MASK)
+    _check(
+        ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, n, w, rq_ptr, rqn, sg_ptr, sgn, 1, HAS_PAD, HAS_LEN, REQ,
+        lo, hi, pad, safe, MASK, BLOCK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -179,7 +261,10 @@ def _csr_block(
     m = offs < used
     v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
     # A CSR rule's requests are per row of its layout: the segments are its own indptr.
-    _check(ctr_ptr, t_ptr, offs, m, v, offs, lo, hi, pad, safe, rq_ptr, rqn, a_ptr, an, HAS_PAD, REQ, MASK)
+    _check(
+        ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, used, 1, rq_ptr, rqn, a_ptr, an, 2, HAS_PAD, False,
+        REQ, lo, hi, pad, safe, MASK, BLOCK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -193,9 +278,8 @@ def _lengths_check(
         valid = k < an
         ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
         bad = valid & ((ln < 0) | (ln > w))
-        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ)
-        if MASK:
-            tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
+        if tl.max(bad.to(tl.int32), axis=0) > 0:  # counted and repaired out of line, from the chunk read again
+            _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, s, an, w, rqn, sgn, REQ, MASK, ABLOCK)
 
 
 @triton.jit
@@ -220,10 +304,11 @@ def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constex
         wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
         last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
         bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
-        record_hits(ctr_ptr, bad, k, v)
-        if MASK:
-            tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
+        # The next chunk's carry first: the chunk's words die before the call.
+        below = carry
         carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
+        if tl.max(bad.to(tl.int32), axis=0) > 0:  # counted and repaired out of line, from the chunk read again
+            _indptr_fault(ctr_ptr, a_ptr, s, an, ni, below, MASK, ABLOCK)
 
 
 @triton.jit(do_not_specialize=["N", "W", "AN", "RQN", "SGN"], do_not_specialize_on_alignment=["T", "A", "RQ", "SG"])

@@ -293,7 +293,15 @@ def triton_usage(launch: Launch, *, arch: int = 90) -> Usage:
 
 
 # The helpers' out-of-line functions (tripwire.triton): what fault_path("inline") compiles inline.
-_COLD = ("_record_words", "_offender_block", "_claim", "_offenders_done", "_record_one")
+_COLD = (
+    "_record_words",
+    "_offender_block",
+    "_offenders_done",
+    "_record_one",
+    "_tile_first",
+    "_tile_record",
+    "_tile_next",
+)
 
 
 @contextlib.contextmanager
@@ -325,7 +333,13 @@ def fault_path(mode: str) -> Iterator[None]:
         def _record_one(ctr_ptr, r, v, qb):  # type: ignore[no-untyped-def]
             tl.atomic_add(ctr_ptr, 1)
 
-        swap = {"_fault": _fault, "_record_one": _record_one}
+        @triton.jit
+        def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):  # type: ignore[no-untyped-def]
+            for t in range(0, tiles):
+                bad, _rows, _values, _reqs = TILE(C, args, t)
+                tl.atomic_add(ctr_ptr, tl.sum(bad.to(tl.int64), axis=None))
+
+        swap = {"_fault": _fault, "_record_one": _record_one, "_fault_tiles": _fault_tiles}
     elif mode == "inline":
         swap = {name: triton.jit(getattr(tt, name).fn) for name in _COLD}
     else:

@@ -30,9 +30,9 @@ It supports page size >= 1.
 tripwire: vLLM's kernels guarded by following docs/guarding.md (the diff against ../original/ is the guard). The
 page ids read from the block table are checked against the KV pool and each sequence length against the table's
 width; a bad entry is masked (its tokens take no weight), counted once per entry (not per token lane, head program
-or split). Each split's page ids are checked once before its loop (tripwire.triton.any_outside); the grouped kernel
-then runs vLLM's own loop for a clean split and a masking copy for a split with a bad id, the MHA kernel its one
-masking loop. The fault path (one out-of-line call at the end of the program) reads the block table again to
+or split). Each split's page ids are checked once before its loop (tripwire.triton.any_outside); the kernels then
+run vLLM's own loop for a clean split and a masking copy for a split with a bad id (the MHA kernel's out of line,
+_masked_split). The fault path (one out-of-line call at the end of the program) reads the block table again to
 record.
 """
 
@@ -104,6 +104,115 @@ def _record_faults(Ctr, Req, Req_to_tokens, stride_req_to_tokens_b, B_Seqlen, ma
             page = tl.load(row + p)
             if (page < 0) | (page >= num_pages):
                 record_hit(Ctr, cur_batch, page, req)
+
+
+@triton.jit(noinline=True)
+def _masked_split(Q, K_Buffer, V_Buffer, sm_scale, Req_to_tokens, Att_Out, k_scale, v_scale, stride_req_to_tokens_b,
+                  stride_qbs, stride_qh, stride_buf_kpbs, stride_buf_kbs, stride_buf_kh, stride_buf_vpbs,
+                  stride_buf_vbs, stride_buf_vh, stride_mid_ob, stride_mid_oh, stride_mid_os, num_pages, cur_batch,
+                  cur_head, split_kv_id, split_kv_start, split_kv_end, kv_group_num: tl.constexpr,
+                  BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  logit_cap: tl.constexpr, Lk: tl.constexpr, Lv: tl.constexpr):
+    """tripwire: stage 1 of one split with a bad page id: vLLM's loop with each token of a bad page masked out of
+    the loads and the softmax, and its outputs. Out of line, called with scalars only (the kernel's arguments and
+    program ids): a clean split runs vLLM's own loop, and this copy's registers are not allocated beside it (two
+    loops in one kernel cost it a program per SM)."""
+    cur_kv_head = cur_head // kv_group_num
+    cur_batch_req_idx = cur_batch
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lk
+    mask_dv = offs_dv < Lv
+    q = tl.load(Q + cur_batch * stride_qbs + cur_head * stride_qh + offs_d, mask=mask_d, other=0.0)
+    ks = tl.load(k_scale)
+    vs = tl.load(v_scale)
+    e_max = -float("inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_page_number = tl.load(
+            Req_to_tokens
+            + stride_req_to_tokens_b * cur_batch_req_idx
+            + offs_n // PAGE_SIZE,
+            mask=offs_n < split_kv_end,
+            other=0,
+        ).to(tl.int64)  # page_number * page stride overflows int32
+        # tripwire: one compare; a bad page's tokens are masked out of the loads and the softmax.
+        page_ok = (kv_page_number >= 0) & (kv_page_number < num_pages)
+        live = (offs_n < split_kv_end) & page_ok
+        kv_in_page = offs_n % PAGE_SIZE
+        offs_buf_k = (
+            (kv_page_number * stride_buf_kpbs + kv_in_page * stride_buf_kbs)[
+                :, None
+            ]
+            + cur_kv_head * stride_buf_kh
+            + offs_d[None, :]
+        )
+        k = tl.load(
+            K_Buffer + offs_buf_k,
+            mask=(live[:, None]) & (mask_d[None, :]),
+            other=0.0,
+        )
+        if k.dtype.is_fp8():
+            k = (k.to(tl.float32) * ks).to(q.dtype)
+        qk = tl.sum(q[None, :] * k, 1)
+        qk *= sm_scale
+
+        if logit_cap > 0:
+            qk = logit_cap * tanh(qk / logit_cap)
+
+        qk = tl.where(live, qk, float("-inf"))
+
+        offs_buf_v = (
+            (kv_page_number * stride_buf_vpbs + kv_in_page * stride_buf_vbs)[
+                :, None
+            ]
+            + cur_kv_head * stride_buf_vh
+            + offs_dv[None, :]
+        )
+        v = tl.load(
+            V_Buffer + offs_buf_v,
+            mask=(live[:, None]) & (mask_dv[None, :]),
+            other=0.0,
+        )
+        if v.dtype.is_fp8():
+            v = (v.to(tl.float32) * vs).to(q.dtype)
+
+        n_e_max = tl.maximum(tl.max(qk, 0), e_max)
+        # tripwire: a tile of masked tokens only: subtract 0, not -inf (exp(-inf - -inf) is NaN).
+        m_use = tl.where(n_e_max == float("-inf"), 0.0, n_e_max)
+        re_scale = tl.exp(e_max - m_use)
+        p = tl.exp(qk - m_use)
+        acc *= re_scale
+        acc += tl.sum(p[:, None] * v, 0)
+
+        e_sum = e_sum * re_scale + tl.sum(p, 0)
+        e_max = n_e_max
+    offs_mid_o = (
+        cur_batch * stride_mid_ob
+        + cur_head * stride_mid_oh
+        + split_kv_id * stride_mid_os
+        + offs_dv
+    )
+
+    tl.store(
+        Att_Out + offs_mid_o,
+        acc / tl.where(e_sum > 0, e_sum, 1.0),  # tripwire: all tokens masked: 0, not 0/0
+        mask=(mask_dv),
+    )
+
+    offs_mid_o_1 = (
+        cur_batch * stride_mid_ob
+        + cur_head * stride_mid_oh
+        + split_kv_id * stride_mid_os
+        + Lv
+    )
+
+    tl.store(
+        Att_Out + offs_mid_o_1,
+        e_max + tl.log(e_sum),
+    )
 
 
 def _page_stride(buf, page_size):
@@ -183,98 +292,100 @@ def _fwd_kernel_stage1(
     if split_kv_end > split_kv_start:
         ks = tl.load(k_scale)
         vs = tl.load(v_scale)
-        # tripwire: the split's page ids checked once, before its loop (one lane per page); the loop masks each
-        # token of a bad page. One loop here, not a clean copy beside a masking one: in this kernel two loops
-        # cost registers (a program per SM).
+        # tripwire: the split's page ids checked once, before its loop (one lane per page): a clean split runs
+        # vLLM's own loop, a split with a bad id the masking copy, out of line (_masked_split).
         bad_pages = any_outside(
             Req_to_tokens + stride_req_to_tokens_b * cur_batch_req_idx, split_kv_start // PAGE_SIZE,
             tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 64,
         )
         faulty = faulty | bad_pages
-        for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            kv_page_number = tl.load(
-                Req_to_tokens
-                + stride_req_to_tokens_b * cur_batch_req_idx
-                + offs_n // PAGE_SIZE,
-                mask=offs_n < split_kv_end,
-                other=0,
-            ).to(tl.int64)  # page_number * page stride overflows int32
-            # tripwire: one compare; a bad page's tokens are masked out of the loads and the softmax.
-            page_ok = (kv_page_number >= 0) & (kv_page_number < num_pages)
-            live = (offs_n < split_kv_end) & page_ok
-            kv_in_page = offs_n % PAGE_SIZE
-            offs_buf_k = (
-                (kv_page_number * stride_buf_kpbs + kv_in_page * stride_buf_kbs)[
-                    :, None
-                ]
-                + cur_kv_head * stride_buf_kh
-                + offs_d[None, :]
+        if bad_pages:
+            _masked_split(Q, K_Buffer, V_Buffer, sm_scale, Req_to_tokens, Att_Out, k_scale, v_scale,
+                          stride_req_to_tokens_b, stride_qbs, stride_qh, stride_buf_kpbs, stride_buf_kbs, stride_buf_kh,
+                          stride_buf_vpbs, stride_buf_vbs, stride_buf_vh, stride_mid_ob, stride_mid_oh, stride_mid_os,
+                          num_pages, cur_batch, cur_head, split_kv_id, split_kv_start, split_kv_end, kv_group_num,
+                          BLOCK_DMODEL, BLOCK_DV, BLOCK_N, PAGE_SIZE, logit_cap, Lk, Lv)
+        else:
+            for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kv_page_number = tl.load(
+                    Req_to_tokens
+                    + stride_req_to_tokens_b * cur_batch_req_idx
+                    + offs_n // PAGE_SIZE,
+                    mask=offs_n < split_kv_end,
+                    other=0,
+                ).to(tl.int64)  # page_number * page stride overflows int32
+                kv_in_page = offs_n % PAGE_SIZE
+                offs_buf_k = (
+                    (kv_page_number * stride_buf_kpbs + kv_in_page * stride_buf_kbs)[
+                        :, None
+                    ]
+                    + cur_kv_head * stride_buf_kh
+                    + offs_d[None, :]
+                )
+                k = tl.load(
+                    K_Buffer + offs_buf_k,
+                    mask=(offs_n[:, None] < split_kv_end) & (mask_d[None, :]),
+                    other=0.0,
+                )
+                if k.dtype.is_fp8():
+                    k = (k.to(tl.float32) * ks).to(q.dtype)
+                qk = tl.sum(q[None, :] * k, 1)
+                qk *= sm_scale
+
+                if logit_cap > 0:
+                    qk = logit_cap * tanh(qk / logit_cap)
+
+                qk = tl.where(offs_n < split_kv_end, qk, float("-inf"))
+
+                offs_buf_v = (
+                    (kv_page_number * stride_buf_vpbs + kv_in_page * stride_buf_vbs)[
+                        :, None
+                    ]
+                    + cur_kv_head * stride_buf_vh
+                    + offs_dv[None, :]
+                )
+                v = tl.load(
+                    V_Buffer + offs_buf_v,
+                    mask=(offs_n[:, None] < split_kv_end) & (mask_dv[None, :]),
+                    other=0.0,
+                )
+                if v.dtype.is_fp8():
+                    v = (v.to(tl.float32) * vs).to(q.dtype)
+
+                n_e_max = tl.maximum(tl.max(qk, 0), e_max)
+                re_scale = tl.exp(e_max - n_e_max)
+                p = tl.exp(qk - n_e_max)
+                acc *= re_scale
+                acc += tl.sum(p[:, None] * v, 0)
+
+                e_sum = e_sum * re_scale + tl.sum(p, 0)
+                e_max = n_e_max
+
+            offs_mid_o = (
+                cur_batch * stride_mid_ob
+                + cur_head * stride_mid_oh
+                + split_kv_id * stride_mid_os
+                + offs_dv
             )
-            k = tl.load(
-                K_Buffer + offs_buf_k,
-                mask=(live[:, None]) & (mask_d[None, :]),
-                other=0.0,
+
+            tl.store(
+                Att_Out + offs_mid_o,
+                acc / e_sum,
+                mask=(mask_dv),
             )
-            if k.dtype.is_fp8():
-                k = (k.to(tl.float32) * ks).to(q.dtype)
-            qk = tl.sum(q[None, :] * k, 1)
-            qk *= sm_scale
 
-            if logit_cap > 0:
-                qk = logit_cap * tanh(qk / logit_cap)
-
-            qk = tl.where(live, qk, float("-inf"))
-
-            offs_buf_v = (
-                (kv_page_number * stride_buf_vpbs + kv_in_page * stride_buf_vbs)[
-                    :, None
-                ]
-                + cur_kv_head * stride_buf_vh
-                + offs_dv[None, :]
+            offs_mid_o_1 = (
+                cur_batch * stride_mid_ob
+                + cur_head * stride_mid_oh
+                + split_kv_id * stride_mid_os
+                + Lv
             )
-            v = tl.load(
-                V_Buffer + offs_buf_v,
-                mask=(live[:, None]) & (mask_dv[None, :]),
-                other=0.0,
+
+            tl.store(
+                Att_Out + offs_mid_o_1,
+                e_max + tl.log(e_sum),
             )
-            if v.dtype.is_fp8():
-                v = (v.to(tl.float32) * vs).to(q.dtype)
-
-            n_e_max = tl.maximum(tl.max(qk, 0), e_max)
-            # tripwire: a tile of masked tokens only: subtract 0, not -inf (exp(-inf - -inf) is NaN).
-            m_use = tl.where(n_e_max == float("-inf"), 0.0, n_e_max)
-            re_scale = tl.exp(e_max - m_use)
-            p = tl.exp(qk - m_use)
-            acc *= re_scale
-            acc += tl.sum(p[:, None] * v, 0)
-
-            e_sum = e_sum * re_scale + tl.sum(p, 0)
-            e_max = n_e_max
-        offs_mid_o = (
-            cur_batch * stride_mid_ob
-            + cur_head * stride_mid_oh
-            + split_kv_id * stride_mid_os
-            + offs_dv
-        )
-
-        tl.store(
-            Att_Out + offs_mid_o,
-            acc / tl.where(e_sum > 0, e_sum, 1.0),  # tripwire: all tokens masked: 0, not 0/0
-            mask=(mask_dv),
-        )
-
-        offs_mid_o_1 = (
-            cur_batch * stride_mid_ob
-            + cur_head * stride_mid_oh
-            + split_kv_id * stride_mid_os
-            + Lv
-        )
-
-        tl.store(
-            Att_Out + offs_mid_o_1,
-            e_max + tl.log(e_sum),
-        )
 
     # tripwire: the fault path, one call site.
     if faulty:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton import record_hits
+from ..triton import record_tiles
 from ._common import INDEX_DTYPES, check_int_arg, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
 __all__ = ["SITES", "SITE_BLOCK", "SITE_COLUMN", "SITE_ROW", "slot_mapping", "slot_mapping_reference"]
@@ -72,50 +72,43 @@ def _column(pos, block_size, LOG2_BS: tl.constexpr):
 
 
 @triton.jit
-def _record_tokens(
-    pos_ptr,
-    rows_ptr,
-    table_ptr,
-    ctr_ptr,
-    req_ptr,
-    start,
-    T,
-    R,
-    W,
-    block_size,
-    num_blocks,
-    BLOCK_T: tl.constexpr,
-    LOG2_BS: tl.constexpr,
-    HAS_BLOCK_LIMIT: tl.constexpr,
-    HAS_REQ: tl.constexpr,
-):
-    """The fault path: the program's tokens read again, _FAULT_T at a time, and their bad rows, columns and blocks
-    recorded (each token at one site: the first check it fails)."""
-    # Not unrolled (Triton 3.6 unrolls a constant trip count, and eight tiles in flight cost what one big one did).
-    for s in tl.range(0, BLOCK_T, _FAULT_T, loop_unroll_factor=1):
-        lane = s + tl.arange(0, _FAULT_T)
-        offs = start + lane
-        m = (offs < T) & (lane < BLOCK_T)  # a program smaller than the tile reads none of the next one's tokens
+def _token_tile(C, args, t):
+    """Tile ``t`` of a program's tokens read again for one site: ``(bad, rows, values, requests)`` for
+    tripwire.triton.record_tiles. ``C = (SITE, LOG2_BS, HAS_REQ)`` (SITE: 0 row, 1 column, 2 block), constexprs, so
+    each site's fault path forms only its own words from only the arguments it reads (the out-of-line functions
+    receive them in registers): ``args`` is ``(start, limit, <the site's>..., requests)``, the requests read with
+    HAS_REQ only. Each token counts at one site: the first check it fails."""
+    SITE: tl.constexpr = C[0]
+    LOG2_BS: tl.constexpr = C[1]
+    HAS_REQ: tl.constexpr = C[2]
+    start = args[0]
+    limit = args[1]
+    offs = start + t * _FAULT_T + tl.arange(0, _FAULT_T)
+    m = offs < limit  # the program's own tokens (limit: the end of its range or of the tokens)
+    if SITE == 0:
+        rows_ptr, R = args[2], args[3]
+        r = tl.load(rows_ptr + offs, mask=m, other=0)
+        bad = m & ((r < 0) | (r >= R))
+        value = r.to(tl.int64)
+    elif SITE == 1:
+        pos_ptr, W, block_size = args[2], args[3], args[4]
         pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
+        value, _ = _column(pos, block_size, LOG2_BS)
+        bad = m & ((value < 0) | (value >= W))
+    else:
+        pos_ptr, rows_ptr, table_ptr, R, W, block_size, num_blocks = (
+            args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+        )  # fmt: skip
         r = tl.load(rows_ptr + offs, mask=m, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
         col, _ = _column(pos, block_size, LOG2_BS)
-        row_ok = (r >= 0) & (r < R)
-        col_ok = (col >= 0) & (col < W)
-        ok = m & row_ok & col_ok
-        reqs = None  # the requests are read on the fault path only
-        if HAS_REQ:
-            reqs = tl.load(req_ptr + offs, mask=m, other=0)
-        blk = tl.load(table_ptr + tl.where(ok, r * W + col, 0), mask=ok & HAS_BLOCK_LIMIT, other=0).to(tl.int64)
-        # One site per pass of a (not unrolled) loop, so that the fault path is compiled once, not once per site:
-        # three inlined copies cost the kernel registers (Triton 3.6) that one does not.
-        for site in tl.range(0, 3 if HAS_BLOCK_LIMIT else 2, loop_unroll_factor=1):
-            bad = tl.where(
-                site == 0,
-                m & (row_ok == 0),
-                tl.where(site == 1, m & (col_ok == 0), ok & ((blk < 0) | (blk >= num_blocks))),
-            )
-            value = tl.where(site == 0, r, tl.where(site == 1, col, blk))
-            record_hits(ctr_ptr + 8 * site, bad, offs, value, reqs)
+        ok = m & (r >= 0) & (r < R) & (col >= 0) & (col < W)
+        value = tl.load(table_ptr + tl.where(ok, r * W + col, 0), mask=ok, other=0).to(tl.int64)
+        bad = ok & ((value < 0) | (value >= num_blocks))
+    reqs = tl.full([_FAULT_T], -1, tl.int64)  # -1: not known
+    if HAS_REQ:
+        reqs = tl.load(args[len(args) - 1] + offs, mask=bad, other=0).to(tl.int64)  # read here only
+    return bad, offs, value, reqs
 
 
 @triton.jit
@@ -160,10 +153,18 @@ def _slot_mapping(
         # Record AFTER the store, behind one reduction: a reduction (shared memory + barrier) placed between the
         # index loads and the dependent table load delays that load; clean programs pay one reduction and no atomics.
         if tl.sum(any_bad.to(tl.int32), axis=None) > 0:
-            _record_tokens(
-                pos_ptr, rows_ptr, table_ptr, ctr_ptr, req_ptr, tl.program_id(0) * BLOCK_T, T, R, W, block_size,
-                num_blocks, BLOCK_T, LOG2_BS, HAS_BLOCK_LIMIT, HAS_REQ,
-            )  # fmt: skip
+            # The fault path: the program's tokens formed again, a tile at a time, by out-of-line functions
+            # (record_tiles), site after site; nothing of it is live beside the hot path's words.
+            start = tl.program_id(0) * BLOCK_T
+            limit = tl.minimum(start + BLOCK_T, T)
+            tiles = tl.cdiv(BLOCK_T, _FAULT_T)
+            a0 = (start, limit, rows_ptr, R, req_ptr)
+            a1 = (start, limit, pos_ptr, W, block_size, req_ptr)
+            a2 = (start, limit, pos_ptr, rows_ptr, table_ptr, R, W, block_size, num_blocks, req_ptr)
+            record_tiles(ctr_ptr, _token_tile, (0, LOG2_BS, HAS_REQ), a0, tiles)
+            record_tiles(ctr_ptr + 8, _token_tile, (1, LOG2_BS, HAS_REQ), a1, tiles)
+            if HAS_BLOCK_LIMIT:
+                record_tiles(ctr_ptr + 16, _token_tile, (2, LOG2_BS, HAS_REQ), a2, tiles)
     else:
         blk = tl.load(table_ptr + r * W + col, mask=m, other=0).to(tl.int64)
         slot = blk * block_size + within

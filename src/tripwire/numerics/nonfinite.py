@@ -72,6 +72,37 @@ _BITS = {
 }
 
 
+@triton.jit(noinline=True)
+def _record_nonfinite(x_ptr, ctr_ptr, numel, ncols, base, SPAN: tl.constexpr, MASK: tl.constexpr):
+    """The fault path, out of line: the program's ``SPAN`` elements from ``base`` read again and the non-finite ones
+    recorded, lowest offsets first, in tiles of _FAULT_TILE (one element per thread). Its arguments are scalars the
+    kernel has anyway, so nothing of the fault path is live in the hot loop, and its tiles (rows, columns, the
+    record's reductions) are allocated here, not beside the hot loop's BLOCK-wide loads (a kernel is allocated
+    registers for its hungriest path, taken or not)."""
+    lane = tl.arange(0, _FAULT_TILE)
+    for j in tl.range(0, SPAN, _FAULT_TILE, loop_unroll_factor=1):
+        start = base + j
+        fo = start + lane
+        fm = (fo < numel) & (j + lane < SPAN)  # a smaller program: its own range only
+        fx = tl.load(x_ptr + fo, mask=fm, other=0)
+        # (row, column) of each lane from the tile start's, divided once per tile: per-lane int64 divisions are
+        # long emulated sequences whose registers the whole kernel is allocated (48 registers against the twin's
+        # 26; 32 this way). A lane's offset into the start's row is below ncols + _FAULT_TILE: for an int32 ncols
+        # (every launch whose rows are shorter than 2**31) unsigned 32-bit arithmetic is exact; a longer row is
+        # crossed at most once by a tile.
+        row0 = start // ncols
+        if ncols.dtype == tl.int32:
+            c = ((start - row0 * ncols) + lane).to(tl.uint32)
+            wrap = c // ncols.to(tl.uint32)
+            col = (c - wrap * ncols.to(tl.uint32)).to(tl.int64)
+            wrap = wrap.to(tl.int64)
+        else:
+            c = (start - row0 * ncols) + lane
+            wrap = (c >= ncols).to(tl.int64)
+            col = c - wrap * ncols
+        record_hits(ctr_ptr, ((fx & MASK) == MASK) & fm, row0 + wrap, col)
+
+
 @triton.jit
 def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASK: tl.constexpr):
     # ITERS blocks per program, unrolled (static_range) so that all their loads are in flight at once; the test is
@@ -85,17 +116,11 @@ def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, ITERS: 
         m = offs < numel
         x = tl.load(x_ptr + offs, mask=m, other=0, eviction_policy="evict_first")  # read once: do not keep in L2
         seen |= (((x & MASK) == MASK) & m).to(tl.int32)
-    # The rare path (something is non-finite): read the program's range again and record it, lowest offsets first,
-    # in tiles of _FAULT_TILE whatever BLOCK is, so that its int64 rows and columns (formed only here) and the
-    # record's reductions never need more registers than the hot loop (a kernel is allocated registers for its
-    # hungriest path, taken or not: a fault path on BLOCK-wide tiles cut the occupancy of the wide-block launches).
+    # The rare path (something is non-finite): the program's range read again and recorded, lowest offsets first,
+    # a _FAULT_TILE tile at a time, by out-of-line functions (record_tiles): the hot loop's BLOCK-wide words are
+    # dead by then and the fault path's (int64 rows and columns, the record's reductions) are never beside them.
     if tl.max(seen, axis=None) > 0:
-        for j in tl.range(0, BLOCK * ITERS, _FAULT_TILE, loop_unroll_factor=1):
-            # Names of their own: the hot loop's (BLOCK-wide) would be loop-carried with another shape.
-            fo = base + j + tl.arange(0, _FAULT_TILE)
-            fm = (fo < numel) & (j + tl.arange(0, _FAULT_TILE) < BLOCK * ITERS)  # a smaller program: its own range
-            fx = tl.load(x_ptr + fo, mask=fm, other=0)
-            record_hits(ctr_ptr, ((fx & MASK) == MASK) & fm, fo // ncols, fo % ncols)
+        _record_nonfinite(x_ptr, ctr_ptr, numel, ncols, base, BLOCK * ITERS, MASK)
 
 
 def count_nonfinite(

@@ -10,6 +10,10 @@ calls one of:
 * :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None)`` -> ``(safe_idx, ok)``: the index
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
+* :func:`record_tiles` ``(ctr_ptr, TILE, C, args, tiles)`` -- the fault path of a kernel whose hot path keeps only a
+  vote: ``TILE(C, args, t)`` (a ``@triton.jit`` function; ``C`` constexprs, ``args`` a tuple of scalars) forms tile
+  ``t``'s ``(bad, rows, values, reqs)`` again from memory, inside out-of-line functions, and each tile is recorded as
+  ``record_hits`` would record it. No lane's words are live across a call or beside the caller's code.
 * :func:`any_outside` ``(ptr, start, end, lo, hi, BLOCK)`` -> scalar: whether any of ``ptr[start:end]`` lies outside
   ``[lo, hi)``; reads only, records nothing. The pre-check of a loop's indices (a split's page ids): run the
   kernel's own loop when it is False and a masking copy of the loop only when it is True (docs/guarding.md).
@@ -64,7 +68,7 @@ from ..layout import OFFENDERS as _OFFENDERS
 from ..layout import VALUE_MAX as _VALUE_MAX
 from ..layout import VALUE_MIN as _VALUE_MIN
 
-__all__ = ["GUARD_BIAS", "any_outside", "guard_index", "record_hit", "record_hits"]
+__all__ = ["GUARD_BIAS", "any_outside", "guard_index", "record_hit", "record_hits", "record_tiles"]
 
 # A constexpr, because a plain module-level int is not readable from a @triton.jit body.
 GUARD_BIAS = tl.constexpr(_GUARD_BIAS_INT)
@@ -122,6 +126,12 @@ def _offender_key(rb, vb, qb):
 @triton.jit(noinline=True)
 def _record_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):
     """The slots of ``n`` (> 0) hits, from the biased words of their extremes and of their lowest (row, value)."""
+    _write_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb)
+
+
+@triton.jit
+def _write_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):
+    """:func:`_record_words`' atomics, inline (for a caller that is itself out of line)."""
     # Count first (see the module docstring for why the reader waits one copy for the rest).
     tl.atomic_add(ctr_ptr + 0, n)
     tl.atomic_max(ctr_ptr + 1, max_rb)
@@ -148,11 +158,17 @@ def _offender_block(ctr_ptr):
     return room
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _claim(addr, rb, vb, qb):
     """Keep one offender (biased words) in the block at ``addr``: a scalar walk over its ``k`` entries, a
     compare-and-swap of its key into each; the entry it finds empty is its own, one holding its key means a
-    repeat. Returns True when every entry holds another key (the block is full)."""
+    repeat. Returns True when every entry holds another key (the block is full).
+
+    Inlined, not called: it runs inside the claim loop, where the block's words (rows, values, requests, the
+    lanes left) are live, and a call there keeps them in registers of their own beside everything the callee
+    needs (its key's 64-bit multiplies, its walk): on sm_90 that call raised kernels whose fault path records small
+    tiles by a register unit (the non-finite counter: 40 registers, 6 programs per SM, against 32 and 8 inlined).
+    Inline, the scalar walk reuses the registers the claim loop's reductions are done with."""
     blk = addr.to(tl.pointer_type(tl.int64))
     k = tl.load(blk + 1)
     key = _offender_key(rb, vb, qb)
@@ -198,7 +214,7 @@ def _record_one(ctr_ptr, r, v, qb):
 @triton.jit
 def _claim_offenders(ctr_ptr, b, rb, vb, qb):
     """The program's distinct offenders one at a time, lowest (row, value, request) first like the first pair: each
-    candidate is three reductions over the block, then a scalar claim (out of line). Scalar, not one claim per
+    candidate is three reductions over the block, then a scalar claim (inlined: see _claim). Scalar, not one claim per
     lane: per-lane keys and compare-and-swap results are live across the whole block, and in a kernel whose hot path
     is a wide read that extra register pressure (a compiled-in fault path counts, taken or not) cut the occupancy.
     At most 2k candidates matter: each either takes an empty entry (k of them) or repeats a kept key (k distinct);
@@ -288,6 +304,147 @@ def record_hits(ctr_ptr, bad, rows, values, reqs=None):
     n = tl.sum(b.to(tl.int64), axis=None)
     if n > 0:
         _fault(ctr_ptr, n, b, r, v, _req_words(reqs, zero))
+
+
+@triton.jit
+def _narrow(x):
+    """``x`` as the narrowest integer type that holds every value it can have: int32 for integers of at most 32 bits
+    (uint32 excepted), else saturated int64 (see :func:`_saturate`). Every int32 is encodable as it is, and 32-bit
+    lanes and reductions need half the registers of 64-bit ones."""
+    if (x.dtype.primitive_bitwidth < 32) | ((x.dtype.primitive_bitwidth == 32) & x.dtype.is_int_signed()):
+        y = x.to(tl.int32)
+    else:
+        y = _saturate(x.to(tl.int64))
+    return y
+
+
+@triton.jit
+def _top(x):
+    """The highest value of ``x``'s type after :func:`_narrow` (the neutral element of a "lowest" reduction over
+    some lanes, at least one of them real: a real lane holding it gives the same result)."""
+    if x.dtype == tl.int32:
+        top = 0x7FFFFFFF
+    else:
+        top = _VMAX
+    return top
+
+
+@triton.jit
+def _bottom(x):
+    """The lowest value of ``x``'s type after :func:`_narrow`."""
+    if x.dtype == tl.int32:
+        bottom = -0x80000000
+    else:
+        bottom = _VMIN
+    return bottom
+
+
+@triton.jit
+def _tile_lanes(TILE: tl.constexpr, C: tl.constexpr, args, t):
+    """Tile ``t`` formed by ``TILE``: ``(b, r, v, reqs)``, the bad lanes and their rows and values narrowed
+    (:func:`_narrow`), all three broadcast to one block shape."""
+    bad, rows, values, reqs = TILE(C, args, t)
+    r = _narrow(rows)
+    v = _narrow(values)
+    b = bad != 0
+    b, r = tl.broadcast(b, r)
+    b, v = tl.broadcast(b, v)
+    b, r = tl.broadcast(b, r)
+    return b, r, v, reqs
+
+
+@triton.jit(noinline=True)
+def _tile_first(TILE: tl.constexpr, C: tl.constexpr, args, t):
+    """Tile ``t``'s count and its lowest (row, value): a real pair, narrowed (:func:`_narrow`). Out of line: the
+    tile's lanes are formed and reduced here and nothing per lane outlives the call. The reductions run in the rows'
+    and values' own (narrowed) types and only their results are biased into words: the words are unchanged."""
+    b, r, v, _ = _tile_lanes(TILE, C, args, t)
+    n = tl.sum(b.to(tl.int32), axis=None)
+    first_r = tl.min(tl.where(b, r, _top(r)), axis=None)
+    first_v = tl.min(tl.where(b & (r == first_r), v, _top(v)), axis=None)
+    return n, first_r, first_v
+
+
+@triton.jit(noinline=True)
+def _tile_record(TILE: tl.constexpr, C: tl.constexpr, args, t, ctr_ptr, n, first_r, first_v):
+    """Tile ``t``'s ``n`` (> 0) hits recorded: its extremes reduced (the highest row and value, the lowest value)
+    and the slots written with them and the first pair's words. A call of its own (the tile formed again): fewer
+    reductions in flight together than with :func:`_tile_first`'s, and the extremes' words never reach the
+    caller."""
+    b, r, v, _ = _tile_lanes(TILE, C, args, t)
+    max_r = tl.max(tl.where(b, r, _bottom(r)), axis=None)
+    max_v = tl.max(tl.where(b, v, _bottom(v)), axis=None)
+    min_v = tl.min(tl.where(b, v, _top(v)), axis=None)
+    _write_words(
+        ctr_ptr, n.to(tl.int64), max_r.to(tl.int64) + GUARD_BIAS, max_v.to(tl.int64) + GUARD_BIAS,
+        (0 - min_v.to(tl.int64)) + GUARD_BIAS, first_r.to(tl.int64) + GUARD_BIAS, first_v.to(tl.int64) + GUARD_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit(noinline=True)
+def _tile_next(TILE: tl.constexpr, C: tl.constexpr, args, t, pr, pv, pq, after):
+    """The lowest (row, value, request) of tile ``t``'s bad lanes (``after``: above ``(pr, pv, pq)`` in that order,
+    the claim order of :func:`_claim_offenders`), and whether there is one. The row and value come back in their
+    narrowed types (:func:`_narrow`) and so does the caller keep them, the request as its word. Out of line, like
+    :func:`_tile_first`."""
+    b, r, v, reqs = _tile_lanes(TILE, C, args, t)
+    qb = _req_words(reqs, r.to(tl.int64) * 0)
+    above = b & ((after == 0) | (r > pr) | ((r == pr) & ((v > pv) | ((v == pv) & (qb > pq)))))
+    found = tl.sum(above.to(tl.int32), axis=None) > 0
+    cr = tl.min(tl.where(above, r, _top(r)), axis=None)
+    at_r = above & (r == cr)
+    cv = tl.min(tl.where(at_r, v, _top(v)), axis=None)
+    cq = tl.min(tl.where(at_r & (v == cv), qb, _NO_ROW), axis=None)
+    return found, cr, cv, cq
+
+
+@triton.jit
+def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
+    """The fault path of :func:`record_tiles`: per tile with a bad lane, the same words, claims and order as
+    :func:`_fault`, each tile's lanes formed again by the out-of-line functions; only scalars here."""
+    for t in range(0, tiles):
+        n, first_r, first_v = _tile_first(TILE, C, args, t)
+        if n > 0:
+            _tile_record(TILE, C, args, t, ctr_ptr, n, first_r, first_v)
+            addr = _offender_block(ctr_ptr)
+            if addr != 0:
+                k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1).to(tl.int32)
+                # The previous candidate (narrowed, as _tile_next returns it); `after` is False for the first.
+                pr = first_r
+                pv = first_v
+                pq = n.to(tl.int64) * 0
+                after = k < 0
+                more = k > 0
+                for _ in range(0, 2 * k):
+                    if more:
+                        found, cr, cv, cq = _tile_next(TILE, C, args, t, pr, pv, pq, after)
+                        more = found
+                        if found:
+                            more = _claim(addr, cr.to(tl.int64) + GUARD_BIAS, cv.to(tl.int64) + GUARD_BIAS, cq) == 0
+                        # Unconditionally (nothing follows a miss): the previous candidate dies at the call instead
+                        # of staying live across it, beside what the callee needs.
+                        pr = cr
+                        pv = cv
+                        pq = cq
+                        after = k >= 0
+            _offenders_done(ctr_ptr, n.to(tl.int64))
+
+
+@triton.jit
+def record_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
+    """Record the bad lanes of ``tiles`` tiles that ``TILE`` forms again from memory: the fault path of a kernel
+    whose hot path keeps only a vote (``if any_bad: record_tiles(...)``). ``TILE(C, args, t)`` is a ``@triton.jit``
+    function returning blocks ``(bad, rows, values, reqs)`` of tile ``t``, as :func:`record_hits` takes them
+    (``reqs``: a block, negative where not known; not None); ``C`` a tuple of constexprs (a kernel's switches),
+    ``args`` a tuple of scalars (pointers, sizes, program ids) it reads them from. Constexprs belong in ``C``: a
+    constant in ``args`` becomes a runtime value in the out-of-line functions.
+
+    Counts, extremes, first pair and offenders are those of ``record_hits`` over each tile in turn. The tiles are
+    formed and reduced in out-of-line functions that return scalars only, twice per tile and once more per
+    offender claimed, so no lane's words are live across a call or beside the caller's hot code. Their reductions
+    run in 32 bits for int32 rows and values (the words are the same). Make a tile one element per thread
+    (``32 * num_warps`` lanes) and ``args`` small: the out-of-line functions receive them in registers."""
+    _fault_tiles(ctr_ptr, TILE, C, args, tiles)
 
 
 @triton.jit
