@@ -57,7 +57,7 @@ from typing import Any
 from .._default import default_monitor
 from ..monitor import Monitor
 from . import _vllm_v2
-from ._vllm_contain import Containment
+from ._vllm_contain import ATTR, Containment
 from ._vllm_steps import (
     SITE_BLOCK_COUNTS,
     SITE_BLOCK_TABLE,
@@ -182,6 +182,9 @@ class _Plugin:
 class _RunnerState:
     """Per model runner: its validator, its verdict ring (None under flag), the step in progress."""
 
+    # Read and written by the wrappers on every step: slots, not an instance dict.
+    __slots__ = ("in_step", "ring", "rose", "step", "ticket", "validated", "validator")
+
     def __init__(self, validator: StepValidator, ring: Any) -> None:
         self.validator = validator
         self.ring = ring
@@ -254,12 +257,17 @@ def _patch(plugin: _Plugin) -> None:
         return attn_orig(self, *args, **kwargs)
 
     sched_orig = sched_cls.__dict__["update_from_output"]
+    contain = plugin.contain
+    masked = contain.masked  # the dict itself (never replaced): its emptiness is the per-step test below
 
     @functools.wraps(sched_orig)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        plugin.contain.before_update(self, model_runner_output)
+        # Every step passes here; a clean one costs two tests: no taints on the output, no masked request running.
+        if getattr(model_runner_output, ATTR, None):
+            contain.before_update(self, model_runner_output)
         out = sched_orig(self, scheduler_output, model_runner_output)
-        plugin.contain.after_update(self)
+        if masked:
+            contain.after_update(self)
         return out
 
     core_orig = core_cls.__dict__["shutdown"]
@@ -303,19 +311,24 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             plugin.start()
         return out
 
-    @functools.wraps(orig["execute_model"])
+    # Bound once: the step path below reads no setting and resolves no method per step.
+    execute = orig["execute_model"]
+    check = None if plugin.mode == "flag" else plugin.monitor.check
+
+    @functools.wraps(execute)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         st: _RunnerState | None = getattr(self, "_tripwire", None)
-        if st is None or kwargs.get("dummy_run", False):
+        if st is None or (kwargs and kwargs.get("dummy_run", False)):
             # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
             # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
-            return orig["execute_model"](self, scheduler_output, *args, **kwargs)
-        plugin.start()  # idempotent: the first step comes after vLLM's warm-up and captures
-        if plugin.mode != "flag":
-            plugin.monitor.check()  # an armed stop fails this step through vLLM's own error path
+            return execute(self, scheduler_output, *args, **kwargs)
+        if not plugin.started:
+            plugin.start()  # the first step comes after vLLM's warm-up and captures
+        if check is not None:
+            check()  # an armed stop fails this step through vLLM's own error path
         st.in_step, st.validated, st.rose, st.step = True, False, False, scheduler_output
         try:
-            out = orig["execute_model"](self, scheduler_output, *args, **kwargs)
+            out = execute(self, scheduler_output, *args, **kwargs)
         finally:
             st.in_step = False
         if st.rose and st.ring is not None:
