@@ -183,10 +183,13 @@ class _RunnerState:
     """Per model runner: its validator, its verdict ring (None under flag), the step in progress."""
 
     # Read and written by the wrappers on every step: slots, not an instance dict.
-    __slots__ = ("in_step", "ring", "rose", "step", "ticket", "validated", "validator")
+    __slots__ = ("clean", "in_step", "ring", "rose", "step", "ticket", "validated", "validator")
 
     def __init__(self, validator: StepValidator, ring: Any) -> None:
         self.validator = validator
+        # The V1 validator's host clean test on the CPU (None elsewhere): the step wrapper calls it directly, and the
+        # validator's exact path only when it fails.
+        self.clean = getattr(validator, "_host", None) if callable(getattr(validator, "exact", None)) else None
         self.ring = ring
         self.in_step = False
         self.validated = False
@@ -252,7 +255,14 @@ def _patch(plugin: _Plugin) -> None:
                     f"tripwire: vLLM {plugin.version} builds attention metadata with positional arguments; this "
                     f"integration reads them by name (num_reqs, num_tokens, slot_mappings)"
                 )
-            st.rose = st.validator(self, kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"])
+            n_reqs, n_tokens, slots = kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"]
+            clean = st.clean
+            if clean is not None and clean(self, n_reqs, n_tokens, slots):
+                st.rose = False  # clean by the validator's own test: nothing to count, repair or take a verdict of
+            elif clean is not None:
+                st.rose = st.validator.exact(self, n_reqs, n_tokens, slots)
+            else:
+                st.rose = st.validator(self, n_reqs, n_tokens, slots)
             st.validated = True
         return attn_orig(self, *args, **kwargs)
 
