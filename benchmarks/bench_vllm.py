@@ -13,9 +13,10 @@ Two figures:
   repeats of |off against off2|: the same estimator between two identical kinds. Target: the overhead at most 2 %
   of the step. The same figures from the process's CPU time per step (``time.process_time``, all its threads)
   beside the wall time: on a machine whose cores other jobs share, the wall time also holds the waits for a core,
-  which the CPU time leaves out. Beside them, ``hook_us``: the plugin's own per-step work (the validator call,
-  with its clean test, and the verdict and scheduler's side when a step has any) timed inside the engine in the
-  "on" steps, and its share of the "off" step (the wrappers' own few microseconds are outside it). The reader
+  which the CPU time leaves out. Beside them, ``hook_us``: the plugin's own per-step work (the clean test or the
+  validator call, and the verdict and scheduler's side when a step has any) timed inside the engine in three rounds
+  of their own after the interleaved ones (so the timers' cost stays out of those), and its share of the "off"
+  step (the wrappers' own few microseconds are outside it). The reader
   thread (a native tick every ``TRIPWIRE_INTERVAL``) runs through every kind.
 
   On a machine whose cores other jobs share, a whole round can run several times slower than the next, and the

@@ -153,7 +153,6 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
     states = {"on": list(wrapped.items()), "off": list(plugin.originals.items())}
     states["off2"] = states["off"]
     out: dict[str, Any] = {"mode": plugin.mode, "steps": steps, "interleave": "step"}
-    hook = _time_hooks()
     seq = [k for c in _CYCLES for k in c]
     n = 0
     for b in batches:
@@ -174,8 +173,6 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
                 kind = "on" if i == 0 else seq[(i - 1 + 3 * phase) % len(seq)]
                 for (cls, name), fn in states[kind]:
                     setattr(cls, name, fn)
-                if i == 1:
-                    hook.clear()  # the plugin's work in the timed steps only
                 if i:
                     kinds.append(kind)
 
@@ -185,22 +182,35 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
                 every[kind].extend(t for t, _ in mine)
                 fig[kind].append(statistics.median(t for t, _ in mine))
                 cpu[kind].append(statistics.median(c for _, c in mine))
-            inside.append(sum(hook) / max(kinds.count("on"), 1))
         for (cls, name), fn in states["on"]:
             setattr(cls, name, fn)
+        # The plugin's own work, timed in rounds of their own (every step on): the timers' cost stays out of the
+        # interleaved steps above.
+        for k in range(3):
+            hook, restore = _time_hooks()
+            try:
+                _decode_steps(
+                    llm, prompts, steps, f"hook{b}-{k}", lambda i, hook=hook: hook.clear() if i == 1 else None
+                )
+            finally:
+                restore()
+            inside.append(sum(hook) / steps)
         out[str(b)] = {**fig, "hook_s_per_step": inside, "cpu": cpu, "steps": every}
     return out
 
 
-def _time_hooks() -> list[float]:
-    """Time spent inside the plugin's per-step work (the validator call, the verdict, the scheduler's side), summed
-    into the returned list while a round runs: the plugin's own cost, apart from the machine's noise."""
+def _time_hooks() -> tuple[list[float], Any]:
+    """Time spent inside the plugin's per-step work (the clean test or the validator call, the verdict, the
+    scheduler's side), summed into the returned list while it is on: the plugin's own cost, apart from the machine's
+    noise. Returns the list and a function that takes the timers out again."""
     from tripwire.integrations import _vllm_contain, _vllm_steps
 
     spent: list[float] = []
+    saved: list[tuple[type, str, Any]] = []
 
     def timed(cls: type, name: str) -> None:
-        fn = getattr(cls, name)
+        fn = cls.__dict__[name]
+        saved.append((cls, name, fn))
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -211,10 +221,16 @@ def _time_hooks() -> list[float]:
 
         setattr(cls, name, wrapper)
 
-    timed(_vllm_steps.StepValidator, "__call__")
+    timed(_vllm_steps._HostCheck, "__call__")
+    timed(_vllm_steps.StepValidator, "exact")
     for name in ("after_step", "before_update", "after_update"):
         timed(_vllm_contain.Containment, name)
-    return spent
+
+    def restore() -> None:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+    return spent, restore
 
 
 def main(argv: list[str]) -> int:
