@@ -249,6 +249,8 @@ def _patch(plugin: _Plugin) -> None:
     @functools.wraps(attn_orig)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         st: _RunnerState | None = getattr(self, "_tripwire", None)
+        # Real steps only, once each: vLLM's dummy runs and graph captures build metadata from placeholders, and a
+        # capture must record no host read of it (the captured graph replays with whatever the buffers hold then).
         if st is not None and st.in_step and not st.validated and not kwargs.get("for_cudagraph_capture", False):
             if args:
                 raise RuntimeError(
@@ -256,13 +258,15 @@ def _patch(plugin: _Plugin) -> None:
                     f"integration reads them by name (num_reqs, num_tokens, slot_mappings)"
                 )
             n_reqs, n_tokens, slots = kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"]
+            # The tensors are views of the runner's persistent buffers (no allocation); on CUDA the validator is one
+            # asynchronous launch (no sync); on the CPU its host clean test reads them in place first.
             clean = st.clean
             if clean is not None and clean(self, n_reqs, n_tokens, slots):
                 st.rose = False  # clean by the validator's own test: nothing to count, repair or take a verdict of
             elif clean is not None:
-                st.rose = st.validator.exact(self, n_reqs, n_tokens, slots)
+                st.rose = st.validator.exact(self, n_reqs, n_tokens, slots)  # counts, repairs, attributes
             else:
-                st.rose = st.validator(self, n_reqs, n_tokens, slots)
+                st.rose = st.validator(self, n_reqs, n_tokens, slots)  # CUDA: may have risen (launch is async)
             st.validated = True
         return attn_orig(self, *args, **kwargs)
 
@@ -327,8 +331,8 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
 
     @functools.wraps(execute)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        if st is None or (kwargs and kwargs.get("dummy_run", False)):
+        st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
+        if st is None or (kwargs and kwargs.get("dummy_run", False)):  # V1 passes no keywords: no dict lookup
             # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
             # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
             return execute(self, scheduler_output, *args, **kwargs)
@@ -336,7 +340,12 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             plugin.start()  # the first step comes after vLLM's warm-up and captures
         if check is not None:
             check()  # an armed stop fails this step through vLLM's own error path
-        st.in_step, st.validated, st.rose, st.step = True, False, False, scheduler_output
+        # One store each on a slotted object (a four-way tuple assignment would build a tuple): no allocation on the
+        # step path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
+        st.in_step = True
+        st.validated = False
+        st.rose = False
+        st.step = scheduler_output
         try:
             out = execute(self, scheduler_output, *args, **kwargs)
         finally:
