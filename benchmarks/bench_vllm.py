@@ -3,16 +3,28 @@
 Two figures:
 
 * ``engine``: the CPU engine's decode step (a tiny random Llama, 2 layers, hidden 128: the test model) at batch 4
-  and 8, with the plugin on and off, INTERLEAVED in one engine process (``TRIPWIRE_VLLM=mask``, or ``--mode``, at
-  start-up builds the validator; between measurements the plugin is uninstalled, every wrapped method restored, and installed
-  again, in alternating order). A measurement is the median wall time of a round's decode steps
-  (``llm_engine.step()``: scheduler, model runner, outputs; ``--steps`` new tokens per request, the prefill step
-  left out). The noise floor is off against off: two "off" measurements per repeat. Target: the median overhead at
-  most 2 % of the step. The same figures from the process's CPU time per step (``time.process_time``, all its
-  threads) beside the wall time: on a machine whose cores other jobs share, the wall time also holds the waits for
-  a core, which the CPU time leaves out. Beside them, ``hook_us``: the plugin's own per-step work (the validator call, the verdict,
-  the scheduler's side) timed inside the engine during the "on" rounds, and its share of the "off" step: the cost
-  apart from the machine's noise (the wrappers' call overhead, a few microseconds, is outside it).
+  and 8, with the plugin on and off, INTERLEAVED STEP BY STEP in one engine process (``TRIPWIRE_VLLM=mask``, or
+  ``--mode``, at start-up builds the validator; before each decode step every method the plugin wraps is set to its
+  wrapper, "on", or to vLLM's original, "off", as ``uninstall`` leaves it), in cycles of three steps (on, off,
+  off2, then mirrored): a shared machine's drift, which is slower than a step, and the requests' growing lengths
+  hit every kind alike. A repeat is one round of ``--steps`` decode steps (``llm_engine.step()``: scheduler, model
+  runner, outputs; the prefill step left out); its figure per kind is the median of its steps of that kind. The
+  overhead is the median over repeats of on against the mean of off and off2; the noise floor, the median over
+  repeats of |off against off2|: the same estimator between two identical kinds. Target: the overhead at most 2 %
+  of the step. The same figures from the process's CPU time per step (``time.process_time``, all its threads)
+  beside the wall time: on a machine whose cores other jobs share, the wall time also holds the waits for a core,
+  which the CPU time leaves out. Beside them, ``hook_us``: the plugin's own per-step work (the clean test or the
+  validator call, and the verdict and scheduler's side when a step has any) timed inside the engine in three rounds
+  of their own after the interleaved ones (so the timers' cost stays out of those), and its share of the "off"
+  step (the wrappers' own few microseconds are outside it). The reader
+  thread (a native tick every ``TRIPWIRE_INTERVAL``) runs through every kind.
+
+  On a machine whose cores other jobs share, a whole round can run several times slower than the next, and the
+  per-round figures above then carry that noise. So beside them: the QUIET-STEP figures, every step of a kind
+  pooled over all repeats and compared at its lower quartile (``--quantile``, 0.25), the steps the machine's other
+  work left alone: ``q_overhead_pct`` = on against the mean of off and off2 at that quantile, ``q_noise_floor_pct``
+  = |off against off2| at the same quantile. The kinds are interleaved step by step, so each kind's quiet steps
+  come from the same moments and the same request lengths.
 * ``validator_us``: the validator's CPU path per call (plain torch, no Triton), with the plugin's own rules (slot
   mapping, block table with per-row counts, positions through query_start_loc, seq_lens, request attribution) on
   decode-shaped clean metadata at batch 4 and 8, in this process: the median of ``--calls`` calls.
@@ -84,12 +96,17 @@ def _paired(on: list[float], off: list[float], off2: list[float]) -> tuple[list[
     return over, noise
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=1000, method="inclusive")[max(0, min(998, round(q * 1000) - 1))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quantile", type=float, default=0.25, help="the quiet-step figures' quantile")
     ap.add_argument("--mode", default="mask", choices=["flag", "mask", "contain"], help="TRIPWIRE_VLLM of the run")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {"validator_us": {str(b): round(validator_us(b, args.calls), 1) for b in BATCHES}}
@@ -132,12 +149,26 @@ def main(argv: list[str] | None = None) -> int:
             "hook_pct": round(_med(r["hook_s_per_step"]) / _med(r["off"] + r["off2"]) * 100, 2),
             "raw": r,
         }
+        qs = {k: _quantile(r["steps"][k], args.quantile) for k in ("on", "off", "off2")}
+        fig["quantile"] = args.quantile
+        fig["q_off_ms"] = round((qs["off"] + qs["off2"]) / 2 * 1e3, 3)
+        fig["q_on_ms"] = round(qs["on"] * 1e3, 3)
+        fig["q_overhead_pct"] = round((qs["on"] / ((qs["off"] + qs["off2"]) / 2) - 1) * 100, 2)
+        fig["q_noise_floor_pct"] = round(abs(qs["off"] / qs["off2"] - 1) * 100, 2)
+        fig["steps_per_kind"] = len(r["steps"]["on"])
         out["engine"][str(b)] = fig
         print(
             f"{b:>5d} {fig['off_ms']:>8.3f} {fig['on_ms']:>8.3f} {fig['overhead_pct']:>8.2f}% "
             f"{fig['noise_floor_pct']:>15.2f}% {fig['hook_us']:>8.1f} us {fig['hook_pct']:>4.2f}%"
             f"             {fig['cpu_off_ms']:>7.3f} {fig['cpu_on_ms']:>7.3f} {fig['cpu_overhead_pct']:>8.2f}% "
             f"{fig['cpu_noise_floor_pct']:>6.2f}%"
+        )
+    print(f"quiet steps (each kind's steps pooled over the repeats, at quantile {args.quantile}):")
+    for b in BATCHES:
+        f = out["engine"][str(b)]
+        print(
+            f"{b:>5d} {f['q_off_ms']:>8.3f} {f['q_on_ms']:>8.3f} {f['q_overhead_pct']:>8.2f}% "
+            f"{f['q_noise_floor_pct']:>15.2f}%   ({f['steps_per_kind']} steps per kind)"
         )
     print("validator CPU path per call: " + ", ".join(f"batch {b}: {us} us" for b, us in out["validator_us"].items()))
     if args.json:

@@ -170,3 +170,110 @@ def test_first_step_and_a_replaced_buffer_take_the_exact_path():
     assert sv(*args) is True and sv(*args) is False
     assert sv(r, 1, 1, {0: torch.tensor([NUM_BLOCKS * BLOCK])}) is True
     assert m.snapshot()[("cpu", _vllm_steps.SITE_SLOT_MAPPING)].count == 1
+
+
+def decode_step(r: SimpleNamespace) -> tuple:
+    """A clean decode step in ``r``'s buffers: 4 requests of one token each (position 40, length 41, two used
+    blocks of the table's 4 columns). Returns the step validator's call arguments."""
+    n = 4
+    table = r.input_batch.block_table.block_tables[0]
+    r.query_start_loc.gpu[: n + 1] = torch.arange(n + 1, dtype=torch.int32)
+    r.positions[:n] = 40
+    r.seq_lens[:n] = 41
+    table.slot_mapping.gpu[:n] = torch.arange(n) * BLOCK + 8
+    table.block_table.gpu[:n] = torch.arange(1, n * WIDTH + 1, dtype=torch.int32).view(n, WIDTH)
+    table.num_blocks_per_row[:n] = 2
+    r.input_batch.req_ids = ["req-a", "req-b", "req-c", "req-d"]
+    return (r, n, n, {0: table.slot_mapping.gpu[:n]})
+
+
+def _table(r: SimpleNamespace) -> SimpleNamespace:
+    return r.input_batch.block_table.block_tables[0]
+
+
+# Per rule: one bad entry written into a clean decode step (request row 1, "req-b", where a row is attributed), the
+# site it counts at, and how to read the entry back (to see it masked).
+BAD = {
+    "slot_mapping": (
+        lambda r: _table(r).slot_mapping.gpu.__setitem__(1, NUM_BLOCKS * BLOCK),
+        _vllm_steps.SITE_SLOT_MAPPING,
+        lambda r: int(_table(r).slot_mapping.gpu[1]),
+        -1,
+    ),
+    "block_table": (
+        lambda r: _table(r).block_table.gpu.__setitem__((1, 1), NUM_BLOCKS),
+        _vllm_steps.SITE_BLOCK_TABLE,
+        lambda r: int(_table(r).block_table.gpu[1, 1]),
+        0,
+    ),
+    "block_counts": (
+        lambda r: _table(r).num_blocks_per_row.__setitem__(1, WIDTH + 1),
+        _vllm_steps.SITE_BLOCK_COUNTS,
+        lambda r: int(_table(r).num_blocks_per_row[1]),
+        WIDTH,
+    ),
+    "positions": (
+        lambda r: r.positions.__setitem__(1, MAX_LEN),
+        _vllm_steps.SITE_POSITIONS,
+        lambda r: int(r.positions[1]),
+        0,
+    ),
+    "query_start_loc": (
+        lambda r: r.query_start_loc.gpu.__setitem__(2, 0),
+        _vllm_steps.SITE_QUERY_START_LOC,
+        lambda r: int(r.query_start_loc.gpu[2]),
+        1,
+    ),
+    "seq_lens": (
+        lambda r: r.seq_lens.__setitem__(1, 0),
+        _vllm_steps.SITE_SEQ_LENS,
+        lambda r: int(r.seq_lens[1]),
+        1,
+    ),
+}
+
+
+def one_bad_entry(rule: str, *, broken_fast_path: bool = False) -> tuple[list[bool], dict, int]:
+    """Clean decode steps, then one with a bad entry at ``rule``, then clean again. Returns what each call
+    returned (True: the validator ran), each site's count, and the entry as read back after the bad step.
+    ``broken_fast_path``: the host clean test replaced by one that passes every step (the control)."""
+    write, _site, read, _safe = BAD[rule]
+    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+    r = runner()
+    sv = StepValidator(r, "mask", m)
+    args = decode_step(r)
+    calls = [sv(*args), sv(*args)]  # the first step binds the host views (exact path), the second is skipped
+    if broken_fast_path:
+        sv._host = lambda *a: True  # type: ignore[assignment]
+    write(r)
+    calls.append(sv(*args))
+    after = read(r)
+    decode_step(r)
+    calls.append(sv(*args))
+    counts = {site: hit.count for (_dev, site), hit in m.snapshot().items()}
+    return calls, {"counts": counts, "hits": m.snapshot()}, after
+
+
+@pytest.mark.parametrize("rule", sorted(BAD))
+def test_a_bad_entry_at_each_rule_takes_the_exact_path(rule):
+    """The host clean test skips the clean steps around it, and a step with ONE bad entry at any rule goes through
+    the validator: counted exactly once, at its site only, masked, and attributed to vLLM's request id."""
+    _write, site, _read, safe = BAD[rule]
+    calls, seen, after = one_bad_entry(rule)
+    assert calls == [True, False, True, False]
+    assert seen["counts"] == {site: 1}
+    assert after == safe  # masked before any kernel reads it
+    hit = seen["hits"][("cpu", site)]
+    if rule != "query_start_loc":  # an indptr entry belongs to no request (the kernel's attribution too)
+        assert [o.request for o in hit.offenders] == ["req-b"]
+
+
+@pytest.mark.parametrize("rule", sorted(BAD))
+def test_a_fast_path_that_passes_everything_misses_each_rule(rule):
+    """Control: with the host clean test broken (it passes every step), the same bad entry is never counted or
+    masked, so the exact counts asserted above are what catches a fast path that lets a rule through."""
+    _write, _site, _read, safe = BAD[rule]
+    calls, seen, after = one_bad_entry(rule, broken_fast_path=True)
+    assert calls == [True, False, False, False]
+    assert seen["counts"] == {}
+    assert after != safe

@@ -108,11 +108,12 @@ def run_rounds(llm: Any, rounds: list[list[list[int]]], max_tokens: int) -> list
 
 
 def _decode_steps(
-    llm: Any, prompts: list[list[int]], steps: int, tag: str, cpu: list[float] | None = None
-) -> list[float]:
-    """The wall time of each decode step of one round (``llm_engine.step()``: scheduler, runner, outputs), the
-    prefill step left out: ``len(prompts)`` requests of ``steps`` new tokens. ``cpu``: each step's CPU time of this
-    process (all its threads) is appended there, a figure that waiting for a shared machine's cores leaves out."""
+    llm: Any, prompts: list[list[int]], steps: int, tag: str, before: Any = None
+) -> list[tuple[float, float]]:
+    """Each decode step of one round (``llm_engine.step()``: scheduler, runner, outputs), the prefill step left out:
+    ``len(prompts)`` requests of ``steps`` new tokens. Per step: its wall time and this process's CPU time (all its
+    threads; what waiting for a shared machine's cores adds to the wall time is not in it). ``before(i)`` runs
+    before decode step ``i`` (0 is the prefill), outside the timed span."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=steps, detokenize=False, ignore_eos=True)
@@ -120,69 +121,96 @@ def _decode_steps(
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
     times = []
-    first = True
+    i = 0
     while eng.has_unfinished_requests():
+        if before is not None:
+            before(i)
         c0, t0 = time.process_time(), time.perf_counter()
         eng.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if not first:
-            times.append(dt)
-            if cpu is not None:
-                cpu.append(dc)
-        first = False
+        if i:
+            times.append((dt, dc))
+        i += 1
     return times
 
 
+# The step kinds of one interleaving cycle, and of the next (mirrored, so neither kind always follows the other).
+_CYCLES = (("on", "off", "off2"), ("off2", "off", "on"))
+
+
 def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[str, Any]:
-    """The decode step with the plugin on and off, interleaved in this one engine: the plugin is uninstalled (every
-    wrapped method restored) and installed again between rounds, in alternating order, so drift hits both alike. A
-    round's figure is its median decode step. Two "off" rounds per repeat give the noise floor (off against off)."""
+    """The decode step with the plugin on and off, interleaved STEP BY STEP in this one engine: before each decode
+    step every method the plugin wraps is set to its wrapper (on) or to vLLM's original (off, as after
+    ``uninstall``), in cycles of three steps (on, off, off2, then mirrored), so the machine's drift and the
+    requests' growing lengths hit every kind alike. A repeat is one round of ``steps`` decode steps; its figure per
+    kind is the median of its steps of that kind. "off" against "off2" gives the noise floor."""
     from tripwire.integrations import vllm as tw
 
     plugin = tw.installed()
     if plugin is None:
         raise RuntimeError("the benchmark needs TRIPWIRE_VLLM set at start-up (the validator is built then)")
-    mode = plugin.mode
-    out: dict[str, Any] = {"mode": mode, "steps": steps}
-    hook = _time_hooks()
+    wrapped = {key: key[0].__dict__[key[1]] for key in plugin.originals}
+    states = {"on": list(wrapped.items()), "off": list(plugin.originals.items())}
+    states["off2"] = states["off"]
+    out: dict[str, Any] = {"mode": plugin.mode, "steps": steps, "interleave": "step"}
+    seq = [k for c in _CYCLES for k in c]
     n = 0
     for b in batches:
         prompts = [[7 + i, *range(20, 40)] for i in range(b)]
         _decode_steps(llm, prompts, steps, f"warm{b}")
-        on: list[float] = []
-        off: list[float] = []
-        off2: list[float] = []
-        inside: list[float] = []
+        fig: dict[str, list[float]] = {"on": [], "off": [], "off2": []}
         cpu: dict[str, list[float]] = {"on": [], "off": [], "off2": []}
-        for k in range(repeats):
-            order = ("on", "off", "off2") if k % 2 == 0 else ("off", "off2", "on")
-            for which in order:
-                n += 1
-                if which == "on":
-                    tw.install(mode)
-                else:
-                    tw.uninstall()
-                hook.clear()
-                step_cpu: list[float] = []
-                fig = statistics.median(_decode_steps(llm, prompts, steps, f"r{n}", step_cpu))
-                {"on": on, "off": off, "off2": off2}[which].append(fig)
-                cpu[which].append(statistics.median(step_cpu))
-                if which == "on":
-                    inside.append(sum(hook) / max(steps, 1))
-        tw.install(mode)
-        out[str(b)] = {"on": on, "off": off, "off2": off2, "hook_s_per_step": inside, "cpu": cpu}
+        every: dict[str, list[float]] = {"on": [], "off": [], "off2": []}  # each step's wall time, per kind
+        inside: list[float] = []
+        for _ in range(repeats):
+            n += 1
+            kinds: list[str] = []
+
+            def before(i: int, kinds: list[str] = kinds, phase: int = n) -> None:
+                # The prefill step (i == 0) runs with the plugin on: it is not timed, and the validator's views
+                # bind there. Every step sets every method (also to what it was), so each pays the same type-cache
+                # invalidation.
+                kind = "on" if i == 0 else seq[(i - 1 + 3 * phase) % len(seq)]
+                for (cls, name), fn in states[kind]:
+                    setattr(cls, name, fn)
+                if i:
+                    kinds.append(kind)
+
+            times = _decode_steps(llm, prompts, steps, f"r{n}", before)
+            for kind in fig:
+                mine = [t for t, k in zip(times, kinds, strict=True) if k == kind]
+                every[kind].extend(t for t, _ in mine)
+                fig[kind].append(statistics.median(t for t, _ in mine))
+                cpu[kind].append(statistics.median(c for _, c in mine))
+        for (cls, name), fn in states["on"]:
+            setattr(cls, name, fn)
+        # The plugin's own work, timed in rounds of their own (every step on): the timers' cost stays out of the
+        # interleaved steps above.
+        for k in range(3):
+            hook, restore = _time_hooks()
+            try:
+                _decode_steps(
+                    llm, prompts, steps, f"hook{b}-{k}", lambda i, hook=hook: hook.clear() if i == 1 else None
+                )
+            finally:
+                restore()
+            inside.append(sum(hook) / steps)
+        out[str(b)] = {**fig, "hook_s_per_step": inside, "cpu": cpu, "steps": every}
     return out
 
 
-def _time_hooks() -> list[float]:
-    """Time spent inside the plugin's per-step work (the validator call, the verdict, the scheduler's side), summed
-    into the returned list while a round runs: the plugin's own cost, apart from the machine's noise."""
+def _time_hooks() -> tuple[list[float], Any]:
+    """Time spent inside the plugin's per-step work (the clean test or the validator call, the verdict, the
+    scheduler's side), summed into the returned list while it is on: the plugin's own cost, apart from the machine's
+    noise. Returns the list and a function that takes the timers out again."""
     from tripwire.integrations import _vllm_contain, _vllm_steps
 
     spent: list[float] = []
+    saved: list[tuple[type, str, Any]] = []
 
     def timed(cls: type, name: str) -> None:
-        fn = getattr(cls, name)
+        fn = cls.__dict__[name]
+        saved.append((cls, name, fn))
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -193,10 +221,16 @@ def _time_hooks() -> list[float]:
 
         setattr(cls, name, wrapper)
 
-    timed(_vllm_steps.StepValidator, "__call__")
+    timed(_vllm_steps._HostCheck, "__call__")
+    timed(_vllm_steps.StepValidator, "exact")
     for name in ("after_step", "before_update", "after_update"):
         timed(_vllm_contain.Containment, name)
-    return spent
+
+    def restore() -> None:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+    return spent, restore
 
 
 def main(argv: list[str]) -> int:

@@ -42,7 +42,8 @@ class Containment:
     def __init__(self, mode: str, monitor: Monitor) -> None:
         self.mode = mode
         self.monitor = monitor
-        self._masked: dict[str, str] = {}  # request id -> reason, while it runs on (mask)
+        # request id -> reason, while it runs on (mask); never rebound: the scheduler's wrapper holds this dict
+        self.masked: dict[str, str] = {}
         self.contained: list[tuple[str, str]] = []
         self._rings: dict[Any, Any] = {}
 
@@ -106,7 +107,7 @@ class Containment:
         _evict(sched, live)
         if self.mode != "contain":
             for r in live:
-                self._masked.setdefault(r, named[r])
+                self.masked.setdefault(r, named[r])
             return
         index = model_runner_output.req_id_to_index
         tokens = model_runner_output.sampled_token_ids
@@ -121,12 +122,12 @@ class Containment:
         sched.encoder_cache_mismatch_reqs.update(live)
 
     def after_update(self, sched: Any) -> None:
-        if not self._masked:
+        if not self.masked:
             return
-        gone = [r for r in self._masked if r not in sched.requests or sched.requests[r].is_finished()]
+        gone = [r for r in self.masked if r not in sched.requests or sched.requests[r].is_finished()]
         for r in gone:
-            del self._masked[r]
-        _evict(sched, list(self._masked))  # blocks the step filled and cached: out of the prefix cache again
+            del self.masked[r]
+        _evict(sched, list(self.masked))  # blocks the step filled and cached: out of the prefix cache again
 
 
 def _evict(sched: Any, request_ids: list[str]) -> None:

@@ -199,6 +199,11 @@ class StepValidator:
         path ran (see :class:`_HostCheck`)."""
         if self._host is not None and self._host(runner, num_reqs, num_tokens, slot_mappings):
             return False
+        return self.exact(runner, num_reqs, num_tokens, slot_mappings)
+
+    def exact(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
+        """The validator's call for one step, without the host clean test (the integration calls the clean test
+        itself on the CPU, one call level less on every clean step). Returns True: the arena may have risen."""
         number = self.monitor.requests.number
         req = self._requests.fill(num_reqs, [number(r) for r in runner.input_batch.req_ids[:num_reqs]])
         qsl = runner.query_start_loc.gpu[: num_reqs + 1]
@@ -217,28 +222,15 @@ class StepValidator:
         return True
 
 
-class _View:
-    """A flat numpy view of one of the runner's persistent CPU tensors, built once per tensor object."""
-
-    __slots__ = ("flat", "ptr", "src", "width")
-
-    def __init__(self) -> None:
-        self.src: torch.Tensor | None = None
-        self.flat: np.ndarray | None = None
-        self.ptr = 0
-        self.width = 1
-
-    def of(self, t: torch.Tensor) -> np.ndarray | None:
-        """The view of ``t``; None when ``t`` is not the tensor of the last call (the runner's first step, or a
-        buffer it replaced): that step then takes the validator's exact path, whose argument checks see ``t``."""
-        if t is self.src:
-            return self.flat
-        self.src, self.ptr = t, t.data_ptr()
-        self.width = int(t.shape[1]) if t.dim() == 2 else 1
-        # A strided or non-integer buffer keeps None: every step takes the exact path, which refuses it clearly.
-        ok = t.is_contiguous() and t.dtype in (torch.int32, torch.int64)
-        self.flat = t.detach().view(-1).numpy() if ok else None
+def _host_view(t: torch.Tensor) -> memoryview | None:
+    """A flat view of one of the runner's persistent CPU tensors (no copy), or None for a buffer the clean test
+    cannot read as the validator would (strided, or not an integer type): every step then takes the validator's
+    exact path, whose argument checks refuse such a buffer clearly. A ``memoryview`` of the tensor's numpy view: its
+    slice and ``tolist`` run far less C code than numpy's (no index parsing, no array object), which is what a step
+    pays for on a host whose caches the model's forward pass has just evicted."""
+    if not (t.is_contiguous() and t.dtype in (torch.int32, torch.int64)):
         return None
+    return t.detach().view(-1).numpy().data
 
 
 def _within(vals: list[int], lo: int, hi: int, pad: int | None = None) -> bool:
@@ -248,62 +240,138 @@ def _within(vals: list[int], lo: int, hi: int, pad: int | None = None) -> bool:
     return pad is not None and all(v == pad or lo <= v < hi for v in vals)
 
 
+class _Group:
+    """One KV-cache group's buffers as the clean test reads them, bound once per buffer object: the runner's slot
+    and block-table tensors (compared by identity each step: a replaced buffer rebinds), their numpy views, the
+    slot buffer's address (the step's slot mapping must be a prefix view of it), the table's width, the per-row
+    counts (the runner's own numpy array) and the rule bounds."""
+
+    __slots__ = (
+        "b_hi",
+        "b_lo",
+        "blocks",
+        "counts",
+        "pad",
+        "ptr",
+        "s_hi",
+        "s_lo",
+        "slot_t",
+        "slots",
+        "table",
+        "table_t",
+        "width",
+    )
+
+    def __init__(self, table: Any, counts: np.ndarray | None, bounds: tuple[int, int, int | None, int, int]) -> None:
+        self.table = table
+        # The runner's own per-row counts (a numpy array vLLM writes in place, never replaces), read as a view too.
+        self.counts = counts.data if counts is not None and counts.ndim == 1 and counts.flags.c_contiguous else None
+        self.s_lo, self.s_hi, self.pad, self.b_lo, self.b_hi = bounds
+        self.slot_t: Any = None
+        self.table_t: Any = None
+        self.slots: memoryview | None = None
+        self.blocks: memoryview | None = None
+        self.ptr = 0
+        self.width = 1
+
+    def bind(self) -> bool:
+        """(Re)build the views from the table's current buffers; False when one cannot be read here."""
+        self.slot_t, self.table_t = self.table.slot_mapping.gpu, self.table.block_table.gpu
+        self.ptr = self.slot_t.data_ptr()
+        self.slots, self.blocks = _host_view(self.slot_t), _host_view(self.table_t)
+        self.width = int(self.table_t.shape[1]) if self.table_t.dim() == 2 else 0
+        return self.slots is not None and self.blocks is not None and self.width > 0
+
+
 class _HostCheck:
     """The validator's clean test for one CPU step, on numpy views of the runner's persistent buffers.
 
     A decode step's metadata is a few dozen integers; on the CPU each torch op on them (a slice, a reduction, a
     ``tolist``) costs microseconds of dispatch, far more than reading them. This reads exactly the entries the
-    validator would be given, through views built once per buffer, as Python lists, and applies the CPU path's own
-    clean test (:mod:`tripwire._validate_torch`): every entry of a rule tensor within the rule's range (or its
-    padding), used columns or not; the per-row block counts within ``[0, width]``; ``query_start_loc``
+    validator would be given, through views bound once per buffer object, as Python lists, and applies the CPU
+    path's own clean test (:mod:`tripwire._validate_torch`): every entry of a rule tensor within the rule's range
+    (or its padding), used columns or not; the per-row block counts within ``[0, width]``; ``query_start_loc``
     non-decreasing from 0 up to the step's tokens. When it holds, the validator would count nothing and change
     nothing, so its call (and the host work of building its arguments and request numbers) is skipped; otherwise
     the validator runs in full. Bounds come from the validator's declared rules, so the two never differ.
+
+    It runs on every step of the engine, after the model's previous forward pass has evicted most of the host's
+    caches, so what it touches is kept small: bounds and views are attributes bound once (no rule lookup, no view
+    built per step), buffers are compared by identity (no torch op), and the only objects made per step are the
+    numpy slices and the short lists read from them.
     """
 
     def __init__(self, sv: StepValidator) -> None:
         rules = sv.v.rules
         pos, sl = rules["positions"], rules["seq_lens"]
-        self.pos = (pos.lo, pos.hi)
-        self.sl = (sl.lo, sl.hi)
-        self.groups = [
-            (rules[sm].lo, rules[sm].hi, rules[sm].padding, rules[bt].lo, rules[bt].hi, counts._source, table)
+        self.pos_lo, self.pos_hi = pos.lo, pos.hi
+        self.sl_lo, self.sl_hi = sl.lo, sl.hi
+        self.groups = tuple(
+            _Group(table, counts._source, (rules[sm].lo, rules[sm].hi, rules[sm].padding, rules[bt].lo, rules[bt].hi))
             for (sm, bt, _n, table), counts in zip(sv.groups, sv._counts, strict=True)
-        ]
-        self._pos, self._sl, self._qsl = _View(), _View(), _View()
-        self._slots = [_View() for _ in self.groups]
-        self._tables = [_View() for _ in self.groups]
+        )
+        # The runner's tensors the views below were built from (None: not bound yet, so the first step binds).
+        self._pos_t: Any = None
+        self._sl_t: Any = None
+        self._qsl_t: Any = None
+        self._pos: memoryview | None = None
+        self._sl: memoryview | None = None
+        self._qsl: memoryview | None = None
+        self._ok = False
+
+    def _bind(self, runner: Any) -> bool:
+        """Bind the views to the runner's current buffers. Returns False: the step that binds takes the exact path,
+        so the validator's argument checks see every new buffer once before any step is skipped on it."""
+        self._pos_t, self._sl_t, self._qsl_t = runner.positions, runner.seq_lens, runner.query_start_loc.gpu
+        self._pos, self._sl, self._qsl = (_host_view(t) for t in (self._pos_t, self._sl_t, self._qsl_t))
+        ok = self._pos is not None and self._sl is not None and self._qsl is not None
+        for g in self.groups:
+            ok = g.bind() and ok  # every group binds, so the next step can skip
+        self._ok = ok
+        return False
 
     def __call__(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
         """True when the step's metadata is clean by the validator's own test (see the class docstring)."""
-        # numpy slices and tolist() of a few entries: no torch op, no tensor allocated on the step path. Every view
-        # is looked up before any test, so a first step registers them all (and the next one can skip).
-        pos, sl, qsl = (
-            self._pos.of(runner.positions),
-            self._sl.of(runner.seq_lens),
-            self._qsl.of(runner.query_start_loc.gpu),
-        )
-        views = [
-            (sv.of(g[6].slot_mapping.gpu), tv.of(g[6].block_table.gpu))
-            for g, sv, tv in zip(self.groups, self._slots, self._tables, strict=True)
-        ]
-        if pos is None or sl is None or qsl is None:
+        # Identity of the runner's buffers: attribute loads only (a replaced buffer rebinds, and its step is exact).
+        if runner.positions is not self._pos_t or runner.seq_lens is not self._sl_t:
+            return self._bind(runner)
+        if runner.query_start_loc.gpu is not self._qsl_t:
+            return self._bind(runner)
+        if not self._ok:
+            return False  # a buffer the views cannot read: every step is exact
+        # Slices of bound views and tolist() of a few entries: no torch op, no tensor allocated. Each list is
+        # tested at its ends after sorted(): one C call where min() and max() are two slower ones (their generic
+        # iteration), on lists that are mostly sorted already, and the same code path for every rule (a step runs
+        # this on caches the forward pass has just evicted: fewer distinct paths cost less).
+        v = sorted(self._pos[:num_tokens].tolist())  # type: ignore[index]
+        if v and not (self.pos_lo <= v[0] and v[-1] < self.pos_hi):
             return False
-        if not _within(pos[:num_tokens].tolist(), *self.pos) or not _within(sl[:num_reqs].tolist(), *self.sl):
+        v = sorted(self._sl[:num_reqs].tolist())  # type: ignore[index]
+        if v and not (self.sl_lo <= v[0] and v[-1] < self.sl_hi):
             return False
-        q = qsl[: num_reqs + 1].tolist()
+        q = self._qsl[: num_reqs + 1].tolist()  # type: ignore[index]
         if q[0] != 0 or q[-1] > num_tokens or q != sorted(q):
             return False
-        for g, (s_lo, s_hi, pad, b_lo, b_hi, counts, _table) in enumerate(self.groups):
-            slots, blocks = views[g]
-            sm = slot_mappings[g]
-            if slots is None or blocks is None or sm.data_ptr() != self._slots[g].ptr:
-                return False  # a new buffer, or a slot mapping that is not a view of the runner's: validated
-            if not _within(slots[: sm.shape[0]].tolist(), s_lo, s_hi, pad):
+        for i, g in enumerate(self.groups):
+            table = g.table
+            if table.slot_mapping.gpu is not g.slot_t or table.block_table.gpu is not g.table_t:
+                return self._bind(runner)
+            sm = slot_mappings[i]
+            if sm.data_ptr() != g.ptr:
+                return False  # a slot mapping that is not a view of the runner's slot buffer: validated
+            # numel, not shape[0] or len(): the cheapest of torch's reads of the length (no Size object). vLLM's
+            # slot mapping is a prefix slice of that buffer (gpu[:n]), so its numel entries are the ones read here.
+            v = g.slots[: sm.numel()].tolist()  # type: ignore[index]
+            s = sorted(v)
+            if s and not (g.s_lo <= s[0] and s[-1] < g.s_hi) and not _within(v, g.s_lo, g.s_hi, g.pad):
                 return False
-            width = self._tables[g].width
-            if not _within(blocks[: num_reqs * width].tolist(), b_lo, b_hi):
+            width = g.width
+            v = sorted(g.blocks[: num_reqs * width].tolist())  # type: ignore[index]
+            if v and not (g.b_lo <= v[0] and v[-1] < g.b_hi):
                 return False
-            if counts is None or not _within(counts[:num_reqs].tolist(), 0, width + 1):
+            if g.counts is None:
+                return False
+            v = sorted(g.counts[:num_reqs].tolist())
+            if v and not (0 <= v[0] and v[-1] <= width):
                 return False
         return True

@@ -57,7 +57,7 @@ from typing import Any
 from .._default import default_monitor
 from ..monitor import Monitor
 from . import _vllm_v2
-from ._vllm_contain import Containment
+from ._vllm_contain import ATTR, Containment
 from ._vllm_steps import (
     SITE_BLOCK_COUNTS,
     SITE_BLOCK_TABLE,
@@ -182,8 +182,14 @@ class _Plugin:
 class _RunnerState:
     """Per model runner: its validator, its verdict ring (None under flag), the step in progress."""
 
+    # Read and written by the wrappers on every step: slots, not an instance dict.
+    __slots__ = ("clean", "in_step", "ring", "rose", "step", "ticket", "validated", "validator")
+
     def __init__(self, validator: StepValidator, ring: Any) -> None:
         self.validator = validator
+        # The V1 validator's host clean test on the CPU (None elsewhere): the step wrapper calls it directly, and the
+        # validator's exact path only when it fails.
+        self.clean = getattr(validator, "_host", None) if callable(getattr(validator, "exact", None)) else None
         self.ring = ring
         self.in_step = False
         self.validated = False
@@ -243,23 +249,39 @@ def _patch(plugin: _Plugin) -> None:
     @functools.wraps(attn_orig)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         st: _RunnerState | None = getattr(self, "_tripwire", None)
+        # Real steps only, once each: vLLM's dummy runs and graph captures build metadata from placeholders, and a
+        # capture must record no host read of it (the captured graph replays with whatever the buffers hold then).
         if st is not None and st.in_step and not st.validated and not kwargs.get("for_cudagraph_capture", False):
             if args:
                 raise RuntimeError(
                     f"tripwire: vLLM {plugin.version} builds attention metadata with positional arguments; this "
                     f"integration reads them by name (num_reqs, num_tokens, slot_mappings)"
                 )
-            st.rose = st.validator(self, kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"])
+            n_reqs, n_tokens, slots = kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"]
+            # The tensors are views of the runner's persistent buffers (no allocation); on CUDA the validator is one
+            # asynchronous launch (no sync); on the CPU its host clean test reads them in place first.
+            clean = st.clean
+            if clean is not None and clean(self, n_reqs, n_tokens, slots):
+                st.rose = False  # clean by the validator's own test: nothing to count, repair or take a verdict of
+            elif clean is not None:
+                st.rose = st.validator.exact(self, n_reqs, n_tokens, slots)  # counts, repairs, attributes
+            else:
+                st.rose = st.validator(self, n_reqs, n_tokens, slots)  # CUDA: may have risen (launch is async)
             st.validated = True
         return attn_orig(self, *args, **kwargs)
 
     sched_orig = sched_cls.__dict__["update_from_output"]
+    contain = plugin.contain
+    masked = contain.masked  # the dict itself (never replaced): its emptiness is the per-step test below
 
     @functools.wraps(sched_orig)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        plugin.contain.before_update(self, model_runner_output)
+        # Every step passes here; a clean one costs two tests: no taints on the output, no masked request running.
+        if getattr(model_runner_output, ATTR, None):
+            contain.before_update(self, model_runner_output)
         out = sched_orig(self, scheduler_output, model_runner_output)
-        plugin.contain.after_update(self)
+        if masked:
+            contain.after_update(self)
         return out
 
     core_orig = core_cls.__dict__["shutdown"]
@@ -303,19 +325,29 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             plugin.start()
         return out
 
-    @functools.wraps(orig["execute_model"])
+    # Bound once: the step path below reads no setting and resolves no method per step.
+    execute = orig["execute_model"]
+    check = None if plugin.mode == "flag" else plugin.monitor.check
+
+    @functools.wraps(execute)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        if st is None or kwargs.get("dummy_run", False):
+        st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
+        if st is None or (kwargs and kwargs.get("dummy_run", False)):  # V1 passes no keywords: no dict lookup
             # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
             # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
-            return orig["execute_model"](self, scheduler_output, *args, **kwargs)
-        plugin.start()  # idempotent: the first step comes after vLLM's warm-up and captures
-        if plugin.mode != "flag":
-            plugin.monitor.check()  # an armed stop fails this step through vLLM's own error path
-        st.in_step, st.validated, st.rose, st.step = True, False, False, scheduler_output
+            return execute(self, scheduler_output, *args, **kwargs)
+        if not plugin.started:
+            plugin.start()  # the first step comes after vLLM's warm-up and captures
+        if check is not None:
+            check()  # an armed stop fails this step through vLLM's own error path
+        # One store each on a slotted object (a four-way tuple assignment would build a tuple): no allocation on the
+        # step path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
+        st.in_step = True
+        st.validated = False
+        st.rose = False
+        st.step = scheduler_output
         try:
-            out = orig["execute_model"](self, scheduler_output, *args, **kwargs)
+            out = execute(self, scheduler_output, *args, **kwargs)
         finally:
             st.in_step = False
         if st.rose and st.ring is not None:
