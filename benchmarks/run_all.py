@@ -54,7 +54,7 @@ def selection(only: str) -> tuple[set[str], set[str]]:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from tripwire.cli import help_text
+    from tripwire.cli.text import help_text
 
     p = argparse.ArgumentParser(prog="tripwire bench", description=help_text(__doc__))
     p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (about 2 minutes)")

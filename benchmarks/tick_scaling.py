@@ -17,7 +17,7 @@ import time
 
 from _common import Ctx, Result, single, stats
 from tripwire import Monitor, SiteRegistry
-from tripwire.report import Reporters
+from tripwire._runtime.report import Reporters
 
 ROWS = (16, 64, 256, 1024)
 

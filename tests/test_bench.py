@@ -619,7 +619,11 @@ def test_bench_cuda_gather_harness_on_cpu(monkeypatch):
         assert (ctr is not None) == guard
         out.copy_(src[idx.long()])
 
-    ext = types.SimpleNamespace(build=lambda: None, SITE=tripwire.register_site("bench.test.gather", description="the bench test's gather"), gather=gather)
+    ext = types.SimpleNamespace(
+        build=lambda: None,
+        SITE=tripwire.register_site("bench.test.gather", description="the bench test's gather"),
+        gather=gather,
+    )
     res = bench.run(quick=True, device="cpu", shapes={"small": (64, 16, 40)}, ext=ext)
     json.dumps(res)
     r = res["shapes"]["small"]

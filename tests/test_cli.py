@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import tripwire
-from tripwire.cli import bench_dir, format_table, help_text, main
+from tripwire.cli import bench_dir, main
+from tripwire.cli.text import format_table, help_text
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The confirmation state machine (tripwire.confirm), driven directly with rows as a reader would land them."""
+"""The confirmation state machine (tripwire._runtime.confirm), driven directly with rows as a reader would land them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tripwire import SiteRegistry
-from tripwire.confirm import MAX_EXTRA_CONFIRM_COPIES, Confirmer
+from tripwire._runtime.confirm import MAX_EXTRA_CONFIRM_COPIES, Confirmer
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, SLOTS, encode
 
 SLOTS_OF = {"guard": (COUNT,), "nonfinite": (COUNT,), "clip": (0, 1)}

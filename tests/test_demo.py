@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tripwire import demo
+from tripwire.cli import demo
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

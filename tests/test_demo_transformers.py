@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from tripwire import GuardTripped
 from tripwire.cli import main
-from tripwire.demo_transformers import quiet_engine_logs
+from tripwire.cli.demo_transformers import quiet_engine_logs
 
 
 def test_engine_demo_passes_every_scenario(capfd):

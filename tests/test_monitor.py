@@ -11,8 +11,8 @@ import torch
 import tripwire
 from conftest import offenders_recorded
 from tripwire import GuardTripped, Monitor
-from tripwire.arena import is_kept
-from tripwire.confirm import OFFENDERS_WAIT_S
+from tripwire._runtime.arena import is_kept
+from tripwire._runtime.confirm import OFFENDERS_WAIT_S
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
 
 
@@ -448,9 +448,9 @@ def test_confirmation_repolls_fast(registry):
 
 
 def test_control_without_fast_repoll_takes_two_intervals(registry, monkeypatch):
-    import tripwire.confirm
+    import tripwire._runtime.confirm
 
-    monkeypatch.setattr(tripwire.confirm, "CONFIRM_REPOLL_S", 10.0)
+    monkeypatch.setattr(tripwire._runtime.confirm, "CONFIRM_REPOLL_S", 10.0)
     assert _latency_after_a_tick(registry, 0.2) > 0.35
 
 
@@ -594,7 +594,7 @@ def test_saturated_values_are_marked_in_reports(registry, monitor, caplog):
 
 
 def test_unindexed_cuda_is_never_cached_as_is(registry, monitor):
-    from tripwire.arena import unindexed_cuda
+    from tripwire._runtime.arena import unindexed_cuda
 
     assert unindexed_cuda("cuda") and unindexed_cuda(torch.device("cuda"))
     assert not unindexed_cuda("cuda:0") and not unindexed_cuda("cpu") and not unindexed_cuda(0)

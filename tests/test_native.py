@@ -1,4 +1,4 @@
-"""The native quiet tick (tripwire._native) on CPU arenas: the same C loop the GPU runs, with memcpy "drivers".
+"""The native quiet tick (tripwire._runtime.native) on CPU arenas: the same C loop the GPU runs, with memcpy "drivers".
 
 What it must hold: quiet ticks run no Python (so they cannot hold the GIL), every change still reaches Python's
 decode exactly once per rise, sites registered while it runs are read, idle stops its copies, a failing native call
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import tripwire._native as native
+import tripwire._runtime.native as native
 from test_monitor import hit, warnings
 from tripwire import Monitor
-from tripwire._native import NativeTicker, NativeUnavailable
-from tripwire.reader import DeviceReader
+from tripwire._runtime.native import NativeTicker, NativeUnavailable
+from tripwire._runtime.reader import DeviceReader
 
 
 @pytest.fixture(autouse=True)
@@ -313,7 +313,7 @@ _EXIT_SCRIPT = textwrap.dedent(
     """
     import atexit, sys, time
     from pathlib import Path
-    import tripwire._native.engage as engage
+    import tripwire._runtime.native.engage as engage
     from tripwire import Monitor, SiteRegistry
 
     def comm(t):
@@ -579,9 +579,9 @@ def test_a_forked_child_that_starts_again_reads_at_its_interval():
 _BLOCKED_EXIT = textwrap.dedent(
     """
     import ctypes, sys, time
-    import tripwire._native.engage as engage
+    import tripwire._runtime.native.engage as engage
     from tripwire import Monitor, SiteRegistry
-    from tripwire.reader import DeviceReader
+    from tripwire._runtime.reader import DeviceReader
 
     # The native thread's "copy" is libc's sleep(), which reads the mirror's address as seconds: an enqueue that
     # blocks (behind a hung compute stream) without the GIL, like the real one.

@@ -7,7 +7,7 @@ import ctypes.util
 
 import pytest
 
-from tripwire.reader import Driver
+from tripwire._runtime.reader import Driver
 
 # ctypes marks a foreign function that keeps the GIL (a PyDLL one) with this flag.
 _KEEPS_GIL = ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]

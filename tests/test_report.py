@@ -1,4 +1,4 @@
-"""Reports (tripwire.report): the wording's short first line, the aggregation window, decoding, the reporter table."""
+"""Reports (tripwire._runtime.report): the wording's short first line, the aggregation window, decoding, the reporter table."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ import numpy as np
 import pytest
 
 from tripwire import SiteRegistry
+from tripwire._runtime.report import (
+    GuardReporter,
+    Hit,
+    Report,
+    Reporters,
+    ReportWindow,
+    Wording,
+    decode_rows,
+    guard_event,
+    guard_wording,
+    short_name,
+)
 from tripwire.layout import (
     COUNT,
     FIRST_ROW,
@@ -19,18 +31,6 @@ from tripwire.layout import (
     VALUE_MAX,
     encode,
     encode_neg,
-)
-from tripwire.report import (
-    GuardReporter,
-    Hit,
-    Report,
-    Reporters,
-    ReportWindow,
-    Wording,
-    decode_rows,
-    guard_event,
-    guard_wording,
-    short_name,
 )
 from tripwire.sinks import LINE_LIMIT, Event, Log, Offender
 

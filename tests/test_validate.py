@@ -6,7 +6,7 @@ is bad when it is not the padding and not in [lo, hi); a 2-D table checks only `
 indptr entry, and an indptr entry is bad when it is not 0 at position 0, or out of [0, len(indices)], or below the last
 good entry before it (mask replaces it with that entry).
 
-Backends: CUDA tensors run the Triton kernel; CPU tensors run the plain torch path (``tripwire._validate_torch``).
+Backends: CUDA tensors run the Triton kernel; CPU tensors run the plain torch path (``tripwire.validate._torch``).
 Without a GPU every test here runs twice (the ``backend`` fixture): on the torch path, and with the CPU path swapped
 for the Triton kernel under the interpreter; ``tests/test_validate_torch.py`` compares the two on the same calls,
 every arena and offender word and every repaired entry.
@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tripwire._validate_torch as _vt
+import tripwire.validate._torch as _vt
 from conftest import HAS_CUDA
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
@@ -34,7 +34,7 @@ def backend(request, monkeypatch):
     """``torch``: CPU validators run the plain torch path; ``interpreter``: they run the Triton kernel under the
     interpreter instead (the same arena, the same tensors); ``cuda``: the kernel, compiled."""
     if request.param == "interpreter":
-        import tripwire._validate_kernel as k
+        import tripwire.validate._triton as k
 
         def kernel(arena, rules, tensors, *, mask, offenders=None):  # type: ignore[no-untyped-def]
             k.launch(arena, rules, tensors, mask=mask)
@@ -231,7 +231,7 @@ def test_shared_lengths_count_once(mon, kernel_device):
 
 
 def test_one_launch_per_call(mon, kernel_device, monkeypatch, backend):
-    import tripwire._validate_kernel as k
+    import tripwire.validate._triton as k
 
     launches = []
     if backend == "torch":

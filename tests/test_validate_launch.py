@@ -1,4 +1,4 @@
-"""The validator's bound launch (tripwire._validate_kernel.Launcher): what decides between the compiled kernel's own
+"""The validator's bound launch (tripwire.validate._triton.Launcher): what decides between the compiled kernel's own
 launcher and the JITFunction, and, on a GPU, that the bound path is taken and counts exactly what the JIT path does.
 """
 
@@ -9,8 +9,8 @@ import torch
 import triton
 
 from tripwire import Monitor, SiteRegistry
-from tripwire import _validate_kernel as vk
 from tripwire.validate import Validator
+from tripwire.validate import _triton as vk
 
 
 def test_hooked_only_when_a_hook_is_installed(monkeypatch):

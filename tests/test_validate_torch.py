@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tripwire._validate_torch as _vt
+import tripwire.validate._torch as _vt
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
 
@@ -37,7 +37,7 @@ v(slots=s, req=torch.tensor([5, 6, 7, 8]))
 hit = m.snapshot()[("cpu", "cpu.slots")]
 print(s.tolist(), hit.count, [tuple(o) for o in hit.offenders])
 try:
-    import tripwire._validate_kernel
+    import tripwire.validate._triton
 except ImportError:
     print("kernel module needs triton")
 """
@@ -52,7 +52,7 @@ def _twin_call(k_offenders, seed, mask, calls):
     """Two monitors with the same rules (so the same arena rows), one run on the torch path and one on the kernel
     under the interpreter, over the same calls: returns both arenas' words (rows less slot 7, the offender block's
     address; offender blocks whole) and both runs' repaired tensors."""
-    import tripwire._validate_kernel as k
+    import tripwire.validate._triton as k
     from tripwire.layout import OFFENDERS
 
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""The vLLM tests' engine runs (tripwire._vllm_proc), and where to find vLLM: ``TRIPWIRE_VLLM_PYTHON``, else
+"""The vLLM tests' engine runs (tripwire.cli._vllm_proc), and where to find vLLM: ``TRIPWIRE_VLLM_PYTHON``, else
 ``/opt/venv-vllm/bin/python`` (where ``.ci/run`` builds it). Without it the vLLM tests skip, and under ``CI=true``
 they fail: CI must run them."""
 
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from tripwire import _vllm_proc
-from tripwire._vllm_proc import EnginePool, Run, run_engine
+from tripwire.cli import _vllm_proc
+from tripwire.cli._vllm_proc import EnginePool, Run, run_engine
 
 __all__ = ["EnginePool", "Run", "python_in_vllm_env", "run_engine", "vllm_python"]
 

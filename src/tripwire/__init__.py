@@ -11,7 +11,7 @@ validators in :mod:`tripwire.validate`; engine integrations in :mod:`tripwire.in
 
 from __future__ import annotations
 
-from ._default import (
+from ._runtime.default import (
     check,
     configure,
     counter,
@@ -27,10 +27,10 @@ from ._default import (
     start,
     stop,
 )
-from ._include import include_dir
 from .config import MODES, Settings, load_settings
 from .contain import Taint
 from .errors import CaptureError, GuardTripped
+from .include import include_dir
 from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
 from .monitor import Hit, Monitor
 from .sinks import Event, Offender

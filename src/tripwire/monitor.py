@@ -8,8 +8,8 @@ Lifecycle in an engine::
     loop: tripwire.check(); step()   # one attribute read per step; raises GuardTripped when armed
     shutdown: tripwire.drain()       # a final synchronous read: a hit on the last step is not lost
 
-A tick: :mod:`tripwire.reader` copies each arena without waiting on the GPU (quiet ticks run natively:
-:mod:`tripwire._native.engage`), then :mod:`tripwire.pipeline` confirms, reports and delivers what changed.
+A tick: :mod:`tripwire._runtime.reader` copies each arena without waiting on the GPU (quiet ticks run natively:
+:mod:`tripwire._runtime.native.engage`), then :mod:`tripwire._runtime.pipeline` confirms, reports and delivers what changed.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import confirm
-from ._native.engage import Engagement
-from .arena import Arena, normalize_device, unindexed_cuda
-from .capture import PostCaptureHooks, is_capturing
+from ._runtime import confirm
+from ._runtime.arena import Arena, normalize_device, unindexed_cuda
+from ._runtime.capture import PostCaptureHooks, is_capturing
+from ._runtime.native.engage import Engagement
+from ._runtime.pipeline import Callbacks, Pipeline
+from ._runtime.reader import DeviceReader, Readers
+from ._runtime.report import GuardReporter, Hit, Report, RowReporter, register_reporter, tripped_for
 from .config import Settings, SettingView, check_timeout, load_settings
 from .contain import RequestNames, Taint
 from .errors import CaptureError, GuardTripped
-from .pipeline import Callbacks, Pipeline
-from .reader import DeviceReader, Readers
-from .report import GuardReporter, Hit, Report, RowReporter, register_reporter, tripped_for
 from .sinks import Event, JsonLines, stop_event
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 

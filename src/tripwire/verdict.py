@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .capture import is_capturing
+from ._runtime.capture import is_capturing
+from ._runtime.report import offenders_text
 from .contain import Taint
 from .errors import CaptureError, GuardTripped
 from .layout import COUNT, E_KEY, E_REQ, E_ROW, E_VALUE, OFF_ENTRY, OFF_HEADER, SLOTS, decode
-from .report import offenders_text
 from .sinks import Offender
 from .sites import GUARD_KINDS, Site
 
@@ -176,7 +176,7 @@ class Verdicts:
         self._driver: Any = None
         self._open: list[Ticket | None] = [None] * depth
         if self._cuda:
-            from . import _verdict_kernel as _vk
+            from ._runtime import verdict_kernel as _vk
 
             # Allocated here, before any capture; the graph of a captured enqueue holds these addresses.
             self._host = torch.zeros((depth, n, width), dtype=torch.int64, pin_memory=True)

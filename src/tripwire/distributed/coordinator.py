@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .._default import default_monitor
-from ..capture import relax_thread_capture_mode
+from .._runtime.capture import relax_thread_capture_mode
+from .._runtime.default import default_monitor
 from ..errors import GuardTripped
 from ..monitor import Monitor
 from ._abort import abort_groups, all_groups

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import torch
 import triton
 
-from .._default import default_monitor
-from ..arena import normalize_device
+from .._runtime.arena import normalize_device
+from .._runtime.default import default_monitor
 from ..layout import SLOTS
 from ..monitor import Monitor
 from ..sites import Site

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..arena import normalize_device
-from ..capture import is_capturing
+from .._runtime.arena import normalize_device
+from .._runtime.capture import is_capturing
+from .._runtime.report import Report, Wording, register_reporter, short_name
 from ..errors import GuardTripped
-from ..report import Report, Wording, register_reporter, short_name
 from ..sinks import Event
 from ..sites import Site, SiteRegistry
 
@@ -235,7 +235,7 @@ class ClipCounter:
         description: str = "",
     ) -> None:
         if monitor is None:
-            from .._default import default_monitor
+            from .._runtime.default import default_monitor
 
             monitor = default_monitor()
         self.fmt = _check_fmt(fmt)

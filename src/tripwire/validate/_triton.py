@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate_rules import ABLOCK, BLOCK, CSR, INDEX, Rules
-from .triton import record_hits
+from ..triton import record_hits
+from ._rules import ABLOCK, BLOCK, CSR, INDEX, Rules
 
 __all__ = ["BLOCK", "CSR", "INDEX", "Launcher", "Rules", "launch"]
 

@@ -29,10 +29,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _validate_rules as _r
-from ._validate_rules import ABLOCK, BLOCK, CSR, Rules
-from .arena import _IMMORTAL
-from .layout import (
+from .._runtime.arena import _IMMORTAL
+from ..layout import (
     COUNT,
     E_KEY,
     E_REQ,
@@ -53,6 +51,8 @@ from .layout import (
     VALUE_MIN,
     offender_key,
 )
+from . import _rules as _r
+from ._rules import ABLOCK, BLOCK, CSR, Rules
 
 __all__ = ["launch", "offenders_of"]
 

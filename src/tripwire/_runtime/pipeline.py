@@ -1,5 +1,5 @@
-"""The event pipeline after the copy: a landed copy's rows are confirmed (:mod:`tripwire.confirm`), the confirmed
-rises go to their kind's reporter (:mod:`tripwire.report`), which arms the stop where its rules say so and submits
+"""The event pipeline after the copy: a landed copy's rows are confirmed (:mod:`tripwire._runtime.confirm`), the confirmed
+rises go to their kind's reporter (:mod:`tripwire._runtime.report`), which arms the stop where its rules say so and submits
 a report to the window, and the reports the window lets out go to the log and, as events, to the sinks
 (:mod:`tripwire.sinks`).
 
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..contain import Containment, VerdictLedger
+from ..sinks import Event, Log, SinkSet
 from .confirm import Confirmed, Confirmer
-from .contain import Containment, VerdictLedger
 from .report import Hit, Report, Reporters, ReportWindow, decode_rows, named
-from .sinks import Event, Log, SinkSet
 
 if TYPE_CHECKING:
-    from .monitor import Monitor
+    from ..monitor import Monitor
     from .reader import DeviceReader
 
 __all__ = ["Callbacks", "Pipeline"]

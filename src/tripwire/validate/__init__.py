@@ -29,9 +29,9 @@ Contract:
 * Entries in an engine's unused space are not checked: past a row's ``lengths`` for a 2-D table, past the last row's
   end for a CSR layout.
 
-Backends: CUDA tensors run the Triton kernel (:mod:`tripwire._validate_kernel`; triton is imported at the first CUDA
+Backends: CUDA tensors run the Triton kernel (:mod:`tripwire.validate._triton`; triton is imported at the first CUDA
 validator, never for a CPU one). CPU tensors (CPU engines, such as vLLM's CPU build) run a plain torch implementation
-(:mod:`tripwire._validate_torch`) with the same counts, offenders, masking and arena words, and need neither triton
+(:mod:`tripwire.validate._torch`) with the same counts, offenders, masking and arena words, and need neither triton
 nor its interpreter.
 """
 
@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from . import _validate_rules as _r
-from . import _validate_torch
-from ._default import default_monitor
-from .arena import normalize_device
-from .monitor import Monitor
-from .sites import Site
+from .._runtime.arena import normalize_device
+from .._runtime.default import default_monitor
+from ..monitor import Monitor
+from ..sites import Site
+from . import _rules as _r
+from . import _torch as _validate_torch
 
 __all__ = ["POLICIES", "Rule", "Validator"]
 
@@ -97,7 +97,7 @@ def _kernel() -> ModuleType:
     """The Triton backend, imported at first use: a CPU-only process (vLLM's CPU build) never imports triton."""
     global _KERNEL
     if _KERNEL is None:
-        from . import _validate_kernel
+        from . import _triton as _validate_kernel
 
         _KERNEL = _validate_kernel
     return _KERNEL

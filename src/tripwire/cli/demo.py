@@ -133,12 +133,12 @@ class ToyEngine:
         self.free_ids.fill_(N_BLOCKS)
 
     def step(self) -> None:
-        from .kernels.block_table import block_table_gather
-        from .kernels.kv_zero import kv_zero
-        from .kernels.paged_gather import paged_gather
-        from .kernels.rope import rope
-        from .kernels.slot_mapping import slot_mapping
-        from .kernels.state_copy import state_copy
+        from ..kernels.block_table import block_table_gather
+        from ..kernels.kv_zero import kv_zero
+        from ..kernels.paged_gather import paged_gather
+        from ..kernels.rope import rope
+        from ..kernels.slot_mapping import slot_mapping
+        from ..kernels.state_copy import state_copy
 
         block_table_gather(self.block_table, self.req_rows, self.block_counts, self.batch_table)
         slot_mapping(self.positions, self.req_rows, self.block_table, self.slots, BS, num_kv_blocks=N_BLOCKS)
@@ -305,7 +305,7 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import help_text
+    from .text import help_text
 
     p = argparse.ArgumentParser(prog="tripwire demo", description=help_text(__doc__))
     p.add_argument(
@@ -488,8 +488,8 @@ def _report(
     ran: int,
     elapsed: float,
 ) -> int:
-    from . import kernels
-    from .cli import format_table
+    from .. import kernels
+    from .text import format_table
 
     out = sys.stdout
     print("\ntripwire demo summary", file=out)

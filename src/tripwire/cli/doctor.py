@@ -44,7 +44,7 @@ def _versions() -> Check:
 
 
 def _settings() -> Check:
-    from .config import load_settings
+    from ..config import load_settings
 
     try:
         s = load_settings()
@@ -67,7 +67,7 @@ def _cuda() -> Check:
         )
     names = [f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
              for i in range(torch.cuda.device_count())]  # fmt: skip
-    from .reader import Driver
+    from .._runtime.reader import Driver
 
     drv = Driver.get()
     fast = (
@@ -80,7 +80,7 @@ def _cuda() -> Check:
 def _capture_relax() -> Check:
     import torch
 
-    from .capture import relax_thread_capture_mode
+    from .._runtime.capture import relax_thread_capture_mode
 
     if not torch.cuda.is_available():
         return Check("capture-mode relax", WARN, "not checked: no CUDA device", "checked on a GPU machine only")
@@ -103,9 +103,9 @@ def _capture_relax() -> Check:
 
 
 def _native_tick() -> Check:
-    from . import _native
-    from .monitor import Monitor
-    from .sites import SiteRegistry
+    from .._runtime import native as _native
+    from ..monitor import Monitor
+    from ..sites import SiteRegistry
 
     try:
         _native.library()
@@ -182,7 +182,7 @@ def _sinks() -> Check:
             status, consequence = FAIL, "tripwire.sinks.Prometheus refuses to start (its metrics would be lost)"
     log_path = os.environ.get("TRIPWIRE_EVENT_LOG")
     if log_path:
-        from .sinks import JsonLines
+        from ..sinks import JsonLines
 
         existed = os.path.exists(log_path)
         try:
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
     import argparse
     import json
 
-    from .cli import help_text
+    from .text import help_text
 
     p = argparse.ArgumentParser(prog="tripwire doctor", description=help_text(__doc__))
     p.add_argument("--json", action="store_true", help="print the checks as JSON")

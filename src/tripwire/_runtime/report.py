@@ -1,6 +1,6 @@
 """Reports: the reporters of each kind of row, their wording, and the aggregation window.
 
-A confirmed rise (:mod:`tripwire.confirm`) goes to its kind's reporter, which arms the stop where its rules say so
+A confirmed rise (:mod:`tripwire._runtime.confirm`) goes to its kind's reporter, which arms the stop where its rules say so
 and submits a report to the :class:`ReportWindow`. The window lets at most one report per site and device out per
 ``report_every`` seconds, carrying the whole delta since the previous one; nothing is dropped (deferred reports go
 out on later ticks and at drain). A report that goes out is a :class:`Report`: its events (for the sinks) and its
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .errors import GuardTripped
-from .layout import (
+from ..errors import GuardTripped
+from ..layout import (
     COUNT,
     E_KEY,
     E_REQ,
@@ -41,11 +41,11 @@ from .layout import (
     decode,
     decode_neg,
 )
-from .sinks import LINE_LIMIT, Event, Offender
-from .sites import GUARD_KINDS, Site, SiteRegistry
+from ..sinks import LINE_LIMIT, Event, Offender
+from ..sites import GUARD_KINDS, Site, SiteRegistry
 
 if TYPE_CHECKING:
-    from .monitor import Monitor
+    from ..monitor import Monitor
 
 __all__ = [
     "GuardReporter",

@@ -159,7 +159,7 @@ def register() -> None:
     """The plugin: wrap the V1 runner's ``execute_model`` and ``_prepare_inputs`` when faults are configured."""
     faults = _faults()
     if os.environ.get(NO_EVICT_ENV) == "1":
-        from .integrations import _vllm_contain
+        from ..integrations import _vllm_contain
 
         _vllm_contain._evict = lambda sched, request_ids: None
     if not faults:

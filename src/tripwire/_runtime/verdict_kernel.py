@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import OFF_HEADER, SLOTS
+from ..layout import OFF_HEADER, SLOTS
 
 __all__ = ["Driver", "bind", "slot_graphs", "zero_copy"]
 

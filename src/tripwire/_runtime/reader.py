@@ -26,7 +26,7 @@ A landed copy that is byte-for-byte the rows the monitor processed last (the com
 is not copied again: :meth:`DeviceReader.poll` hands back the monitor's own array, and the monitor skips the whole
 decode, so a quiet tick touches as little code and memory as it can (the reader wakes on a cold core).
 
-Most quiet ticks do not run here at all: the native quiet tick (:mod:`tripwire._native`) runs them on its own thread,
+Most quiet ticks do not run here at all: the native quiet tick (:mod:`tripwire._runtime.native`) runs them on its own thread,
 without the GIL, through the same mirror, stream, event and driver entry points (:meth:`DeviceReader.native_fields`);
 a reader hands it its copy in flight (:meth:`DeviceReader.take_pending`) and takes it back on a change
 (:meth:`DeviceReader.give_back`).
@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import CaptureError, GuardTripped
 from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
-from .errors import CaptureError, GuardTripped
 
 __all__ = ["DeviceReader", "Driver", "Readers"]
 
@@ -80,7 +80,7 @@ class Driver:
         # Per tick, enqueue and so can block: release the GIL (module docstring).
         self.memcpy_dtoh_async = fn(releases_gil, "cuMemcpyDtoHAsync_v2", vp, u64, sz, vp)
         self.event_record = fn(releases_gil, "cuEventRecord", vp, vp)
-        # The same entry points as raw addresses, for the native quiet tick (tripwire._native), which calls them
+        # The same entry points as raw addresses, for the native quiet tick (tripwire._runtime.native), which calls them
         # from its own thread without Python.
         self.raw: dict[str, int | None] = {
             name: ctypes.cast(getattr(releases_gil, name), ctypes.c_void_p).value
@@ -221,7 +221,7 @@ class DeviceReader:
         d = self.native_dev
         return self._bytes + (int(d.bytes) if d is not None else 0)
 
-    # ------------------------------------------------------------------ the native quiet tick (tripwire._native)
+    # ------------------------------------------------------------------ the native quiet tick (tripwire._runtime.native)
     @property
     def supports_native(self) -> bool:
         """The native tick can read this arena: a CPU arena (memcpy), or CUDA through the driver (not torch)."""
@@ -230,7 +230,7 @@ class DeviceReader:
     def native_fields(self) -> tuple[int | None, ...]:
         """(query, copy, record, push, pop, ctx, stream, event, src, mirror) for tick.c's tw_dev. A CPU arena has no
         driver: its query, copy and record are None, and the native tick fills in its own memcpy "driver" (this
-        module never imports the native one: the dependency runs one way, from tripwire._native to here)."""
+        module never imports the native one: the dependency runs one way, from tripwire._runtime.native to here)."""
         if not self.is_cuda:
             if self._host_mirror is None:
                 self._host_mirror = np.zeros(tuple(self.arena.shape), dtype=np.int64)
@@ -393,7 +393,7 @@ class Readers:
 
     The capture mode is per THREAD: each thread that reads (the reader thread, restarted after a stop; a tool's
     poll) relaxes its own once, before its first CUDA call. Where it cannot be relaxed, reads pause while a capture
-    made through ``torch.cuda.CUDAGraph`` is in progress (:func:`tripwire.capture.install_capture_watch`)."""
+    made through ``torch.cuda.CUDAGraph`` is in progress (:func:`tripwire._runtime.capture.install_capture_watch`)."""
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, DeviceReader] = {}

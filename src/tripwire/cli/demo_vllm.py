@@ -2,8 +2,8 @@
 
 vLLM's CPU build serves a tiny random-initialised Llama (2 layers, hidden 128; no download) four requests of 16 new
 tokens, greedy, each run in a process of its own with the vLLM environment's python (``TRIPWIRE_VLLM_PYTHON``,
-default ``/opt/venv-vllm/bin/python``; tripwire.\\_vllm_proc). The faults are host-side bugs written into the
-engine's own block table or slot mapping for one step (tripwire.\\_vllm_faults):
+default ``/opt/venv-vllm/bin/python``; tripwire.cli._vllm_proc). The faults are host-side bugs written into the
+engine's own block table or slot mapping for one step (tripwire.cli._vllm_faults):
 
 1. the reference: ``TRIPWIRE_VLLM`` unset (the plugin is installed and inert);
 2. without tripwire, a bad block id in a request's block table (a read): the engine process dies (a segfault);
@@ -41,7 +41,7 @@ def _describe(f: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import help_text
+    from .text import help_text
 
     parser = argparse.ArgumentParser(prog="tripwire demo --engine vllm", description=help_text(__doc__))
     parser.add_argument("--engine", choices=["vllm"], default="vllm")

@@ -14,10 +14,10 @@ import threading
 import numpy as np
 import torch
 
+from ..errors import CaptureError
+from ..layout import OFF_DONE, OFF_ENTRY, OFF_HEADER, OFFENDERS, SLOTS, offender_block_words
+from ..sites import Site, SiteRegistry
 from .capture import is_capturing
-from .errors import CaptureError
-from .layout import OFF_DONE, OFF_ENTRY, OFF_HEADER, OFFENDERS, SLOTS, offender_block_words
-from .sites import Site, SiteRegistry
 
 __all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
 

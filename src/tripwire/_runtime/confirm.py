@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_DONE, OFF_ENTRY, OFF_HEADER, SLOTS
-from .sites import GUARD_KINDS, Site, SiteRegistry
+from ..layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_DONE, OFF_ENTRY, OFF_HEADER, SLOTS
+from ..sites import GUARD_KINDS, Site, SiteRegistry
 
 __all__ = [
     "CONFIRM_REPOLL_S",
@@ -50,7 +50,7 @@ OFFENDERS_WAIT_S = 0.25
 CONFIRM_REPOLL_S = 0.001
 
 # A confirmed rise: the site and the row (this copy's) that confirms it; a guard row read with its offender block
-# carries the block after its SLOTS words (tripwire.report.Hit.from_row decodes it).
+# carries the block after its SLOTS words (tripwire._runtime.report.Hit.from_row decodes it).
 Confirmed = tuple[Site, np.ndarray]
 
 

@@ -273,7 +273,7 @@ class FaultInjector:
     def _page(cache: Any, inj: Injection) -> list[tuple[list[int], int, int]]:
         """Write a page injection's bad page id into its request's block table, in every attention group's allocator
         (5.18+: ``cache_allocators``; 5.17: ``group_cache_managers``): (table, column, the page it held) per write."""
-        from .integrations.transformers import _cache_groups
+        from ..integrations.transformers import _cache_groups
 
         allocators = (
             cache.cache_allocators.values() if hasattr(cache, "cache_allocators") else cache.group_cache_managers
@@ -290,7 +290,7 @@ class FaultInjector:
 
     def _pages_built(self, processor: Any, applied: list[tuple[Injection, int, int]]) -> None:
         """Record the page injections applied in this step: the bad indices the engine built from the page."""
-        from .integrations.transformers import _cache_groups
+        from ..integrations.transformers import _cache_groups
 
         if not applied:
             return
@@ -309,7 +309,7 @@ class FaultInjector:
             self.injected.append(Injected(inj, self.steps, col, bad, entries))
 
     def _inject(self, processor: Any) -> None:
-        from .integrations.transformers import _cache_groups
+        from ..integrations.transformers import _cache_groups
 
         io = processor.inputs_and_outputs
         target = io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
@@ -387,7 +387,7 @@ def _device_healthy(device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import help_text
+    from .text import help_text
 
     parser = argparse.ArgumentParser(prog="tripwire demo --engine transformers", description=help_text(__doc__))
     parser.add_argument("--engine", choices=["transformers"], default="transformers")
@@ -419,7 +419,7 @@ class _EngineLogFilter(logging.Filter):
             self.seen.add(msg)
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
-            from .errors import GuardTripped
+            from ..errors import GuardTripped
 
             if isinstance(exc, GuardTripped):
                 record.exc_info, record.exc_text = None, None
@@ -535,7 +535,7 @@ def _demo(args: argparse.Namespace) -> int:
     handle.uninstall()
     monitor.stop()
 
-    from .cli import format_table
+    from .text import format_table
 
     table = [("scenario", "injected", "site", "count", "engine", "ok", "failed", "changed", "result")]
     for r in rows:

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .sites import Site
+from .text import sites_table
 
 
 def _want_interpreter(device: str | None) -> bool:
@@ -37,7 +33,7 @@ def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
         if (d / "run_all.py").is_file():
             return d, ""
         return None, f"TRIPWIRE_BENCH_DIR={env!r} has no run_all.py (it must name a checkout's benchmarks/ folder)"
-    pkg = (package or Path(__file__).resolve().parent).resolve()
+    pkg = (package or Path(__file__).resolve().parents[1]).resolve()
     d = pkg.parents[1] / "benchmarks"
     if pkg.parent.name == "src" and (d / "run_all.py").is_file():
         return d, ""
@@ -46,34 +42,6 @@ def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
         f"the repository: clone it and run `pip install -e '.[bench]'` there, or set TRIPWIRE_BENCH_DIR to a "
         f"checkout's benchmarks/ folder"
     )
-
-
-def help_text(doc: str | None) -> str:
-    """A command's ``--help`` description from its module's docstring: the first paragraph as plain text (reST's
-    double backquotes and roles dropped), whole, not its first line."""
-    para = (doc or "").strip().split("\n\n", 1)[0]
-    text = " ".join(para.split())
-    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
-    return text.replace("``", "").replace("\\", "")
-
-
-def format_table(rows: Sequence[Sequence[str]], right: tuple[int, ...] = (), indent: str = "") -> str:
-    """``rows`` (the first is the header) as aligned columns two spaces apart, each as wide as its widest cell;
-    the columns in ``right`` are right-aligned, the last column is left ragged."""
-    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, width, strict=True))]
-        cells[-1] = r[-1]
-        lines.append((indent + "  ".join(cells)).rstrip())
-    return "\n".join(lines)
-
-
-def sites_table(sites: Sequence[Site]) -> str:
-    """``tripwire sites``' table: a header and one aligned row per site (id, kind, FATAL, name, description)."""
-    rows = [("ID", "KIND", "FATAL", "NAME", "DESCRIPTION")]
-    rows += [(str(s.id), s.kind, "FATAL" if s.fatal else "", s.name, s.description) for s in sites]
-    return format_table(rows, right=(0,))
 
 
 def _engine_arg(args: list[str]) -> str | None:
@@ -108,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from . import __version__
-    from .errors import SettingError
+    from .. import __version__
+    from ..errors import SettingError
 
     parser = argparse.ArgumentParser(prog="tripwire", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tripwire {__version__}")
@@ -134,7 +102,7 @@ def _main(argv: list[str] | None) -> int:
         extra = argv[argv.index(ns.cmd) + 1 :]
     try:
         if ns.cmd != "doctor":  # the doctor reports a broken setting as one of its checks
-            from .config import load_settings
+            from ..config import load_settings
 
             # Before any work: the same refusal the monitor would give later, deep inside a run.
             load_settings()
@@ -197,7 +165,7 @@ def _run(cmd: str, extra: list[str]) -> int:
     if cmd == "resources":
         # Compiling for the GPU target needs Triton's compiler, which the interpreter replaces: never interpret.
         os.environ.pop("TRITON_INTERPRET", None)
-        from .resources import main as resources_main
+        from ..resources import main as resources_main
 
         return resources_main(extra)
     return 2

@@ -1,7 +1,7 @@
 """A validator's rules as its two backends see them (pure Python: no torch kernel, no triton).
 
 :class:`tripwire.validate.Validator` fixes one :class:`Rules` once its rules are declared; the Triton kernel
-(:mod:`tripwire._validate_kernel`, CUDA tensors) and the plain torch implementation (:mod:`tripwire._validate_torch`,
+(:mod:`tripwire.validate._triton`, CUDA tensors) and the plain torch implementation (:mod:`tripwire.validate._torch`,
 CPU tensors) both run from it, with the same counts, offenders and masking. It lives apart from both so that the CPU
 path never imports triton.
 """

@@ -26,7 +26,7 @@ from typing import Any
 # The folder holding this tripwire package, when it is a source checkout (put first on the vLLM processes' path, so
 # they run this code); an installed tripwire is the vLLM environment's own (another environment's site-packages on
 # its path would bring that environment's torch along).
-_HERE = Path(__file__).resolve().parents[1]
+_HERE = Path(__file__).resolve().parents[2]
 SRC = _HERE if (_HERE.parent / "pyproject.toml").exists() else None
 DEFAULT_PYTHON = "/opt/venv-vllm/bin/python"
 RUN_TIMEOUT = 420
@@ -98,7 +98,7 @@ def run_engine(
 ) -> Run:
     """Run the engine once in a fresh process (see the module docstring) and collect what it left. ``env`` values
     may name the run's own folder as ``{dir}``."""
-    from tripwire._vllm_faults import plugin_dir
+    from tripwire.cli._vllm_faults import plugin_dir
 
     py = python or vllm_python()
     d = workdir / name
@@ -122,7 +122,7 @@ def run_engine(
     cfg.setdefault("model", str(workdir / "model"))
     try:
         p = subprocess.run(
-            [py, "-m", "tripwire._vllm_run", json.dumps(cfg)],
+            [py, "-m", "tripwire.cli._vllm_run", json.dumps(cfg)],
             capture_output=True,
             text=True,
             env=full,
@@ -154,7 +154,7 @@ class EnginePool:
     def _start(self) -> None:
         py = vllm_python()
         made = python_in_vllm_env(
-            f"from tripwire._vllm_run import make_model; make_model({str(self.workdir / 'model')!r})"
+            f"from tripwire.cli._vllm_run import make_model; make_model({str(self.workdir / 'model')!r})"
         )
         if made.returncode != 0:
             raise RuntimeError(f"making the tiny model failed: {made.stderr[-3000:]}")

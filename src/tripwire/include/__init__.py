@@ -12,4 +12,4 @@ def include_dir() -> str:
     """The directory to put on a CUDA extension's include path (``extra_include_paths=[tripwire.include_dir()]``);
     it holds ``tripwire/guard.cuh``, so kernels ``#include <tripwire/guard.cuh>``. Shipped in the wheel and the
     sdist; reading it initialises nothing."""
-    return str(Path(__file__).resolve().parent / "include")
+    return str(Path(__file__).resolve().parent)
