@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 import tripwire
 from tripwire import layout
-from tripwire._runtime.report import decode_offenders
+from tripwire._runtime.hit import decode_offenders
 from tripwire.layout import decode, decode_neg, encode, offender_key
 from tripwire.triton import record_hits
 

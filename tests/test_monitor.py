@@ -182,11 +182,11 @@ class _BrokenReporter:
     count_slots = (COUNT,)
     calls = 0
 
-    def confirm(self, monitor, device, site, row, now):
+    def confirm(self, ctx, device, site, row, now):
         _BrokenReporter.calls += 1
         raise ValueError("boom")
 
-    def tick(self, monitor, latest, now):
+    def tick(self, ctx, latest, now):
         return None
 
 
@@ -546,15 +546,17 @@ class _LockProbe:
 
     count_slots = (COUNT,)
     seen: list[bool] = []
+    monitor: Monitor | None = None  # the monitor whose lock it probes (a reporter is given its context, not it)
 
-    def confirm(self, monitor, device, site, row, now):
+    def confirm(self, ctx, device, site, row, now):
         return None
 
-    def tick(self, monitor, latest, now):
+    def tick(self, ctx, latest, now):
         import threading
 
         if threading.current_thread() is threading.main_thread():  # not the probe's own poll, on its thread
-            _LockProbe.seen.append(_lock_free(monitor))
+            assert _LockProbe.monitor is not None
+            _LockProbe.seen.append(_lock_free(_LockProbe.monitor))
 
 
 def test_control_the_probe_sees_the_lock_held(registry):
@@ -563,6 +565,7 @@ def test_control_the_probe_sees_the_lock_held(registry):
 
     register_reporter("test.lockprobe", _LockProbe)
     m = Monitor(registry=registry, capacity=64)
+    _LockProbe.monitor = m
     m.counter(registry.register("k.probe", kind="test.lockprobe"), "cpu")
     m.poll()  # the first decode makes the reporter; its tick runs under the lock
     assert _LockProbe.seen == [False]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tripwire import SiteRegistry
+from tripwire._runtime.hit import Hit
 from tripwire._runtime.report import (
     GuardReporter,
-    Hit,
     Report,
     Reporters,
     ReportWindow,

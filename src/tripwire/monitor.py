@@ -26,17 +26,18 @@ import torch
 from ._runtime import confirm
 from ._runtime.arena import Arena, normalize_device, unindexed_cuda
 from ._runtime.capture import PostCaptureHooks, is_capturing
+from ._runtime.hit import Hit
 from ._runtime.native.engage import Engagement
 from ._runtime.pipeline import Callbacks, Pipeline
 from ._runtime.reader import DeviceReader, Readers
-from ._runtime.report import GuardReporter, Hit, Report, RowReporter, register_reporter, tripped_for
+from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, tripped_for
 from .config import Settings, SettingView, check_timeout, load_settings
 from .contain import RequestNames, Taint
 from .errors import CaptureError, GuardTripped
 from .sinks import Event, JsonLines, stop_event
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 
-__all__ = ["GuardReporter", "Hit", "Monitor", "RowReporter", "register_reporter"]
+__all__ = ["GuardReporter", "Hit", "Monitor", "ReportContext", "RowReporter", "register_reporter"]
 
 log = logging.getLogger("tripwire")
 
@@ -82,9 +83,9 @@ class Monitor:
         self._arm_listeners = Callbacks("an arm listener")
         self._arm_queue: list[GuardTripped] = []  # armed under the lock, delivered (_deliver) once it is released
         self._sync_due = False  # the sinks' health is due (a stop, a reset, a new sink)
-        self.pipeline = Pipeline(self)
         # Engine request ids <-> the numbers kernels keep with offenders (reports and taints name the engine's ids).
         self.requests = RequestNames()
+        self.pipeline = Pipeline(self.registry, lambda: self.settings, self.requests, self.arm, lambda: self.armed)
         self._rings: list[Any] = []  # the verdict rings (tripwire.verdict), re-baselined by reset()
         self.confirmer, self.sinks = self.pipeline.confirmer, self.pipeline.sinks
         self._last_tick: float | None = None
@@ -224,10 +225,6 @@ class Monitor:
         """Stop handing events to ``sink`` (ValueError if it was not added)."""
         with self._lock:
             self.sinks.remove(sink)
-
-    def emit(self, key: tuple[str, int], total: int, now: float, render: Callable[[int], Report]) -> None:
-        """A reporter's report for ``key`` (a device and a row), through the aggregation window."""
-        self.pipeline.submit(key, total, now, render)
 
     # ------------------------------------------------------------------ lifecycle
     def register_post_capture_hook(self, fn: Callable[[], Any]) -> None:
@@ -496,7 +493,9 @@ class Monitor:
                         f"site {s.name!r} on {dev} already has a verdict ring: a second ring would find its offenders "
                         f"consumed by the first"
                     )
-            ring = Verdicts(self, dev, resolved, depth)
+            ring = Verdicts(
+                self.pipeline.context, dev, resolved, depth, prealloc=self.prealloc, offenders=self.arena.offenders
+            )
             for s in resolved:
                 self.pipeline.ledger.cover(str(dev), s.id)
             self._rings.append(ring)

@@ -50,7 +50,7 @@ OFFENDERS_WAIT_S = 0.25
 CONFIRM_REPOLL_S = 0.001
 
 # A confirmed rise: the site and the row (this copy's) that confirms it; a guard row read with its offender block
-# carries the block after its SLOTS words (tripwire._runtime.report.Hit.from_row decodes it).
+# carries the block after its SLOTS words (tripwire._runtime.hit.Hit.from_row decodes it).
 Confirmed = tuple[Site, np.ndarray]
 
 

@@ -16,16 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..contain import Containment, VerdictLedger
+from ..contain import Containment, RequestNames, VerdictLedger
+from ..errors import GuardTripped
 from ..sinks import Event, Log, SinkSet
+from ..sites import SiteRegistry
 from .confirm import Confirmed, Confirmer
-from .report import Hit, Report, Reporters, ReportWindow, decode_rows, named
+from .hit import Hit, named
+from .report import Report, ReportContext, Reporters, ReportWindow, decode_rows
 
 if TYPE_CHECKING:
-    from ..monitor import Monitor
+    from ..config import Settings
     from .reader import DeviceReader
-
-__all__ = ["Callbacks", "Pipeline"]
 
 log = logging.getLogger("tripwire")
 
@@ -56,18 +57,33 @@ class Callbacks(list):  # type: ignore[type-arg]
 
 
 class Pipeline:
-    """One monitor's confirmer, reporters, report window, log and sinks."""
+    """One monitor's confirmer, reporters, report window, log and sinks. Given the monitor's parts, never the
+    monitor: ``registry``, ``settings()`` (the monitor's settings, read when used), ``requests`` (its request names),
+    ``arm(exc)`` and ``armed()`` (its stop). :attr:`context` is what the reporters get."""
 
-    def __init__(self, monitor: Monitor) -> None:
-        self.monitor = monitor
+    def __init__(
+        self,
+        registry: SiteRegistry,
+        settings: Callable[[], Settings],
+        requests: RequestNames,
+        arm: Callable[[GuardTripped], None],
+        armed: Callable[[], GuardTripped | None],
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.requests = requests
         self.reporters = Reporters()
-        self.confirmer = Confirmer(monitor.registry, monitor.settings.capacity, self.reporters.count_slots)
+        s = settings()
+        self.confirmer = Confirmer(registry, s.capacity, self.reporters.count_slots)
         # The window and the sink-failure log follow the monitor's setting (read when used).
-        self.window = ReportWindow(lambda: monitor.settings.report_every, self._release)
+        self.window = ReportWindow(lambda: settings().report_every, self._release)
         self.log = Log()
-        self.sinks = SinkSet(lambda: monitor.settings.report_every)
-        self.containment = Containment(monitor.settings.offenders, enabled=monitor.settings.contain)
-        self.ledger = VerdictLedger(monitor.settings.offenders)
+        self.sinks = SinkSet(lambda: settings().report_every)
+        self.containment = Containment(s.offenders, enabled=s.contain)
+        self.ledger = VerdictLedger(s.offenders)
+        self.context = ReportContext(
+            registry, settings, requests, self.containment, self.ledger, self.submit, arm, armed
+        )
         self._events: list[Event] = []
 
     def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
@@ -92,14 +108,14 @@ class Pipeline:
 
     def _confirm(self, device: str, confirmed: list[Confirmed], now: float) -> None:
         for site, row in confirmed:
-            self.reporters.make(site.kind).confirm(self.monitor, device, site, row, now)
+            self.reporters.make(site.kind).confirm(self.context, device, site, row, now)
 
     def tick(self, now: float) -> None:
         """Once per Python tick: release the reports whose window passed, tick the reporters (heartbeats)."""
         self.window.flush_due(now)
         latest = self.confirmer.all_latest()
         for reporter in self.reporters.made():
-            reporter.tick(self.monitor, latest, now)
+            reporter.tick(self.context, latest, now)
 
     def _release(self, report: Report) -> None:
         """The window let ``report`` out: log it now, queue its events for the sinks."""
@@ -114,7 +130,7 @@ class Pipeline:
     def duty_wait(self, now: float) -> float:
         """How long the reader thread may leave every tick to the native thread: until the next deferred report is
         due, and at most a quarter of the heartbeat (the numeric instruments' heartbeats run on Python ticks)."""
-        s = self.monitor.settings
+        s = self.settings()
         wait = max(s.interval, s.heartbeat / 4)
         due = self.window.next_due(now)
         return wait if due is None else min(wait, due)
@@ -126,11 +142,11 @@ class Pipeline:
     def decode(self, device: str, rows: np.ndarray, offenders: Any = None) -> dict[tuple[str, str], Hit]:
         """The snapshot of ``device``'s rows: requests by the engine's ids, and for the rows a verdict ring covers the
         offenders its verdicts consumed first (the device block holds only the step's since)."""
-        out = decode_rows(self.monitor.registry, self.reporters, device, rows, offenders)
-        name = self.monitor.requests.name
+        out = decode_rows(self.registry, self.reporters, device, rows, offenders)
+        name = self.requests.name
         for key, hit in out.items():
             hit = named(hit, name)
-            site = self.monitor.registry.get(key[1])
+            site = self.registry.get(key[1])
             if self.ledger.covers(device, site.id):
                 kept = self.ledger.offenders(device, site.id)
                 hit = replace(hit, offenders=kept + tuple(o for o in hit.offenders if o not in kept))
@@ -139,7 +155,7 @@ class Pipeline:
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per device, each site's count as confirmed so far (what was reported)."""
-        sites = self.monitor.registry.all()
+        sites = self.registry.all()
         out: dict[str, dict[str, int]] = {}
         for name in self.confirmer.devices():
             rows = self.confirmer.reported_rows(name)

@@ -24,97 +24,16 @@ import numpy as np
 from ..errors import GuardTripped
 from ..layout import (
     COUNT,
-    E_KEY,
-    E_REQ,
-    E_ROW,
-    E_VALUE,
-    FIRST_ROW,
-    FIRST_VALUE,
-    MAX_ROW,
-    MAX_VALUE,
-    NEG_MIN,
-    OFF_ENTRY,
-    OFF_HEADER,
-    SLOTS,
     VALUE_MAX,
     VALUE_MIN,
-    decode,
-    decode_neg,
 )
 from ..sinks import LINE_LIMIT, Event, Offender
 from ..sites import GUARD_KINDS, Site, SiteRegistry
+from .hit import Hit, named
 
 if TYPE_CHECKING:
-    from ..monitor import Monitor
-
-__all__ = [
-    "GuardReporter",
-    "Hit",
-    "Report",
-    "ReportWindow",
-    "Reporters",
-    "RowReporter",
-    "Wording",
-    "decode_offenders",
-    "decode_rows",
-    "guard_event",
-    "guard_message",
-    "guard_wording",
-    "offenders_text",
-    "register_reporter",
-    "short_name",
-]
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A decoded row. ``first_row``/``first_value`` are one real hit; the extremes are independent lifetime extremes
-    (the max row and the max value may come from different hits). None where nothing was recorded.
-
-    ``kind``: the row's kind (``"guard"``, ``"nonfinite"``: the guard layout; ``"clip"``: ``count`` is the K plus V
-    elements clipped, and the other fields are None: ``ClipCounter.totals()`` has the split and the maxima).
-    ``offenders``: the first K distinct offenders kept on the device (``TRIPWIRE_OFFENDERS``), in claim order
-    (:mod:`tripwire.layout`):
-    :class:`tripwire.sinks.Offender` (row, value, request: None where the kernel had no row-to-request map). More
-    than K distinct offenders keep the first K; the count stays exact."""
-
-    count: int
-    first_row: int | None
-    first_value: int | None
-    max_row: int | None
-    max_value: int | None
-    min_value: int | None
-    offenders: tuple[Offender, ...] = ()
-    kind: str = "guard"
-
-    @classmethod
-    def from_row(cls, row: np.ndarray, kind: str = "guard") -> Hit:
-        """Decode a guard-layout row (the one place a row becomes a Hit). A row read with its offender block carries
-        the block after its ``SLOTS`` words."""
-        return cls(
-            count=int(row[COUNT]),
-            first_row=decode(int(row[FIRST_ROW])),
-            first_value=decode(int(row[FIRST_VALUE])),
-            max_row=decode(int(row[MAX_ROW])),
-            max_value=decode(int(row[MAX_VALUE])),
-            min_value=decode_neg(int(row[NEG_MIN])),
-            offenders=decode_offenders(row[SLOTS:]) if row.shape[0] > SLOTS else (),
-            kind=kind,
-        )
-
-
-def decode_offenders(block: np.ndarray) -> tuple[Offender, ...]:
-    """The offenders of a row's offender block (tripwire.layout), in claim order: the claimed entries whose owner's
-    words have landed (a claimed entry still being written is left out)."""
-    out = []
-    for entry in block[OFF_HEADER:].reshape(-1, OFF_ENTRY):
-        if entry[E_KEY] == 0:
-            break  # entries are claimed in order: the first free one ends the list
-        row, value = decode(int(entry[E_ROW])), decode(int(entry[E_VALUE]))
-        if row is None or value is None:
-            continue
-        out.append(Offender(row, value, decode(int(entry[E_REQ]))))
-    return tuple(out)
+    from ..config import Settings
+    from ..contain import Containment, RequestNames, VerdictLedger
 
 
 class Wording(NamedTuple):
@@ -140,6 +59,24 @@ class Report:
     level: int = logging.WARNING
 
 
+@dataclass(frozen=True)
+class ReportContext:
+    """What a reporter (and a verdict ring) may use of the monitor it reports for, and nothing more: its site
+    registry, its settings (``settings()``: read when used), its request names, its containment and verdict ledger,
+    the report window (``emit(key, total, now, render)``: one report per key and window, see :class:`ReportWindow`)
+    and the stop (``arm(exc)``, ``armed()``). The monitor's pipeline makes one per monitor; reporters never hold the
+    monitor itself, so nothing below the monitor imports it."""
+
+    registry: SiteRegistry
+    settings: Callable[[], Settings]
+    requests: RequestNames
+    containment: Containment
+    ledger: VerdictLedger
+    emit: Callable[[tuple[str, int], int, float, Callable[[int], Report]], None]
+    arm: Callable[[GuardTripped], None]
+    armed: Callable[[], GuardTripped | None]
+
+
 class RowReporter(Protocol):
     """Turns confirmed rises of one kind of row into reports. ``count_slots``: the slots whose sum rising means
     new events. ``confirm`` runs under the monitor's lock on the reader thread (or drain's caller); ``tick`` runs on
@@ -147,9 +84,9 @@ class RowReporter(Protocol):
 
     count_slots: tuple[int, ...]
 
-    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None: ...
+    def confirm(self, ctx: ReportContext, device: str, site: Site, row: np.ndarray, now: float) -> None: ...
 
-    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None: ...
+    def tick(self, ctx: ReportContext, latest: dict[str, np.ndarray], now: float) -> None: ...
 
 
 _FACTORIES: dict[str, Callable[[], Any]] = {}
@@ -291,10 +228,10 @@ class GuardReporter:
     count_slots: tuple[int, ...] = (COUNT,)
     wording = staticmethod(guard_wording)
 
-    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
-        ledger, contain = monitor.pipeline.ledger, monitor.pipeline.containment
+    def confirm(self, ctx: ReportContext, device: str, site: Site, row: np.ndarray, now: float) -> None:
+        ledger, contain = ctx.ledger, ctx.containment
         covered = ledger.covers(device, site.id)
-        hit = named(Hit.from_row(row, site.kind), monitor.requests.name)
+        hit = named(Hit.from_row(row, site.kind), ctx.requests.name)
         if covered:
             # A verdict ring consumes this row's offenders every step: the reports carry the ones it consumed, then
             # the block's (the current step's, not yet taken).
@@ -304,31 +241,21 @@ class GuardReporter:
         def render(delta: int) -> Report:
             return Report((guard_event(site, device, hit, delta),), wording(site, device, hit, delta=delta), site.name)
 
-        monitor.emit((device, site.id), hit.count, now, render)
+        ctx.emit((device, site.id), hit.count, now, render)
         if covered and contain.enabled:
             return  # the ring's same-step verdict fails the requests (or the step) and arms nothing: tripwire.verdict
         # With containment on, a rise whose every new hit names a request taints those requests instead of arming
         # (tripwire.contain); a fatal site, or a rise it cannot attribute, arms exactly as without it.
         contained = contain.enabled and contain.note(site, device, hit)
-        if site.fatal or (monitor.settings.mode == "raise" and not contained):
-            monitor.arm(tripped_for(site, device, hit, lambda *a, **k: str(wording(*a, **k))))
+        if site.fatal or (ctx.settings().mode == "raise" and not contained):
+            ctx.arm(tripped_for(site, device, hit, lambda *a, **k: str(wording(*a, **k))))
 
-    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None:
+    def tick(self, ctx: ReportContext, latest: dict[str, np.ndarray], now: float) -> None:
         return None
 
 
 for _kind in GUARD_KINDS:
     register_reporter(_kind, GuardReporter)
-
-
-def named(hit: Hit, name: Callable[[Any], Any]) -> Hit:
-    """``hit`` with its offenders' request numbers turned into the engine's request ids (``name``: a monitor's
-    ``requests.name``; a number nobody named stays as it is)."""
-    if not any(o.request is not None for o in hit.offenders):
-        return hit
-    return replace(
-        hit, offenders=tuple(o if o.request is None else o._replace(request=name(o.request)) for o in hit.offenders)
-    )
 
 
 def _merged(first: tuple[Offender, ...], then: tuple[Offender, ...]) -> tuple[Offender, ...]:

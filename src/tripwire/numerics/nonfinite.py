@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime.report import GuardReporter, Hit, Wording, register_reporter, short_name
+from .._runtime.hit import Hit
+from .._runtime.report import GuardReporter, Wording, register_reporter, short_name
 from ..monitor import Monitor
 from ..sites import Site
 from ..triton import record_hits
