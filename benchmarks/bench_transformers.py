@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from _common import env_info, write_json
+from tripwire.cli.bench.common import env_info, write_json
 
 TARGET_PCT = 0.1
 

@@ -66,7 +66,7 @@ grep -E "host|per call" "$OUT/bench_validate.log" >>"$SUM"
 
 # 5. The numeric kernels: the non-finite counter's sweep against a copy (target >= 90 % everywhere) and the fused FP8
 #    counter against count=False (target <= 2 % at 2048 tokens).
-step bench_numerics 150 python3 benchmarks/bench_numerics.py --out "$OUT/numerics.json"
+step bench_numerics 150 python3 -m tripwire.cli.bench.numerics --out "$OUT/numerics.json"
 grep -E "nonfinite|block|fused|overhead|ratio" "$OUT/bench_numerics.log" | head -30 >>"$SUM"
 step sweep_fused 100 python3 benchmarks/sweep_fused.py "$OUT/sweep_fused.json" 2048
 grep -E "^tokens 2048" "$OUT/sweep_fused.log" >>"$SUM"

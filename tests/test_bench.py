@@ -1,9 +1,8 @@
-"""The benchmark harness (benchmarks/, ``tripwire bench``): it runs, writes the JSON record (device, versions, every
+"""The benchmark harness (tripwire.cli.bench, ``tripwire bench``): it runs, writes the JSON record (device, versions, every
 figure), renders RESULTS.md tables from it, and never marks an unmeasured or unresolvable figure as a pass.
 
 The end-to-end test runs a reduced subset (q4, q5, q6 and a GPU-only question that must come back skipped on the
-CPU) through the real command line, in a subprocess, so TRITON_INTERPRET and the benchmarks' sys.path are set the
-way ``tripwire bench`` sets them. It measures nothing: figures belong in the benchmark output, not in assertions.
+CPU) through the real command line, in a subprocess, so TRITON_INTERPRET is set the way ``tripwire bench`` sets it. It measures nothing: figures belong in the benchmark output, not in assertions.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+# The measurements run by hand (bench_decode_attention.py and the others) are scripts in the repository's benchmarks/.
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -79,7 +79,7 @@ def test_quick_bench_plot_or_clear_message(quick_run) -> None:
 
 
 def test_plot_without_matplotlib_skips_with_a_message(monkeypatch, tmp_path) -> None:
-    import plot
+    from tripwire.cli.bench import plot
 
     real_import = builtins.__import__
 
@@ -134,7 +134,7 @@ def _report(pass_mark: bool | None) -> dict:
 
 @pytest.mark.parametrize(("mark", "shown"), [(True, "**PASS**"), (False, "**SHORT**"), (None, "n/a")])
 def test_results_md_marks(mark, shown) -> None:
-    from results_md import render
+    from tripwire.cli.bench.results_md import render
 
     md = render(_report(mark))
     row = next(ln for ln in md.splitlines() if ln.startswith("| q2 |"))
@@ -144,7 +144,7 @@ def test_results_md_marks(mark, shown) -> None:
 
 
 def test_results_md_update_replaces_only_the_measured_questions_rows(tmp_path) -> None:
-    from results_md import MARKERS, ROW_HEAD, update
+    from tripwire.cli.bench.results_md import MARKERS, ROW_HEAD, update
 
     gb, ge = MARKERS[False]
     cb, ce = MARKERS[True]
@@ -172,7 +172,7 @@ def test_results_md_update_replaces_only_the_measured_questions_rows(tmp_path) -
 
 
 def test_results_md_update_adds_a_question_it_did_not_have(tmp_path) -> None:
-    from results_md import MARKERS, update
+    from tripwire.cli.bench.results_md import MARKERS, update
 
     gb, ge = MARKERS[False]
     f = tmp_path / "RESULTS.md"
@@ -185,7 +185,7 @@ def test_results_md_update_adds_a_question_it_did_not_have(tmp_path) -> None:
 def test_stats_and_percentile_match_numpy() -> None:
     import numpy as np
 
-    from _common import percentile, stats
+    from tripwire.cli.bench.common import percentile, stats
 
     xs = [5.0, 1.0, 3.0, 2.0, 4.0, 10.0, 7.5]
     for q in (0, 25, 50, 90, 99, 100):
@@ -196,7 +196,7 @@ def test_stats_and_percentile_match_numpy() -> None:
 
 
 def test_step_loop_judge_respects_the_noise_floor() -> None:
-    from step_loop_stats import judge
+    from tripwire.cli.bench.step_loop_stats import judge
 
     assert judge(0.05, 0.02) == (True, "")
     assert judge(0.3, 0.02)[0] is False
@@ -206,90 +206,33 @@ def test_step_loop_judge_respects_the_noise_floor() -> None:
 
 
 def test_unknown_question_is_refused(tmp_path) -> None:
-    import run_all
+    from tripwire.cli.bench.run import main
 
-    assert run_all.main(["--only", "q42", "--out", str(tmp_path)]) == 2
-
-
-def _benchmark_imports(folder: Path) -> dict[str, set[str]]:
-    """Module -> the benchmark modules it imports (at the top, inside functions, or by importlib.import_module)."""
-    import ast
-
-    names = {f.stem for f in folder.glob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for f in folder.glob("*.py"):
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                deps.add(node.module)
-            elif (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "attr", None) == "import_module"
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-            ):
-                deps.add(str(node.args[0].value))
-        graph[f.stem] = {d for d in deps if d in names and d != f.stem}
-    return graph
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of ``graph`` (as a path that ends where it starts), or None."""
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        path.append(n)
-        for d in sorted(graph.get(n, ())):
-            if state.get(d) == 1:
-                return [*path[path.index(d) :], d]
-            if d not in state and (found := visit(d)) is not None:
-                return found
-        state[n] = 2
-        path.pop()
-        return None
-
-    for n in sorted(graph):
-        if n not in state and (found := visit(n)) is not None:
-            return found
-    return None
-
-
-def test_benchmark_modules_import_no_cycle() -> None:
-    """No benchmark module imports, directly or through others, one that imports it back (guard_cost folds
-    bench_numerics in through bench_numerics' own fold; nothing imports guard_cost). Control: the detector finds the
-    cycle the two modules had."""
-    graph = _benchmark_imports(BENCH)
-    assert {"guard_cost", "bench_numerics", "step_loop", "step_loop_stats", "run_all"} <= set(graph)
-    assert "bench_numerics" in graph["guard_cost"] and "step_loop_stats" in graph["step_loop"]
-    assert _cycle(graph) is None, _cycle(graph)
-    with_cycle = {**graph, "bench_numerics": graph["bench_numerics"] | {"guard_cost"}}
-    assert _cycle(with_cycle) in (
-        ["guard_cost", "bench_numerics", "guard_cost"],
-        ["bench_numerics", "guard_cost", "bench_numerics"],
-    )
+    assert main(["--only", "q42", "--out", str(tmp_path)]) == 2
 
 
 def test_only_takes_labels_and_module_names() -> None:
     """``--only`` keeps the question labels (RESULTS.md's and the records'); a module's name selects its question."""
-    import run_all
+    import importlib
 
-    assert sorted(q for q, _, _ in run_all.QUESTIONS) == [f"q{i}" for i in range(1, 10)]
-    for _, mod, _ in run_all.QUESTIONS:
-        assert (BENCH / f"{mod}.py").is_file() and not mod.startswith("q")
-    assert run_all.selection("q2, tick_scaling,q3") == ({"q2", "q5", "q3"}, set())
-    assert run_all.selection("") == (set(), set())
-    assert run_all.selection("q42,q3_step_loop") == (set(), {"q42", "q3_step_loop"})  # neither a label nor a module
+    from tripwire.cli.bench.questions import QUESTIONS, label, selection
+
+    assert sorted(q for q, _, _ in QUESTIONS) == [f"q{i}" for i in range(1, 10)]
+    for qid, mod, _ in QUESTIONS:
+        assert not mod.startswith("q") and label(f"tripwire.cli.bench.{mod}") == qid
+        assert callable(importlib.import_module(f"tripwire.cli.bench.{mod}").run)
+    assert selection("q2, tick_scaling,q3") == ({"q2", "q5", "q3"}, set())
+    assert selection("") == (set(), set())
+    assert selection("q42,q3_step_loop") == (set(), {"q42", "q3_step_loop"})  # neither a label nor a module
+    with pytest.raises(KeyError):
+        label("step_loop_stats")  # control: a helper module measures no question
 
 
 def test_guard_cost_cases_match_the_kernel_launchers(kernel_device) -> None:
     """q1 calls every reference launcher with the bench's own arguments: shrunk to a few KB they must run under
     the interpreter (or the GPU), the guarded and unguarded outputs must agree, and valid metadata counts nothing."""
-    from guard_cost import build_cases
     from tripwire import Monitor, SiteRegistry
+    from tripwire.cli.bench.guard_cost import build_cases
 
     m = Monitor(registry=SiteRegistry(capacity=64), capacity=64)
     builders = build_cases(m, kernel_device, shrink=1024)
@@ -308,7 +251,7 @@ def test_bench_gather_kernel_counts_and_masks(kernel_device) -> None:
     """The shared guarded gather (q3, q4, q7, q8, q9, the reader's GPU tests and scripts/gpu_distributed.py inject
     faults through it)."""
     from tripwire import Monitor, SiteRegistry
-    from tripwire._gather import gather_rows
+    from tripwire.cli.bench.gather import gather_rows
 
     reg = SiteRegistry(capacity=4)
     site = reg.register("bench.test.gather")
@@ -350,7 +293,7 @@ def test_step_loop_median_and_se_resists_phase_rounds() -> None:
     a host phase change (+60 %) must not move it; the control, a plain mean, moves by several percent."""
     import statistics
 
-    from step_loop_stats import median_and_se
+    from tripwire.cli.bench.step_loop_stats import median_and_se
 
     rounds = [0.05, -0.05, 0.1, 0.0, -0.1, 0.05, 0.0, 60.0, -38.0, 0.02]
     med, se = median_and_se(rounds)
@@ -386,7 +329,7 @@ def test_step_loop_attribution_recovers_a_planted_tick_cost_and_nothing_else() -
     all steps' mean, no shifted windows) reports a cost where there is none."""
     import statistics
 
-    from step_loop_stats import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute, attributed_pct
+    from tripwire.cli.bench.step_loop_stats import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute, attributed_pct
 
     ticks = [0.013 + k * ATTR_INTERVAL_S for k in range(400)]  # 20 s of ticks
     spans = [(a, a + 1e-4) for a in ticks]
@@ -411,7 +354,7 @@ def test_step_loop_attribution_recovers_a_planted_tick_cost_and_nothing_else() -
 
 
 def test_step_loop_attribution_leaves_out_ticks_outside_the_run() -> None:
-    from step_loop_stats import attribute, virtual_spans
+    from tripwire.cli.bench.step_loop_stats import attribute, virtual_spans
 
     starts, durs = _step_trace(100, 0)
     end = starts[-1] + durs[-1]
@@ -427,7 +370,7 @@ def test_step_loop_attribution_leaves_out_ticks_outside_the_run() -> None:
 def test_step_loop_judge_attributed() -> None:
     """The attribution's mark: evidence only when its floor is under the target, the GIL-holding control is seen
     and agrees with the run means, and the run means show no cost above their own floor."""
-    from step_loop_stats import judge_attributed
+    from tripwire.cli.bench.step_loop_stats import judge_attributed
 
     ok_direct = (None, "not resolvable")
     heavy, heavy_direct = (4.0, 0.2), (4.3, 0.5)
@@ -471,7 +414,7 @@ def test_step_loop_attribution_is_unbiased_on_short_drifting_runs() -> None:
     control reads ~0, with 60 us per tick it reads the planted total. Controls: a one-sided control (ticks moved
     one way only) reads the drift as a cost; requiring both control sides drops the ticks near the ends of each
     run."""
-    from step_loop_stats import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute
+    from tripwire.cli.bench.step_loop_stats import ATTR_INTERVAL_S, ATTR_MARGIN_S, attribute
 
     half = ATTR_INTERVAL_S / 2
 
@@ -502,7 +445,7 @@ def test_step_loop_attribution_is_unbiased_on_short_drifting_runs() -> None:
 def test_split_run_covers_every_step_and_tick_once():
     """q3 cuts its long runs into short-run-sized pieces for the attribution's per-run standard error: every step and
     every tick lands in exactly one piece, in order; a run shorter than two pieces stays whole."""
-    from step_loop_stats import split_run
+    from tripwire.cli.bench.step_loop_stats import split_run
 
     starts = [i * 0.001 for i in range(1037)]
     durs = [0.001] * 1037
@@ -517,10 +460,10 @@ def test_split_run_covers_every_step_and_tick_once():
 
 
 def test_bench_numerics_merge_replaces_only_the_numerics_of_q1(tmp_path):
-    """bench_numerics.py --merge folds a fresh numerics run into an earlier record's q1: the old fused FP8 and
+    """tripwire.cli.bench.numerics --merge folds a fresh numerics run into an earlier record's q1: the old fused FP8 and
     non-finite figures, targets and notes go, the guard figures stay, the new ones arrive through the same fold as a
-    full run (bench_numerics.fold, which guard_cost.py calls), and a note says what was re-measured when."""
-    import bench_numerics
+    full run (numerics.fold, which guard_cost calls), and a note says what was re-measured when."""
+    from tripwire.cli.bench import numerics as bench_numerics
 
     fused = {
         "tokens": 16,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import tripwire
-from tripwire.cli import bench_dir, main
+from tripwire.cli import main
 from tripwire.cli.text import format_table, help_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,26 +44,28 @@ def test_sites_lists_the_sites():
 
 
 # ---------------------------------------------------------------------------------------------------- bench
-def test_the_bench_is_found_in_a_source_checkout():
-    d, why = bench_dir()
-    assert d == REPO / "benchmarks" and why == ""
-
-
-def test_an_installed_copy_says_where_the_bench_is(tmp_path):
-    pkg = tmp_path / "lib" / "python3.11" / "site-packages" / "tripwire"
-    pkg.mkdir(parents=True)
-    (tmp_path / "lib" / "python3.11" / "benchmarks").mkdir()  # a stray folder of that name is not the suite
-    d, why = bench_dir(pkg)
-    assert d is None and "not run from a source checkout" in why and "pip install -e" in why
-    assert "TRIPWIRE_BENCH_DIR" in why
-
-
-def test_a_bad_bench_dir_variable_is_named(tmp_path):
-    env = dict(os.environ, TRIPWIRE_BENCH_DIR=str(tmp_path))
+def test_the_bench_runs_from_an_installed_copy(tmp_path):
+    """The harness ships in the package: a copy of it alone (no checkout, no benchmarks/ folder anywhere) runs a
+    question and writes the record."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "src" / "tripwire", site / "tripwire", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIPWIRE_")}
+    env["PYTHONPATH"] = str(site)
     out = subprocess.run(
-        [sys.executable, "-m", "tripwire", "bench", "--quick"], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "tripwire", "bench", "--quick", "--only", "q6", "--no-plot", "--out", "out"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
-    assert out.returncode == 2 and f"TRIPWIRE_BENCH_DIR={str(tmp_path)!r} has no run_all.py" in out.stderr
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert record["questions"]["q6"]["status"] == "ok"
+    where = subprocess.run(
+        [sys.executable, "-c", "import tripwire; print(tripwire.__file__)"], capture_output=True, text=True, env=env
+    )
+    assert where.stdout.strip() == str(site / "tripwire" / "__init__.py")  # control: the copy ran, not a checkout
 
 
 # ---------------------------------------------------------------------------------------------------- doctor

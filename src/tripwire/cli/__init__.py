@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from .text import sites_table
 
@@ -21,27 +20,6 @@ def _want_interpreter(device: str | None) -> bool:
     if device is None:
         return not torch.cuda.is_available()
     return not device.startswith("cuda")
-
-
-def bench_dir(package: Path | None = None) -> tuple[Path | None, str]:
-    """Where the benchmark suite is, or None and why not. ``TRIPWIRE_BENCH_DIR`` wins; else the ``benchmarks/`` of
-    the source checkout this package runs from (src layout: ``<repo>/src/tripwire`` -> ``<repo>/benchmarks``). An
-    installed wheel has no suite: the scripts, their results and their plots live in the repository."""
-    env = os.environ.get("TRIPWIRE_BENCH_DIR")
-    if env is not None:
-        d = Path(env)
-        if (d / "run_all.py").is_file():
-            return d, ""
-        return None, f"TRIPWIRE_BENCH_DIR={env!r} has no run_all.py (it must name a checkout's benchmarks/ folder)"
-    pkg = (package or Path(__file__).resolve().parents[1]).resolve()
-    d = pkg.parents[1] / "benchmarks"
-    if pkg.parent.name == "src" and (d / "run_all.py").is_file():
-        return d, ""
-    return None, (
-        f"tripwire is installed at {pkg}, not run from a source checkout, and the benchmark suite ships only with "
-        f"the repository: clone it and run `pip install -e '.[bench]'` there, or set TRIPWIRE_BENCH_DIR to a "
-        f"checkout's benchmarks/ folder"
-    )
 
 
 def _engine_arg(args: list[str]) -> str | None:
@@ -84,7 +62,7 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a paged-KV decode loop with injected metadata faults", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)
-    bench = sub.add_parser("bench", help="run the benchmark suite (benchmarks/)", add_help=False)
+    bench = sub.add_parser("bench", help="run the benchmark suite (tripwire.cli.bench)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("sites", help="list the registered sites of the reference kernels and instruments")
     doctor = sub.add_parser("doctor", help="check this machine: what works and what would not", add_help=False)
@@ -136,16 +114,11 @@ def _run(cmd: str, extra: list[str]) -> int:
 
         return demo_main(extra)
     if cmd == "bench":
-        bdir, why = bench_dir()
-        if bdir is None:
-            print(f"tripwire bench: no benchmark suite: {why}", file=sys.stderr)
-            return 2
         if _want_interpreter(None):
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        sys.path.insert(0, str(bdir))
-        import run_all  # type: ignore[import-not-found]
+        from .bench.run import main as bench_main
 
-        return int(run_all.main(extra) or 0)
+        return int(bench_main(extra) or 0)
     if cmd == "sites":
         if _want_interpreter(None):
             os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import time
 
-from _common import Ctx, Result, single
 from tripwire import Monitor, SiteRegistry
+
+from .common import Ctx, Result, single
+from .questions import label
 
 INTERVAL = 0.005
 TAIL = 0.25
@@ -25,7 +27,7 @@ def _copies(m: Monitor) -> int:
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q6", "Idle: copies per second before/after the idle tail", ctx)
+    res = Result(label(__name__), "Idle: copies per second before/after the idle tail", ctx)
     window = 0.5 if ctx.quick else 1.0
     reg = SiteRegistry(capacity=64)
     for i in range(64):

@@ -6,7 +6,7 @@ guarded and the unguarded launch back to back (alternating which goes first), so
 overhead figure is the median over repeats of the per-repeat ratio. All metadata is valid, so the guarded kernels
 count nothing (checked) and do the same memory traffic as the twins: the overhead is the checks themselves.
 
-The fused FP8 quantise-and-count kernel and the non-finite counter are measured by ``benchmarks/bench_numerics.py``
+The fused FP8 quantise-and-count kernel and the non-finite counter are measured by :mod:`tripwire.cli.bench.numerics`
 (``run(quick) -> dict``); its figures are folded in here when that module is present.
 
 Target: within 1 % for the reference kernels (5 % for the fused FP8 counter).
@@ -14,15 +14,16 @@ Target: within 1 % for the reference kernels (5 % for the fused FP8 counter).
 
 from __future__ import annotations
 
-import importlib
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from _common import Ctx, Result, d2d_copy_ms, do_bench_ms, single, stats
 from tripwire import Monitor, SiteRegistry
+
+from .common import Ctx, Result, d2d_copy_ms, do_bench_ms, single, stats
+from .questions import label
 
 
 @dataclass
@@ -156,7 +157,7 @@ def build_cases(m: Monitor, device: str = "cuda", shrink: int = 1) -> dict[str, 
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q1", "Guard cost: guarded vs unguarded twin, bandwidth vs a D2D copy", ctx)
+    res = Result(label(__name__), "Guard cost: guarded vs unguarded twin, bandwidth vs a D2D copy", ctx)
     if not ctx.cuda:
         return res.skip("needs a CUDA GPU")
     repeats = 3 if ctx.quick else 5
@@ -226,17 +227,14 @@ def run(ctx: Ctx) -> dict:
 
 
 def _numerics(res: Result, ctx: Ctx) -> None:
-    """Fold in benchmarks/bench_numerics.py (another module's measurements: the fused FP8 quantise-and-count kernel
-    counted vs bare, and the non-finite counter vs a copy) through its own ``fold``, the one place that knows its
-    result's shape (``bench_numerics.py --merge`` uses it too). Its figures are medians over its own repeats."""
+    """Fold in :mod:`tripwire.cli.bench.numerics` (another module's measurements: the fused FP8 quantise-and-count
+    kernel counted vs bare, and the non-finite counter vs a copy) through its own ``fold``, the one place that knows
+    its result's shape (its ``--merge`` uses it too). Its figures are medians over its own repeats."""
+    from . import numerics
+
     try:
-        mod = importlib.import_module("bench_numerics")
-    except ImportError:
-        res.note("benchmarks/bench_numerics.py not present: the fused FP8 kernel was NOT measured here")
-        return
-    try:
-        out = mod.run(ctx.quick)
+        out = numerics.run(ctx.quick)
     except Exception as e:
-        res.note(f"bench_numerics.run failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        res.note(f"numerics.run failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return
-    mod.fold(res, out)
+    numerics.fold(res, out)

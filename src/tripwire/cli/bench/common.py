@@ -356,11 +356,11 @@ def sleep_cycles_per_ms() -> float:
 
 
 def subprocess_env() -> dict[str, str]:
-    """The environment for a child Python that must import tripwire and the benchmarks."""
+    """The environment for a child Python (``python -m tripwire.cli.bench.<question>``) that must import this
+    tripwire: the folder holding the package first on its path (a checkout's ``src``, or site-packages)."""
     env = dict(os.environ)
-    here = str(Path(__file__).resolve().parent)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join([here, src, *filter(None, [env.get("PYTHONPATH")])])
+    here = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

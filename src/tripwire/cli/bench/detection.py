@@ -26,9 +26,11 @@ import random
 import threading
 import time
 
-from _common import Ctx, Result, stats
 from tripwire import GuardTripped, Monitor, SiteRegistry
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
+
+from .common import Ctx, Result, stats
+from .questions import label
 
 INTERVALS_MS = (1, 10, 50)
 
@@ -65,7 +67,7 @@ def _cpu_hit(row, value: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q4", "Detection latency: hit to WARNING and to GuardTripped", ctx)
+    res = Result(label(__name__), "Detection latency: hit to WARNING and to GuardTripped", ctx)
     trials = {1: 15, 10: 10, 50: 6} if ctx.quick else {1: 40, 10: 25, 50: 12}
     reg = SiteRegistry(capacity=16)
     site = reg.register("bench.q4.gather", description="q4 detection-latency probe")
@@ -77,7 +79,7 @@ def run(ctx: Ctx) -> dict:
     if ctx.cuda:
         import torch
 
-        from tripwire._gather import gather_rows
+        from .gather import gather_rows
 
         table = torch.randn(64, 16, device=dev)
         good = torch.arange(4, device=dev, dtype=torch.int64)

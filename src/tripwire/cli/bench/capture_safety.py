@@ -24,19 +24,20 @@ import threading
 import time
 from pathlib import Path
 
-from _common import Ctx, Result, python, run_child, single, subprocess_env, warm_up
+from .common import Ctx, Result, python, run_child, single, subprocess_env, warm_up
+from .questions import label
 
 N_OPS = 60
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q7", "Capture safety under load: reader at 1 ms during captures", ctx)
+    res = Result(label(__name__), "Capture safety under load: reader at 1 ms during captures", ctx)
     if not ctx.cuda:
         return res.skip("needs a CUDA GPU")
     n = 100 if ctx.quick else 300
     out = ctx.out / "q7_child.json"
     out.unlink(missing_ok=True)
-    cmd = [python(), str(Path(__file__).resolve()), "--child", str(out), str(n)]
+    cmd = [python(), "-m", __name__, "--child", str(out), str(n)]
     rc, tail = run_child(cmd, subprocess_env(), 240)
     if rc is None:
         res.status, res.reason = "error", "the capture child did not finish within 240 s (a hang)"
@@ -71,7 +72,8 @@ def _child(out: Path, n: int) -> None:
     import torch
 
     from tripwire import Monitor, SiteRegistry
-    from tripwire._gather import gather_rows
+
+    from .gather import gather_rows
 
     reg = SiteRegistry(capacity=64)
     for i in range(64):

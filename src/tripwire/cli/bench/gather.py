@@ -1,12 +1,11 @@
 """A guarded row gather with an unguarded twin: the one small kernel tripwire's own tests, benchmarks and scripts
-feed bad indices on purpose (the reader's GPU tests, the benchmark questions about the reader, the 2-GPU
+feed bad indices on purpose (the benchmark questions about the reader, the reader's GPU tests, the 2-GPU
 experiment). Not public API.
 
-It lives in the package because all three import tripwire and the package imports none of them: a copy in
-``tests/`` imported by ``benchmarks/`` (or the reverse) would tie the benchmark suite to the test tree, and
-``tests/test_bench.py`` already imports the benchmarks. The reference kernels (:mod:`tripwire.kernels`) are not used
-for this: the questions about the reader must not depend on their launcher signatures, and need one hit per bad
-index with the row = the output row.
+It lives with the benchmark harness, which ships in the package (``tripwire bench`` runs from an installed wheel);
+the tests and scripts import it from here. The reference kernels (:mod:`tripwire.kernels`) are not used for this: the
+questions about the reader must not depend on their launcher signatures, and need one hit per bad index with the row
+= the output row.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import guard_index
+from ...triton import guard_index
 
 __all__ = ["gather_rows"]
 

@@ -13,8 +13,8 @@
 Timings are ``triton.testing.do_bench`` medians of a CUDA graph replaying the call 10-20 times (so Python launch
 overhead is not measured; do_bench flushes L2 between replays, and at the smallest fused shape the data fits in
 L2, so its GB/s is an L2 figure), each comparison measured alternately in one process, the median over ``repeats``
-rounds. ``run(quick)`` returns a dict; ``python
-benchmarks/bench_numerics.py [--quick]`` prints a table and the JSON.
+rounds. ``run(quick)`` returns a dict; ``python -m
+tripwire.cli.bench.numerics [--quick]`` prints a table and the JSON.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from _common import Ctx, Result, capture, single
 from tripwire import Monitor, SiteRegistry
 from tripwire.numerics import ClipCounter, count_nonfinite, reference_quantize, register_nonfinite_site
 from tripwire.numerics import fused as fused_mod
 from tripwire.numerics import nonfinite as nonfinite_mod
+
+from .common import Ctx, Result, capture, single
+from .questions import label
 
 FUSED_TARGET_PCT = 5.0
 NONFINITE_TARGET = 0.80
@@ -312,7 +314,7 @@ def fold(res: Result, out: dict) -> None:
             nf["ratio_to_copy"] * 100,
             nf["pass"],
         )
-    res.note(f"fused FP8 and non-finite figures from benchmarks/bench_numerics.py (repeats={out.get('repeats')})")
+    res.note(f"fused FP8 and non-finite figures from tripwire.cli.bench.numerics (repeats={out.get('repeats')})")
 
 
 def merge(res: dict, bench_json: Path) -> None:
@@ -322,8 +324,10 @@ def merge(res: dict, bench_json: Path) -> None:
     import time
 
     data = json.loads(bench_json.read_text())
-    q1 = data["questions"]["q1"]
-    fresh = Result("q1", q1["title"], Ctx(quick=res["quick"], device="cuda", out=bench_json.parent, verbose=False))
+    q1 = data["questions"][label("guard_cost")]
+    fresh = Result(
+        label("guard_cost"), q1["title"], Ctx(quick=res["quick"], device="cuda", out=bench_json.parent, verbose=False)
+    )
     fold(fresh, res)
     q1["figures"] = {
         k: v for k, v in q1["figures"].items() if not k.startswith(NUMERICS_FIGURE_PREFIXES)

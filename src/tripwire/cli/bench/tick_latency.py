@@ -19,15 +19,17 @@ import time
 
 import torch
 
-from _common import Ctx, Result, single, sleep_cycles_per_ms, stats
 from tripwire import Monitor, SiteRegistry
+
+from .common import Ctx, Result, single, sleep_cycles_per_ms, stats
+from .questions import label
 
 N_ROWS = 64
 PARK_MS = 100
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q2", "Reader tick under a busy compute stream", ctx)
+    res = Result(label(__name__), "Reader tick under a busy compute stream", ctx)
     if not ctx.cuda:
         return res.skip("needs a CUDA GPU")
     busy_ms = 500 if ctx.quick else 1500

@@ -2,9 +2,8 @@
 
     tripwire bench [--quick] [--out DIR] [--only q2,q3] [--soak-minutes M] [--budget-s S] [--coordinate]
 
-The questions, by label (RESULTS.md's, the JSON record's and ``--only``'s) and module: q1 ``guard_cost``, q2
-``tick_latency``, q3 ``step_loop`` (its statistics in ``step_loop_stats``), q4 ``detection``, q5 ``tick_scaling``,
-q6 ``idle``, q7 ``capture_safety``, q8 ``versus_tools``, q9 ``soak``.
+The questions, by label (RESULTS.md's, the JSON record's and ``--only``'s), are listed with the modules that
+measure them in :mod:`tripwire.cli.bench.questions`.
 
 Without a GPU only the questions that need none run (q3's CPU step-loop variant, q4, q5, q6), and every figure is
 labelled a CPU figure. On a GPU the whole suite runs, sized to fit one device call of 10 minutes (``--quick``: a
@@ -27,34 +26,12 @@ from pathlib import Path
 
 import torch
 
-from _common import SCHEMA, Ctx, env_info, write_json
-
-# (id, module, needs a GPU). The ids are the questions' labels: RESULTS.md's, the JSON records' keys and --only's; the
-# modules are named for what they measure. Order: cheap and central first; the soak and the sanitizer last.
-QUESTIONS: list[tuple[str, str, bool]] = [
-    ("q2", "tick_latency", True),
-    ("q5", "tick_scaling", False),
-    ("q6", "idle", False),
-    ("q4", "detection", False),
-    ("q3", "step_loop", False),
-    ("q1", "guard_cost", True),
-    ("q7", "capture_safety", True),
-    ("q9", "soak", True),
-    ("q8", "versus_tools", True),  # last: compute-sanitizer's run time is the least predictable
-]
-
-
-def selection(only: str) -> tuple[set[str], set[str]]:
-    """``--only``'s text as (the question ids it selects, the names it does not know): ids or module names."""
-    by_module = {mod: q for q, mod, _ in QUESTIONS}
-    ids = {q for q, _, _ in QUESTIONS}
-    names = {n.strip() for n in only.split(",") if n.strip()}
-    chosen = {by_module.get(n, n) for n in names}
-    return chosen & ids, chosen - ids
+from .common import SCHEMA, Ctx, env_info, write_json
+from .questions import QUESTIONS, selection
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from tripwire.cli.text import help_text
+    from ..text import help_text
 
     p = argparse.ArgumentParser(prog="tripwire bench", description=help_text(__doc__))
     p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (about 2 minutes)")
@@ -142,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{qid}] {modname} ...", flush=True)
         tq = time.perf_counter()
         try:
-            mod = importlib.import_module(modname)
+            mod = importlib.import_module(f"{__package__}.{modname}")
             res = mod.run(ctx)
         except BrokenPipeError:
             raise  # our reader went away (`| head`): not the question's error; the command ends quietly
@@ -169,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     write_json(json_path, report)
 
-    from results_md import render
+    from .results_md import render
 
     (out / "results.md").write_text(render(report))
     if not args.no_plot:
-        from plot import plot
+        from .plot import plot
 
         msg = plot(report, out / "bench.png")
         print(f"tripwire bench: {msg}", flush=True)

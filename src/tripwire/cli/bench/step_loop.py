@@ -54,8 +54,11 @@ from math import inf
 
 import torch
 
-from _common import Ctx, Result, calibrate_spin, capture, single, stats
-from step_loop_stats import (
+from tripwire import Monitor, SiteRegistry
+
+from .common import Ctx, Result, calibrate_spin, capture, single, stats
+from .questions import label
+from .step_loop_stats import (
     ATTR_INTERVAL_S,
     ATTR_MARGIN_S,
     Run,
@@ -67,7 +70,6 @@ from step_loop_stats import (
     split_run,
     virtual_spans,
 )
-from tripwire import Monitor, SiteRegistry
 
 N_ROWS = 64
 # The validation control: tripwire's reader at 50 ms whose every tick also holds the GIL for 3 ms (a tick hook
@@ -114,7 +116,7 @@ class _Decode:
         self.ctrs = [m.counter(reg.by_id(i), dev) for i in range(self.layers)]
         self.graph = None
         if cuda:
-            from tripwire._gather import gather_rows
+            from .gather import gather_rows
 
             self._gather = gather_rows
             self.graph = capture(self._body)
@@ -432,7 +434,7 @@ def run(ctx: Ctx) -> dict:
     title = "Reader cost on an engine-like step loop" + ("" if ctx.cuda else " (CPU variant: eager CPU decode step)")
     if coordinated:
         title += ", with tripwire.distributed.coordinate() on (one rank, a TCPStore on 127.0.0.1)"
-    res = Result("q3", title, ctx)
+    res = Result(label(__name__), title, ctx)
     dev = "cuda" if ctx.cuda else "cpu"
     if ctx.cuda:
         steps, rounds = (300, 4) if ctx.quick else (250, 42)  # 42: every variant in every position 6 times

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import time
 
-from _common import Ctx, Result, single, stats
 from tripwire import Monitor, SiteRegistry
 from tripwire._runtime.report import Reporters
+
+from .common import Ctx, Result, single, stats
+from .questions import label
 
 ROWS = (16, 64, 256, 1024)
 
@@ -48,7 +50,7 @@ def build(n_rows: int, device: str, clip_kind: str | None) -> tuple[Monitor, Sit
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q5", "Scaling: tick CPU time and bytes copied vs rows", ctx)
+    res = Result(label(__name__), "Scaling: tick CPU time and bytes copied vs rows", ctx)
     ticks = 300 if ctx.quick else 1000
     clip_kind = instrument_kind()
     if clip_kind is None:

@@ -23,8 +23,10 @@ import time
 import numpy as np
 import torch
 
-from _common import Ctx, Result, capture, rss_mib, single, stats
 from tripwire import Monitor, SiteRegistry
+
+from .common import Ctx, Result, capture, rss_mib, single, stats
+from .questions import label
 
 BS = 256
 _DELTA = re.compile(r"(\d+) new out-of-range access(?:es)? masked \((\d+) total\)")
@@ -47,7 +49,7 @@ class _Lines(logging.Handler):
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q9", "Soak: graph replay, reader at 1 ms, injected hits", ctx)
+    res = Result(label(__name__), "Soak: graph replay, reader at 1 ms, injected hits", ctx)
     if not ctx.cuda:
         return res.skip("needs a CUDA GPU")
     if ctx.soak_minutes is not None:
@@ -55,7 +57,7 @@ def run(ctx: Ctx) -> dict:
     else:
         seconds = 10.0 if ctx.quick else 60.0
         res.note(f"SHORT soak: {seconds:.0f} s (the suite's default); run with --soak-minutes 10 for the full soak")
-    from tripwire._gather import gather_rows
+    from .gather import gather_rows
 
     reg = SiteRegistry(capacity=16)
     site = reg.register("bench.q9.gather", description="q9 soak probe")

@@ -24,9 +24,8 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
-from _common import Ctx, Result, python, run_child, single, subprocess_env
-
-HERE = Path(__file__).resolve()
+from .common import Ctx, Result, python, run_child, single, subprocess_env
+from .questions import label
 
 
 def find_sanitizer() -> str | None:
@@ -70,12 +69,12 @@ def _child_run(
     env = subprocess_env()
     env.update(env_extra or {})
     t0 = time.perf_counter()
-    rc, tail = run_child([*(prefix or []), python(), str(HERE), *args, str(out)], env, timeout)
+    rc, tail = run_child([*(prefix or []), python(), "-m", __name__, *args, str(out)], env, timeout)
     return rc, _read_lines(out), tail, time.perf_counter() - t0
 
 
 def run(ctx: Ctx) -> dict:
-    res = Result("q8", "Versus compute-sanitizer memcheck and tl.device_assert", ctx)
+    res = Result(label(__name__), "Versus compute-sanitizer memcheck and tl.device_assert", ctx)
     if not ctx.cuda:
         return res.skip("needs a CUDA GPU")
     reps = "10" if ctx.quick else "30"
@@ -173,9 +172,10 @@ def _emit(out: Path, **kw) -> None:  # type: ignore[no-untyped-def]
 def _child_timing(reps: int, out: Path) -> None:
     import torch
 
-    from _common import cuda_event_times_ms
     from tripwire import Monitor, SiteRegistry
-    from tripwire._gather import gather_rows
+
+    from .common import cuda_event_times_ms
+    from .gather import gather_rows
 
     reg = SiteRegistry(capacity=8)
     site = reg.register("bench.q8.gather")
@@ -236,7 +236,8 @@ def _child_guard(out: Path) -> None:
     import torch
 
     from tripwire import Monitor, SiteRegistry
-    from tripwire._gather import gather_rows
+
+    from .gather import gather_rows
 
     reg = SiteRegistry(capacity=8)
     site = reg.register("bench.q8.gather")
