@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from .common import Ctx, Result, python, run_child, single, subprocess_env, warm_up
 from .questions import label
@@ -165,7 +166,7 @@ def _child(out: Path, n: int) -> None:
                     messages.append(f"after a failure, synchronize raised {type(e2).__name__}: {e2}"[:200])
             del g
         elapsed = time.perf_counter() - t0
-        d = {"captures_per_s": n / elapsed, "failures": failures, "wrong": wrong, "messages": messages}
+        d: dict[str, Any] = {"captures_per_s": n / elapsed, "failures": failures, "wrong": wrong, "messages": messages}
         if variant == "tripwire":
             m.stop()
             d["reader_reads"] = sum(r.copies for r in m.readers().values())

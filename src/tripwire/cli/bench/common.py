@@ -300,7 +300,9 @@ def calibrate_spin(target_us: float) -> Callable[[], list[int]]:
     def make(n: int) -> Callable[[], list[int]]:
         def work() -> list[int]:
             # What a scheduler does per step: walk requests, extend block tables, build flat metadata lists.
-            reqs = [{"id": i, "len": 100 + i, "blocks": [i * 4 + j for j in range(4)]} for i in range(n)]
+            reqs: list[dict[str, Any]] = [
+                {"id": i, "len": 100 + i, "blocks": [i * 4 + j for j in range(4)]} for i in range(n)
+            ]
             slots: list[int] = []
             positions: list[int] = []
             for r in reqs:

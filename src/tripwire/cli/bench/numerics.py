@@ -20,6 +20,7 @@ tripwire.cli.bench.numerics [--quick]`` prints a table and the JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -94,7 +95,7 @@ def _fused_case(tokens: int, heads: int, dim: int, regime: str, repeats: int, re
         flat_v.view(torch.uint8).index_copy_(0, slots, reference_quantize(value, vs, "e4m3").view(torch.uint8))
         c.count(key, value, ks, vs, slots)
 
-    fns = {
+    fns: dict[str, Callable[[], object]] = {
         "counted": launch(True, True),
         "bare": launch(False, False),
         "guard_only": launch(False, True),  # quantize_kv_to_fp8_cache(count=False) exactly
@@ -150,7 +151,7 @@ def _nonfinite(
     if quick:
         sweep_cfgs = sweep_cfgs[2:5]
     for b, it, w in sweep_cfgs:
-        fns[f"block{b}_i{it}_w{w}"] = lambda b=b, it=it, w=w: nonfinite_mod._launch(x, ctr, b, w, it)
+        fns[f"block{b}_i{it}_w{w}"] = functools.partial(nonfinite_mod._launch, x, ctr, b, w, it)
     for fn in fns.values():
         fn()
     assert int(mon.read_rows(dev)[site.id][0]) == 0  # clean data: nothing counted (hot path measured)

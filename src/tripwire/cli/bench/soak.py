@@ -93,12 +93,12 @@ def run(ctx: Ctx) -> dict:
     injected = 0
     inject_steps = 0
     step = 0
-    progress = [0, time.perf_counter()]
+    progress: list[float] = [0, time.perf_counter()]
     hang = threading.Event()
     stop = threading.Event()
 
     def watchdog() -> None:
-        last = -1
+        last: float = -1
         while not stop.wait(1.0):
             if progress[0] == last and time.perf_counter() - progress[1] > 10.0:
                 hang.set()

@@ -44,6 +44,7 @@ the gather) and CPU arenas: it measures what a reader thread costs the engine th
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import statistics
@@ -175,9 +176,9 @@ class _Readers:
         self.store = store
         self.coord: object | None = None
         self._heavy = False
-        self.arena = m.arena.get(
-            torch.device(dev) if dev == "cpu" else torch.device("cuda", torch.cuda.current_device())
-        )
+        arena = m.arena.get(torch.device(dev) if dev == "cpu" else torch.device("cuda", torch.cuda.current_device()))
+        assert arena is not None, "the monitor's arena is allocated before the readers are made"
+        self.arena = arena
         self.stop_evt = threading.Event()
         self.threads: list[threading.Thread] = []
         self.reads = 0
@@ -225,7 +226,7 @@ class _Readers:
             self._spawn(self._sync_loop)
         elif variant == "per_instrument_64":
             for i in range(N_ROWS):
-                self._spawn(lambda i=i: self._one_row_loop(i))
+                self._spawn(functools.partial(self._one_row_loop, i))
 
     def stop(self) -> None:
         if self.coord is not None:
