@@ -55,7 +55,7 @@ def run(
     import transformers
 
     import tripwire
-    from tripwire.cli.demo_transformers import PersistentEngine, cb_config
+    from tripwire.cli.transformers_engine import PersistentEngine, cb_config
     from tripwire.integrations import transformers as tw
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)

@@ -1,7 +1,7 @@
 """tripwire.integrations.transformers against the real engine: transformers' continuous batching on a small
 random-initialised Llama (CPU here, the H200 with and without CUDA graphs).
 
-Faults are written into the engine's own prepared metadata at a chosen step (tripwire.cli.demo_transformers.
+Faults are written into the engine's own prepared metadata at a chosen step (tripwire.cli.transformers_engine.
 FaultInjector), the way a host-side bug would put them there. The controls run the same faults without the
 integration and show the engine dying.
 """
@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import tripwire  # noqa: E402
 from tripwire import GuardTripped, Monitor  # noqa: E402
-from tripwire.cli.demo_transformers import (  # noqa: E402
+from tripwire.cli.transformers_engine import (  # noqa: E402
     PROMPTS,
     FaultInjector,
     Injection,
@@ -421,7 +421,7 @@ def test_a_victims_blocks_never_enter_the_prefix_cache(contain):
 _CONTROL = textwrap.dedent(
     """
     import logging, sys, torch
-    from tripwire.cli.demo_transformers import PROMPTS, FaultInjector, Injection, PersistentEngine, cb_config, tiny_llama
+    from tripwire.cli.transformers_engine import PROMPTS, FaultInjector, Injection, PersistentEngine, cb_config, tiny_llama
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     device, graphs, kind = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     model = tiny_llama(device)

@@ -21,7 +21,9 @@ import triton.language as tl
 from tripwire import Monitor, SiteRegistry
 from tripwire.layout import decode
 from tripwire.numerics import FP8_DTYPES, FP8_MAX, ClipCounter, quantize_kv_to_fp8_cache, reference_quantize
-from tripwire.numerics.fused import _launch, _tail_asm, _thread_tail_ok, _threshold
+from tripwire.numerics._fused_jit import _threshold
+from tripwire.numerics._fused_ptx import _tail_asm
+from tripwire.numerics.fused import _launch, _thread_tail_ok
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FMTS = ["e4m3", "e5m2"]
@@ -747,7 +749,8 @@ import json, re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tripwire.numerics.fused import _cvt_asm, _fp8_kv_cache_kernel, _limit_asm, _tail_asm
+from tripwire.numerics._fused_kernel import _fp8_kv_cache_kernel
+from tripwire.numerics._fused_ptx import _cvt_asm, _limit_asm, _tail_asm
 
 def ptx(kernel, types, consts, cc=90):
     names = kernel.arg_names
