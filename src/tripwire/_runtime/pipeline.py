@@ -18,7 +18,7 @@ import numpy as np
 
 from ..contain import Containment, RequestNames, VerdictLedger
 from ..errors import GuardTripped
-from ..sinks import Event, Log, SinkSet
+from ..sinks import Event, Log, SinkSet, stop_event
 from ..sites import SiteRegistry
 from .confirm import Confirmed, Confirmer
 from .hit import Hit, named
@@ -85,6 +85,9 @@ class Pipeline:
             registry, settings, requests, self.containment, self.ledger, self.submit, arm, armed
         )
         self._events: list[Event] = []
+        self.arm_listeners = Callbacks("an arm listener")
+        self._stops: list[GuardTripped] = []  # armed under the monitor's lock, delivered once it is released
+        self._sync_due = False  # the sinks' health is due (a stop, a reset, a new sink)
 
     def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
         """A landed copy of ``device``'s rows (every row complete when ``final``): confirm, report. ``offenders``:
@@ -138,6 +141,37 @@ class Pipeline:
     def take_events(self) -> list[Event]:
         events, self._events = self._events, []
         return events
+
+    def queue_stop(self, exc: GuardTripped) -> None:
+        """The stop was armed with ``exc`` (under the monitor's lock): its listeners and sinks get it at the next
+        delivery."""
+        self._stops.append(exc)
+
+    def drop_stops(self) -> None:
+        """The stop was disarmed (reset): stops not delivered yet are dropped, and the sinks' health is due."""
+        self._stops.clear()
+        self._sync_due = True
+
+    def add_sink(self, sink: Callable[[Event], None]) -> bool:
+        """Add ``sink`` (False when it was there already); a new sink gets the health at the next delivery."""
+        added = self.sinks.add(sink)
+        self._sync_due |= added
+        return added
+
+    def take_delivery(self) -> tuple[list[GuardTripped], list[Event], bool]:
+        """Under the monitor's lock: the stops armed and the events released since the last delivery, and whether
+        the health is due now (after a stop, a reset or a new sink; else the sinks send it now and then)."""
+        stops, self._stops = self._stops, []
+        urgent, self._sync_due = self._sync_due or bool(stops), False
+        return stops, self.take_events(), urgent
+
+    def deliver(self, taken: tuple[list[GuardTripped], list[Event], bool], health: Callable[[], Any]) -> None:
+        """Outside the monitor's lock: what :meth:`take_delivery` took, the stops to the arm listeners, then the events
+        and the stops' events, with ``health``, to the sinks."""
+        stops, events, urgent = taken
+        for exc in stops:
+            self.arm_listeners.call(exc)
+        self.sinks.deliver([*events, *map(stop_event, stops)], health, urgent=urgent)
 
     def decode(self, device: str, rows: np.ndarray, offenders: Any = None) -> dict[tuple[str, str], Hit]:
         """The snapshot of ``device``'s rows: requests by the engine's ids, and for the rows a verdict ring covers the
