@@ -19,8 +19,6 @@ from ..layout import OFF_DONE, OFF_ENTRY, OFF_HEADER, OFFENDERS, SLOTS, offender
 from ..sites import Site, SiteRegistry
 from .capture import is_capturing
 
-__all__ = ["Arena", "arenas_made", "is_kept", "normalize_device", "unindexed_cuda"]
-
 # Every arena allocation of the process (rows and offender blocks in one), forever (see the module docstring). Never
 # cleared.
 _IMMORTAL: list[torch.Tensor] = []

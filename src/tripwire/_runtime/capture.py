@@ -23,18 +23,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "CAPTURE_MODE_GLOBAL",
-    "CAPTURE_MODE_RELAXED",
-    "CAPTURE_MODE_THREAD_LOCAL",
-    "PostCaptureHooks",
-    "exchange_capture_mode",
-    "install_capture_watch",
-    "is_capturing",
-    "relax_thread_capture_mode",
-    "visible_captures",
-]
-
 log = logging.getLogger("tripwire")
 
 # cudaStreamCaptureMode / CUstreamCaptureMode values (identical in runtime and driver).

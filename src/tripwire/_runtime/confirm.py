@@ -28,15 +28,6 @@ import numpy as np
 from ..layout import COUNT, E_KEY, E_ROW, E_VALUE, FIRST_ROW, FIRST_VALUE, OFF_DONE, OFF_ENTRY, OFF_HEADER, SLOTS
 from ..sites import GUARD_KINDS, Site, SiteRegistry
 
-__all__ = [
-    "CONFIRM_REPOLL_S",
-    "MAX_EXTRA_CONFIRM_COPIES",
-    "OFFENDERS_WAIT_S",
-    "Confirmed",
-    "Confirmer",
-    "offenders_landed",
-]
-
 log = logging.getLogger("tripwire")
 
 # A confirmation waits at most this many extra copies for a first-offender pair that has not landed yet.

@@ -16,24 +16,6 @@ from ..config import load_settings
 from ..monitor import Hit, Monitor
 from ..sites import Site
 
-__all__ = [
-    "built",
-    "check",
-    "configure",
-    "counter",
-    "default_monitor",
-    "drain",
-    "health",
-    "poll",
-    "prealloc",
-    "register_post_capture_hook",
-    "reset",
-    "run_post_capture_hooks",
-    "snapshot",
-    "start",
-    "stop",
-]
-
 _lock = threading.Lock()
 _monitor: Monitor | None = None
 

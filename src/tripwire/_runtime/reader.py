@@ -46,8 +46,6 @@ import torch
 from ..errors import CaptureError, GuardTripped
 from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
 
-__all__ = ["DeviceReader", "Driver", "Readers"]
-
 log = logging.getLogger("tripwire")
 
 _CUDA_SUCCESS = 0

@@ -24,8 +24,6 @@ import triton.language as tl
 
 from ..layout import OFF_HEADER, SLOTS
 
-__all__ = ["Driver", "bind", "slot_graphs", "zero_copy"]
-
 log = logging.getLogger("tripwire")
 
 

@@ -37,8 +37,6 @@ import tripwire
 
 from .toy_engine import FAULT_KINDS, B, Fault, ToyEngine, inject, restore
 
-__all__ = ["FAULT_KINDS", "main"]
-
 log = logging.getLogger("tripwire.demo")
 
 

@@ -37,8 +37,6 @@ from .transformers_engine import (
     tiny_llama,
 )
 
-__all__ = ["main", "quiet_engine_logs"]
-
 log = logging.getLogger("tripwire.demo")
 
 

@@ -26,8 +26,6 @@ from typing import Any
 
 from . import _vllm_proc
 
-__all__ = ["main"]
-
 PROMPTS = [[460 + i] + [(5 * i + k) % 400 + 1 for k in range(n - 1)] for i, n in enumerate((10, 25, 40, 31))]
 READ = {"marker": 461, "step": 7, "kind": "read", "value": 10_000_000}
 # A negative slot other than the padding -1: the unguarded CPU cache write skips it, so the request's K/V for that

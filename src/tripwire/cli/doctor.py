@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-__all__ = ["Check", "run_checks"]
-
 OK, WARN, FAIL = "ok", "warn", "fail"
 
 

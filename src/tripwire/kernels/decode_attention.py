@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import guard_index, record_hit
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 from ._decode_splits import Config, Workspace, _block_h, alloc_workspace, default_splits
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "decode_attention_reference",
     "default_splits",
     "alloc_workspace",
+    "decode_attention_op",
 ]
 
 SITE_PAGE = register_site(
@@ -453,3 +454,63 @@ def decode_attention_reference(
         scores = torch.einsum("hd,thd->ht", qf[b], k) * scale
         out[b] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype), page_hits, len_hits
+
+
+# The custom op (torch.ops.tripwire.decode_attention, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::decode_attention", mutates_args=("out", "partial_out", "partial_lse", "ctr"))
+def decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    partial_out: torch.Tensor | None,
+    partial_lse: torch.Tensor | None,
+    ctr: torch.Tensor,
+    scale: float = -1.0,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        workspace=_workspace(partial_out, partial_lse),
+        scale=None if scale < 0 else scale,
+        guard=guard,
+        ctr=ctr,
+        requests=requests,
+    )
+
+
+def _workspace(partial_out: torch.Tensor | None, partial_lse: torch.Tensor | None) -> Workspace | None:
+    if (partial_out is None) != (partial_lse is None):
+        raise ValueError("partial_out and partial_lse are the workspace's two tensors: pass both or neither")
+    return None if partial_out is None else Workspace(partial_out, partial_lse)  # type: ignore[arg-type]
+
+
+@decode_attention_op.register_fake
+def _(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    out,
+    partial_out,
+    partial_lse,
+    ctr,
+    scale=-1.0,
+    guard=True,
+    requests=None,
+):  # type: ignore[no-untyped-def]
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {list(q.shape)}")
+    ws = _workspace(partial_out, partial_lse)
+    if ws is not None and (tuple(ws.out.shape[:2]) != tuple(q.shape[:2]) or ws.out.dtype != torch.float32):
+        raise ValueError(f"partial_out must be float32 [{q.shape[0]}, {q.shape[1]}, splits, {q.shape[2]}]")
+    check_fake_ctr(ctr, len(SITES))

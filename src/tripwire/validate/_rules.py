@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ABLOCK", "BLOCK", "CSR", "INDEX", "Rules"]
-
 INDEX, CSR = 1, 2
 # Entries per program of the kernel. The validator reads a few kilobytes per call; a large block keeps the grid (and
 # the launch's fixed cost) small. The torch path groups its fault-path writes by the same blocks, so the offenders'

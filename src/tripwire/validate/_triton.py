@@ -30,9 +30,7 @@ import triton
 import triton.language as tl
 
 from ..triton import record_hits
-from ._rules import ABLOCK, BLOCK, CSR, INDEX, Rules
-
-__all__ = ["BLOCK", "CSR", "INDEX", "Launcher", "Rules", "launch"]
+from ._rules import ABLOCK, BLOCK, Rules
 
 
 @triton.jit

@@ -29,19 +29,6 @@ import numpy as np
 if TYPE_CHECKING:
     from ..reader import DeviceReader
 
-__all__ = [
-    "SRC",
-    "NativeTicker",
-    "NativeUnavailable",
-    "build",
-    "cached_path",
-    "compile_library",
-    "host_functions",
-    "layout",
-    "library",
-    "load",
-    "private_dir",
-]
 
 log = logging.getLogger("tripwire")
 

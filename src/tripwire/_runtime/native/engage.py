@@ -24,7 +24,6 @@ from . import NativeTicker, NativeUnavailable
 if TYPE_CHECKING:
     from ..reader import DeviceReader
 
-__all__ = ["EXIT_JOIN_S", "Engagement", "register_exit_hook"]
 
 log = logging.getLogger("tripwire")
 

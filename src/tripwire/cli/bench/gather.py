@@ -16,8 +16,6 @@ import triton.language as tl
 
 from ...triton import guard_index
 
-__all__ = ["gather_rows"]
-
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
