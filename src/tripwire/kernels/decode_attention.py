@@ -246,7 +246,7 @@ def _decode_split(
             # The fault path: count the split's bad entries once, then attend with their tokens masked. Small tiles,
             # not pipelined: registers are allocated for the kernel's worst path, so a fault loop shaped like the
             # hot one would raise the guarded kernel's count above the twin's and cost the hot path occupancy
-            # (tests/test_decode_attention.py checks the sm_90 build).
+            # (tests/kernels/test_decode_attention.py checks the sm_90 build).
             req = None
             if HAS_REQ:
                 req = tl.load(req_ptr + b)

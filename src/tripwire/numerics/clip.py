@@ -149,7 +149,7 @@ def clip_thresholds(
     so ``bf16_tensor > zero_dim_float32`` is computed on the bf16 grid -- the threshold is rounded to bf16 and values
     just above the true ceiling (below its bf16 rounding) are not counted. A tensor with a dimension takes part in
     promotion as a tensor, so the comparison runs in float32, where every bf16/fp16 value and this threshold are
-    exact. ``tests/test_numerics_clip.py`` shows the 0-dim version undercounting.
+    exact. ``tests/numerics/test_clip.py`` shows the 0-dim version undercounting.
     """
     fmt = _check_fmt(fmt)
     dev = torch.device(device)

@@ -1,6 +1,6 @@
 """The statistics of q3 (``step_loop.py``): how a reader's cost on a step loop is estimated and judged.
 
-Two estimators, both pure functions of recorded step times and tick spans (so ``tests/test_bench.py`` checks them on
+Two estimators, both pure functions of recorded step times and tick spans (so ``tests/cli/test_bench.py`` checks them on
 synthetic loops with planted costs and controls):
 
 * run means: :func:`median_and_se` (the median of per-round paired overheads and its robust standard error) and
@@ -54,7 +54,7 @@ def attribute(
     and, being symmetric, no bias from a trend in step time over the run (one side alone reads a steady speed-up as
     a cost). Near a run's ends only one side fits; that side alone is used, so the ticks there still count (dropping
     them understates a cost on short runs) and their one-sided biases cancel between the two ends.
-    ``tests/test_bench.py`` re-creates each of these failure modes as a control. The difference is the ticks' cost with the noise of a few steps per tick: the estimator that can resolve
+    ``tests/cli/test_bench.py`` re-creates each of these failure modes as a control. The difference is the ticks' cost with the noise of a few steps per tick: the estimator that can resolve
     0.1 % where run means cannot. It sees only a cost local in time to the ticks; a spread-out cost is the run
     means' to bound. ``sides`` and ``need_all_sides`` exist for the tests' controls."""
     if not starts:

@@ -1,4 +1,4 @@
-"""The reader's CPU-side contract (the rest of tests/test_reader.py needs a GPU): which driver calls keep the GIL."""
+"""The reader's CPU-side contract (the rest of tests/_runtime/test_reader.py needs a GPU): which driver calls keep the GIL."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reference guarded kernels together (each kernel's own tests are in tests/test_kernel_<name>.py): random
+"""The reference guarded kernels together (each kernel's own tests are in tests/kernels/test_<name>.py): random
 corruptions (hypothesis), the control that the unguarded twin on an id inside a neighbouring live allocation silently
 reads / clobbers it and counts nothing (the bug class the guard exists for), launch-time argument errors, the
 default counter path, graph replays, request maps and the sm_90 builds.
@@ -548,7 +548,7 @@ def run_all():
 def test_every_kernel_compiles_for_sm90_with_and_without_requests(build_probe, tmp_path):
     """Each reference kernel, launched by its own launcher (the launch captured, not run) and compiled for sm_90
     (no GPU needed), with and without a request map: all compile, the guarded ones with their fault path's
-    compare-and-swaps. The interpreter runs code the compiler refuses (tests/test_triton.py has the control), so the
+    compare-and-swaps. The interpreter runs code the compiler refuses (tests/triton/test_triton.py has the control), so the
     CPU tests alone cannot show this."""
     (tmp_path / "tests_kernels_cases.py").write_text(_KERNELS_CASES)
     r = build_probe(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _KERNELS_PROBE)

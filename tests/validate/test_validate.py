@@ -8,7 +8,7 @@ good entry before it (mask replaces it with that entry).
 
 Backends: CUDA tensors run the Triton kernel; CPU tensors run the plain torch path (``tripwire.validate._torch``).
 Without a GPU every test here runs twice (the ``backend`` fixture): on the torch path, and with the CPU path swapped
-for the Triton kernel under the interpreter; ``tests/test_validate_torch.py`` compares the two on the same calls,
+for the Triton kernel under the interpreter; ``tests/validate/test_torch.py`` compares the two on the same calls,
 every arena and offender word and every repaired entry.
 """
 

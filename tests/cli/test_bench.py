@@ -19,7 +19,7 @@ import pytest
 import torch
 
 # The measurements run by hand (bench_decode_attention.py and the others) are scripts in the repository's benchmarks/.
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 FIGURE_KEYS = {"unit", "label", "n", "min", "median", "max"}

@@ -15,7 +15,7 @@ import tripwire
 from tripwire.cli import main
 from tripwire.cli.text import format_table, help_text
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _into_closed_pipe(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ reader; the process groups are aborted after the stop is armed.
 Two layers:
 * in-process: several Monitors in this process play ranks over one TCPStore (or a fake store that fails or hangs);
   their reader threads or ``poll()`` drive the coordination.
-* multi-process (the CI proof): 2 and 4 worker processes (``python tests/test_distributed.py --worker``), gloo
+* multi-process (the CI proof): 2 and 4 worker processes (``python tests/distributed/test_coordinator.py --worker``), gloo
   over a TCPStore on 127.0.0.1 whose master lives in a separate "store owner" process on a random free port, so a
   test can kill the store mid-run. Hits are simulated by writing a CPU arena's counter row exactly as a guarded
   kernel would (count, first offender, extremes); the monitor's own reader thread confirms them.

@@ -1,4 +1,4 @@
-"""Shared by the reference kernels' tests (tests/test_kernel_*.py, tests/test_kernels.py): dtypes, the counter-row
+"""Shared by the reference kernels' tests (tests/kernels/test_<name>.py, tests/kernels/test_kernels.py): dtypes, the counter-row
 check and index tensors.
 
 Under the interpreter (CPU) programs run in order, so the first offender is exactly the lowest (row, value); on the
@@ -44,7 +44,7 @@ def ids(values: list[int], device: str, dtype: torch.dtype = I32) -> torch.Tenso
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-# Inputs of the kernels' tests that the cross-kernel tests (tests/test_kernels.py) use too.
+# Inputs of the kernels' tests that the cross-kernel tests (tests/kernels/test_kernels.py) use too.
 def bt_inputs(dev: str, R: int = 5, W: int = 6):
     table = (torch.arange(R * W, dtype=I32).reshape(R, W) * 7 + 1).to(dev)
     counts = ids([W, 3, 0, W - 1, 1][:R], dev)
