@@ -457,7 +457,9 @@ class Job:
         return self.port
 
     def start_workers(self, world: int, scenario: str, **opts) -> list[subprocess.Popen]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        # The worker runs this file as a script: tests/ (its conftest, imported above) goes on its path.
+        path = os.pathsep.join(p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": path}
         workers = []
         for rank in range(world):
             cfg = json.dumps({"rank": rank, "world": world, "port": self.port, "scenario": scenario, **opts})

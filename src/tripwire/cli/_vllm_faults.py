@@ -45,7 +45,9 @@ def plugin_dir(root: str | os.PathLike[str]) -> str:
     d = Path(root) / _DIST
     d.mkdir(parents=True, exist_ok=True)
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: tripwire-vllm-faults\nVersion: 0\n")
-    (d / "entry_points.txt").write_text("[vllm.general_plugins]\ntripwire_faults = tripwire._vllm_faults:register\n")
+    (d / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\ntripwire_faults = tripwire.cli._vllm_faults:register\n"
+    )
     return str(Path(root))
 
 

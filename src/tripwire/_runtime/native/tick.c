@@ -43,7 +43,7 @@ typedef int (*push_fn)(void *ctx);
 typedef int (*pop_fn)(void **ctx);
 typedef int (*mode_fn)(int *mode);
 
-/* One device. Mirrors tripwire._native._Dev field for field. */
+/* One device. Mirrors tripwire._runtime.native._Dev field for field. */
 typedef struct {
     query_fn query;
     copy_fn copy;
@@ -66,7 +66,7 @@ typedef struct {
     int64_t err_call;   /* 1 query, 2 copy, 3 record, 4 push */
 } tw_dev;
 
-/* The shared configuration and state. Mirrors tripwire._native._Cfg. */
+/* The shared configuration and state. Mirrors tripwire._runtime.native._Cfg. */
 typedef struct {
     int64_t interval_ns;
     int64_t idle_tail_ns;

@@ -5,7 +5,7 @@ Setup: one site in a private registry, ``mode="raise"`` (so the confirming tick 
 stop), the reader thread running, and an "engine" loop on the main thread calling ``check()`` every ~0.2 ms. Each
 trial waits a random fraction of an interval (so the hit lands at a random phase of the reader's cycle), then:
 
-* GPU: launches a guarded gather kernel (tripwire._gather, ``tripwire.triton.guard_index``) with one bad
+* GPU: launches a guarded gather kernel (tripwire.cli.bench.gather, ``tripwire.triton.guard_index``) with one bad
   index; the hit time is taken *before* the launch, so the latency is an upper bound.
 * CPU: writes the counter row directly the way ``record_hit`` does (count first, then the extremes and the first
   offender); a Triton-interpreter launch would add milliseconds of interpretation to the figure.

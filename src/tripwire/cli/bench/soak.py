@@ -1,6 +1,6 @@
 """q9. Soak: CUDA-graph replay with the reader at 1 ms and hits injected at known steps.
 
-The graph: a guarded gather (tripwire._gather) through a static index tensor plus a few small ops. Every
+The graph: a guarded gather (tripwire.cli.bench.gather) through a static index tensor plus a few small ops. Every
 step: ``check()``, stage the step's indices (good ones, or at injection steps a known number of bad lanes) into the
 static tensor from a pinned buffer, replay, read a token back (the per-step sync). The reader (warn mode, non-fatal
 site, ``report_every`` 1 s so aggregation is exercised) runs at 1 ms throughout.

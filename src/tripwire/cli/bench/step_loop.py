@@ -5,7 +5,7 @@ One step, as an engine's decode loop does it:
   2. scheduler-like Python work building per-request metadata (calibrated to ~300 us on this CPU),
   3. the metadata copied into a static device tensor (pinned host buffer, non_blocking),
   4. a CUDA-graph replay of a decode step: 48 layers of small elementwise launches plus one guarded gather per
-     layer (tripwire._gather) counting into that layer's row of the arena (64 rows), then a logits matmul and
+     layer (tripwire.cli.bench.gather) counting into that layer's row of the arena (64 rows), then a logits matmul and
      an argmax,
   5. a host read of the sampled tokens (``.tolist()``: the per-step sync every engine has).
 

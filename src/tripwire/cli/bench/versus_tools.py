@@ -1,6 +1,6 @@
 """q8. Versus the debugging tools users reach for today.
 
-(a) compute-sanitizer memcheck: the same gather workload (tripwire._gather), guarded and unguarded, timed in a
+(a) compute-sanitizer memcheck: the same gather workload (tripwire.cli.bench.gather), guarded and unguarded, timed in a
     child process natively and under ``compute-sanitizer --tool memcheck``. The slowdown factor is memcheck time over
     native time of the same kernel; the guard cost is guarded over unguarded, natively.
 (b) ``tl.device_assert``: a child launches a gather whose ``device_assert`` fires on a bad index (TRITON_DEBUG=1),
