@@ -34,7 +34,7 @@ import pytest
 import torch
 
 # pytester: tests/test_tripwire_pytest.py runs pytest sessions with tripwire's plugin.
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "_thread_leaks"]
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

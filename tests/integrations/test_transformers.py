@@ -589,15 +589,19 @@ def test_a_cache_built_before_install_keeps_the_write_stop():
     so under containment the write site still stops (the step's requests fail with tripwire's error)."""
     model = tiny_llama("cuda" if HAS_CUDA else "cpu")
     eng = PersistentEngine(model, TOKENS, cb_config())
-    ref = eng.run(PROMPTS, tag="ref")  # the engine and its cache exist before install
-    _per_layer_cache(eng.manager.batch_processor.cache)
-    mon = Monitor(interval=0.005, report_every=0.5, mode="raise", contain=True)
-    handle = tw.install(model, monitor=mon, contain=True)
+    # The engine's generation thread is not a daemon: every exit of this test (its skip on 5.18+ included) closes
+    # it, or the interpreter waits for it forever at exit.
     try:
-        out, _inj = _serve(eng, mon, [Injection("write", 3, "cb-1", "end")], "cb")
-        _assert_stopped(eng, mon, out, "cb")
-        assert ref[0].error is None
+        ref = eng.run(PROMPTS, tag="ref")  # the engine and its cache exist before install
+        _per_layer_cache(eng.manager.batch_processor.cache)
+        mon = Monitor(interval=0.005, report_every=0.5, mode="raise", contain=True)
+        handle = tw.install(model, monitor=mon, contain=True)
+        try:
+            out, _inj = _serve(eng, mon, [Injection("write", 3, "cb-1", "end")], "cb")
+            _assert_stopped(eng, mon, out, "cb")
+            assert ref[0].error is None
+        finally:
+            handle.uninstall()
+            mon.stop()
     finally:
         eng.close()
-        handle.uninstall()
-        mon.stop()
