@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from _common import env_info, finish, paired_replay_ms
+from tripwire.cli.bench.common import env_info, finish, paired_replay_ms
 
 TARGET_PCT = 1.0
 DECODE = dict(batch=64, head_dim=128, context=2048, page=16, splits=8)

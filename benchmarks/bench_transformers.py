@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from _common import env_info, write_json
+from tripwire.cli.bench.common import env_info, write_json
 
 TARGET_PCT = 0.1
 
@@ -55,7 +55,7 @@ def run(
     import transformers
 
     import tripwire
-    from tripwire.demo_transformers import PersistentEngine, cb_config
+    from tripwire.cli.transformers_engine import PersistentEngine, cb_config
     from tripwire.integrations import transformers as tw
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)

@@ -33,8 +33,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from _common import capture, env_info, write_json
 from tripwire import Monitor, SiteRegistry
+from tripwire.cli.bench.common import capture, env_info, write_json
 from tripwire.validate import Validator
 
 PER_GRAPH = 20
@@ -75,7 +75,7 @@ def _host_us(fn, n: int = 2000) -> float:  # type: ignore[no-untyped-def]
 
 def host_costs(v: Validator, md: dict[str, torch.Tensor]) -> dict[str, float]:
     """The eager call's host cost and its parts (see the module docstring)."""
-    from tripwire import _validate_kernel as k
+    from tripwire.validate import _triton as k
 
     plan = v._plan if v._plan is not None else v._build_plan()
     ordered = [md[n] for n in plan.names]

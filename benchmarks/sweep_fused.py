@@ -5,7 +5,7 @@ tokens. It is the sweep behind the fused kernel's launch shape (``_launch_config
 ``tripwire/numerics/fused.py``), not a question of the suite. Run ``python benchmarks/sweep_fused.py
 [OUT_JSON [TOKENS,...]]`` on a GPU: it prints one line per configuration.
 
-Timings are as in bench_numerics.py: CUDA-graph replays of 20 calls, do_bench medians, alternated over 7 rounds.
+Timings are as in tripwire.cli.bench.numerics: CUDA-graph replays of 20 calls, do_bench medians, alternated over 7 rounds.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from _common import capture
 from tripwire import Monitor, SiteRegistry
+from tripwire.cli.bench.common import capture
 from tripwire.numerics import ClipCounter
 from tripwire.numerics import fused as F
 

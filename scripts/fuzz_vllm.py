@@ -1,6 +1,6 @@
 """Fuzz tripwire's vLLM containment on vLLM's CPU engine: random faults, every outcome checked against a clean run.
 
-Each fuzz run is one ``generate`` of four requests with one host-side fault (tripwire._vllm_faults) of a random kind
+Each fuzz run is one ``generate`` of four requests with one host-side fault (tripwire.cli._vllm_faults) of a random kind
 (a read: block-table column 0; a write: the newest token's block, before vLLM computes its slot; a bad slot), at a
 random step (0, the prefill, to 15, the last), in a random request, with a random value (exactly the first id past
 the end; far past it; negative). Runs are batched into a few engine processes under ``TRIPWIRE_VLLM=contain``, half
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tripwire import _vllm_proc
+from tripwire.cli import _vllm_proc
 
 KINDS = ("read", "write", "slot")
 VALUES = ("end", "far", "negative")

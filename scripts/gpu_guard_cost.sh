@@ -66,7 +66,7 @@ grep -E "host|per call" "$OUT/bench_validate.log" >>"$SUM"
 
 # 5. The numeric kernels: the non-finite counter's sweep against a copy (target >= 90 % everywhere) and the fused FP8
 #    counter against count=False (target <= 2 % at 2048 tokens).
-step bench_numerics 150 python3 benchmarks/bench_numerics.py --out "$OUT/numerics.json"
+step bench_numerics 150 python3 -m tripwire.cli.bench.numerics --out "$OUT/numerics.json"
 grep -E "nonfinite|block|fused|overhead|ratio" "$OUT/bench_numerics.log" | head -30 >>"$SUM"
 step sweep_fused 100 python3 benchmarks/sweep_fused.py "$OUT/sweep_fused.json" 2048
 grep -E "^tokens 2048" "$OUT/sweep_fused.log" >>"$SUM"
@@ -75,7 +75,7 @@ grep -E "^tokens 2048" "$OUT/sweep_fused.log" >>"$SUM"
 # The GPU tests: the adopted kernels (counts, masking, graph replay, the CUDA extension), the helpers' cold path, the
 # register rule and the resource check (compiled for sm_90 here too), the validator's launch path.
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -rx tests/test_adopted_vllm.py tests/test_resources.py \
-  tests/test_register_rule.py tests/test_validate.py tests/test_triton.py -k "gpu or adopted or resources or register or validate" \
+  tests/test_register_rule.py tests/validate/test_validate.py tests/triton/test_triton.py -k "gpu or adopted or resources or register or validate" \
   >"$OUT/pytest.log" 2>&1 & tpid=$!
 # compute-sanitizer memcheck over the adopted kernels: 0 errors guarded, errors for vLLM's originals; the four in
 # parallel (each driver runs its guarded and original child one after the other).

@@ -24,8 +24,8 @@ step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log
 case "${1:-checks}" in
   checks)
     step pytest_gpu 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/
-    step pytest_engine 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_validate.py \
-      tests/test_integrations_transformers.py tests/test_contain.py tests/test_demo_transformers.py
+    step pytest_engine 150 python3 -m pytest -q -p no:cacheprovider -rs tests/validate/test_validate.py \
+      tests/integrations/test_transformers.py tests/test_contain.py tests/cli/test_demo_transformers.py
     step memcheck 150 python3 scripts/memcheck.py
     step demo_engine 45 python3 -m tripwire demo --engine transformers
     ;;

@@ -26,7 +26,7 @@ for cfg in "eager 0.05" "graphs 0.05" "eager 0.005" "graphs 0.005"; do
 done
 per_test=(); python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 240)
 timeout "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} -rs \
-  tests/test_verdict.py tests/test_integrations_transformers.py tests/test_contain.py ${TESTS:-} 2>&1 \
+  tests/test_verdict.py tests/integrations/test_transformers.py tests/test_contain.py ${TESTS:-} 2>&1 \
   | tee "$OUT/pytest.log" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 for p in "${pids[@]}"; do wait "$p" || rc=1; done

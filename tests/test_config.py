@@ -134,7 +134,7 @@ def test_control_every_name_tripwire_reads_is_accepted():
     check_variable_names(env)  # nothing raised
     # Names outside tripwire's prefix are not tripwire's to judge.
     check_variable_names({"TRIPWIRE": "1", "XTRIPWIRE_MODE": "1", "MY_TRIPWIRE_MODE": "1"})
-    assert load_settings({"TRIPWIRE_VLLM": "contain", "TRIPWIRE_BENCH_DIR": "/x"}) == Settings()
+    assert load_settings({"TRIPWIRE_VLLM": "contain", "TRIPWIRE_VLLM_VENV": "/x"}) == Settings()
 
 
 SOURCES = ("src", "tests", "benchmarks", "scripts", "examples", ".ci", "docs")

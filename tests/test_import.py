@@ -21,13 +21,13 @@ import torch
 mods = sys.argv[1].split(",")
 for m in mods:
     __import__(m)
-import tripwire, tripwire.arena, tripwire._default
+import tripwire, tripwire._runtime.arena, tripwire._runtime.default
 exec(sys.argv[2])
 print(json.dumps({
     "threads": sorted(t.name for t in threading.enumerate()),
     "cuda_initialized": torch.cuda.is_initialized(),
-    "arenas": tripwire.arena.arenas_made(),
-    "default_monitor_built": tripwire._default.built(),
+    "arenas": tripwire._runtime.arena.arenas_made(),
+    "default_monitor_built": tripwire._runtime.default.built(),
 }))
 """
 

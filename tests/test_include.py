@@ -38,8 +38,8 @@ from hypothesis import strategies as st
 
 import tripwire
 from tripwire import layout
+from tripwire._runtime.hit import decode_offenders
 from tripwire.layout import decode, decode_neg, encode, offender_key
-from tripwire.report import decode_offenders
 from tripwire.triton import record_hits
 
 ROOT = Path(__file__).resolve().parents[1]

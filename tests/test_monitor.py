@@ -11,8 +11,8 @@ import torch
 import tripwire
 from conftest import offenders_recorded
 from tripwire import GuardTripped, Monitor
-from tripwire.arena import is_kept
-from tripwire.confirm import OFFENDERS_WAIT_S
+from tripwire._runtime.arena import is_kept
+from tripwire._runtime.confirm import OFFENDERS_WAIT_S
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, MAX_VALUE, NEG_MIN, encode, encode_neg
 
 
@@ -182,11 +182,11 @@ class _BrokenReporter:
     count_slots = (COUNT,)
     calls = 0
 
-    def confirm(self, monitor, device, site, row, now):
+    def confirm(self, ctx, device, site, row, now):
         _BrokenReporter.calls += 1
         raise ValueError("boom")
 
-    def tick(self, monitor, latest, now):
+    def tick(self, ctx, latest, now):
         return None
 
 
@@ -448,9 +448,9 @@ def test_confirmation_repolls_fast(registry):
 
 
 def test_control_without_fast_repoll_takes_two_intervals(registry, monkeypatch):
-    import tripwire.confirm
+    import tripwire._runtime.confirm
 
-    monkeypatch.setattr(tripwire.confirm, "CONFIRM_REPOLL_S", 10.0)
+    monkeypatch.setattr(tripwire._runtime.confirm, "CONFIRM_REPOLL_S", 10.0)
     assert _latency_after_a_tick(registry, 0.2) > 0.35
 
 
@@ -546,15 +546,17 @@ class _LockProbe:
 
     count_slots = (COUNT,)
     seen: list[bool] = []
+    monitor: Monitor | None = None  # the monitor whose lock it probes (a reporter is given its context, not it)
 
-    def confirm(self, monitor, device, site, row, now):
+    def confirm(self, ctx, device, site, row, now):
         return None
 
-    def tick(self, monitor, latest, now):
+    def tick(self, ctx, latest, now):
         import threading
 
         if threading.current_thread() is threading.main_thread():  # not the probe's own poll, on its thread
-            _LockProbe.seen.append(_lock_free(monitor))
+            assert _LockProbe.monitor is not None
+            _LockProbe.seen.append(_lock_free(_LockProbe.monitor))
 
 
 def test_control_the_probe_sees_the_lock_held(registry):
@@ -563,6 +565,7 @@ def test_control_the_probe_sees_the_lock_held(registry):
 
     register_reporter("test.lockprobe", _LockProbe)
     m = Monitor(registry=registry, capacity=64)
+    _LockProbe.monitor = m
     m.counter(registry.register("k.probe", kind="test.lockprobe"), "cpu")
     m.poll()  # the first decode makes the reporter; its tick runs under the lock
     assert _LockProbe.seen == [False]
@@ -594,7 +597,7 @@ def test_saturated_values_are_marked_in_reports(registry, monitor, caplog):
 
 
 def test_unindexed_cuda_is_never_cached_as_is(registry, monitor):
-    from tripwire.arena import unindexed_cuda
+    from tripwire._runtime.arena import unindexed_cuda
 
     assert unindexed_cuda("cuda") and unindexed_cuda(torch.device("cuda"))
     assert not unindexed_cuda("cuda:0") and not unindexed_cuda("cpu") and not unindexed_cuda(0)

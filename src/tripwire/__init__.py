@@ -11,7 +11,7 @@ validators in :mod:`tripwire.validate`; engine integrations in :mod:`tripwire.in
 
 from __future__ import annotations
 
-from ._default import (
+from ._runtime.default import (
     check,
     configure,
     counter,
@@ -22,16 +22,23 @@ from ._default import (
     prealloc,
     register_post_capture_hook,
     reset,
-    run_post_capture_hooks,
     snapshot,
     start,
     stop,
 )
-from ._include import include_dir
-from .config import MODES, Settings, load_settings
+from ._runtime.default import run_post_capture_hooks as run_post_capture_hooks
+from .config import MODES
+from .config import Settings as Settings
+from .config import load_settings as load_settings
 from .contain import Taint
 from .errors import CaptureError, GuardTripped
-from .layout import GUARD_BIAS, SLOTS, decode, decode_neg, encode, encode_neg
+from .include import include_dir
+from .layout import GUARD_BIAS as GUARD_BIAS
+from .layout import SLOTS as SLOTS
+from .layout import decode as decode
+from .layout import decode_neg as decode_neg
+from .layout import encode as encode
+from .layout import encode_neg as encode_neg
 from .monitor import Hit, Monitor
 from .sinks import Event, Offender
 from .sites import Site, SiteRegistry, register_site, sites
@@ -39,13 +46,12 @@ from .verdict import Verdict, Verdicts
 
 __version__ = "0.3.0"
 
+# What users import. Importable from here too, and left out of it (the ``X as X`` imports above): the counter encoding
+# (GUARD_BIAS, SLOTS, encode, decode, ...), the ABI the kernels write, whose one home is tripwire.layout beside
+# include/tripwire/guard.cuh; Settings and load_settings (the monitor's settings: tripwire.config); and
+# run_post_capture_hooks (what start() runs).
 __all__ = [
-    # sites
-    "Site",
-    "SiteRegistry",
-    "register_site",
-    "sites",
-    # arena and lifecycle
+    # the lifecycle an engine runs (the default monitor's)
     "prealloc",
     "counter",
     "start",
@@ -53,11 +59,15 @@ __all__ = [
     "drain",
     "stop",
     "register_post_capture_hook",
-    "run_post_capture_hooks",
-    # tools
+    # sites
+    "Site",
+    "SiteRegistry",
+    "register_site",
+    "sites",
+    # reading, for tools and tests
     "snapshot",
-    "reset",
     "poll",
+    "reset",
     "health",
     "Hit",
     # events (tripwire.sinks has the sinks), offenders, containment and same-step verdicts (Monitor.verdicts)
@@ -66,24 +76,15 @@ __all__ = [
     "Taint",
     "Verdict",
     "Verdicts",
-    # monitor and settings
+    # monitors and settings
     "Monitor",
     "default_monitor",
     "configure",
-    "Settings",
-    "load_settings",
     "MODES",
     # errors
     "GuardTripped",
     "CaptureError",
     # CUDA C++ helpers (tripwire/guard.cuh)
     "include_dir",
-    # counter encoding
-    "GUARD_BIAS",
-    "SLOTS",
-    "encode",
-    "encode_neg",
-    "decode",
-    "decode_neg",
     "__version__",
 ]

@@ -58,7 +58,6 @@ OTHER_VARIABLES = {
     "TRIPWIRE_VLLM_FAULTS": "the faults the vLLM demo and tests inject into the engine (a JSON list)",
     "TRIPWIRE_VLLM_FAULTS_LOG": "where the vLLM fault injection logs what it injected",
     "TRIPWIRE_VLLM_FAULTS_NO_EVICT": "the vLLM tests' control: containment keeps a failed request's cached blocks",
-    "TRIPWIRE_BENCH_DIR": "the benchmark suite `tripwire bench` runs (a checkout's benchmarks/ folder)",
     "TRIPWIRE_VLLM_VENV": "where CI (.ci/run) makes the vLLM environment",
 }
 

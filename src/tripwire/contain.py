@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .report import Hit
+    from ._runtime.hit import Hit
     from .sinks import Offender
     from .sites import Site
 

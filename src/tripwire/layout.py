@@ -1,4 +1,7 @@
-"""The counter row layout and its integer encoding (pure Python: no torch, no triton).
+"""The counter row layout and its integer encoding (pure Python: no torch, no triton): the ABI between the kernels
+that write counter rows (:mod:`tripwire.triton`'s helpers, ``include/tripwire/guard.cuh``, any kernel of one's own)
+and the host that reads them, written down here once. ``tripwire.GUARD_BIAS``, ``tripwire.SLOTS`` and the
+``encode``/``decode`` functions are these names.
 
 Every site and instrument owns one row of ``SLOTS`` int64 words in its device's arena.
 

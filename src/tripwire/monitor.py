@@ -8,8 +8,8 @@ Lifecycle in an engine::
     loop: tripwire.check(); step()   # one attribute read per step; raises GuardTripped when armed
     shutdown: tripwire.drain()       # a final synchronous read: a hit on the last step is not lost
 
-A tick: :mod:`tripwire.reader` copies each arena without waiting on the GPU (quiet ticks run natively:
-:mod:`tripwire._native.engage`), then :mod:`tripwire.pipeline` confirms, reports and delivers what changed.
+A tick: :mod:`tripwire._runtime.reader` copies each arena without waiting on the GPU (quiet ticks run natively:
+:mod:`tripwire._runtime.native.engage`), then :mod:`tripwire._runtime.pipeline` confirms, reports and delivers what changed.
 """
 
 from __future__ import annotations
@@ -23,20 +23,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import confirm
-from ._native.engage import Engagement
-from .arena import Arena, normalize_device, unindexed_cuda
-from .capture import PostCaptureHooks, is_capturing
+from ._runtime.arena import Arena, normalize_device, unindexed_cuda
+from ._runtime.capture import PostCaptureHooks, is_capturing
+from ._runtime.health import health_record
+from ._runtime.hit import Hit
+from ._runtime.loop import run_reader
+from ._runtime.native.engage import Engagement
+from ._runtime.pipeline import Callbacks, Pipeline
+from ._runtime.reader import DeviceReader, Readers
+from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, tripped_for
 from .config import Settings, SettingView, check_timeout, load_settings
 from .contain import RequestNames, Taint
 from .errors import CaptureError, GuardTripped
-from .pipeline import Callbacks, Pipeline
-from .reader import DeviceReader, Readers
-from .report import GuardReporter, Hit, Report, RowReporter, register_reporter, tripped_for
-from .sinks import Event, JsonLines, stop_event
+from .sinks import Event, JsonLines
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
 
-__all__ = ["GuardReporter", "Hit", "Monitor", "RowReporter", "register_reporter"]
+__all__ = ["GuardReporter", "Hit", "Monitor", "ReportContext", "RowReporter", "register_reporter"]
 
 log = logging.getLogger("tripwire")
 
@@ -79,12 +81,9 @@ class Monitor:
         self._stop_evt = threading.Event()
         self._hooks = PostCaptureHooks()
         self._tick_hooks = Callbacks("a tick hook")
-        self._arm_listeners = Callbacks("an arm listener")
-        self._arm_queue: list[GuardTripped] = []  # armed under the lock, delivered (_deliver) once it is released
-        self._sync_due = False  # the sinks' health is due (a stop, a reset, a new sink)
-        self.pipeline = Pipeline(self)
         # Engine request ids <-> the numbers kernels keep with offenders (reports and taints name the engine's ids).
         self.requests = RequestNames()
+        self.pipeline = Pipeline(self.registry, lambda: self.settings, self.requests, self.arm, lambda: self.armed)
         self._rings: list[Any] = []  # the verdict rings (tripwire.verdict), re-baselined by reset()
         self.confirmer, self.sinks = self.pipeline.confirmer, self.pipeline.sinks
         self._last_tick: float | None = None
@@ -175,7 +174,7 @@ class Monitor:
                 log.debug("tripwire: already armed; also: %s", exc)
                 return
             self._tripped = exc
-            self._arm_queue.append(exc)
+            self.pipeline.queue_stop(exc)
         log.error("stop ARMED: %s", exc)
         if not nested:
             self._deliver()
@@ -184,20 +183,16 @@ class Monitor:
         """Outside the lock: the arm listeners for stops armed since the last call, then the queued events and the
         health (at once after a stop, a reset or a new sink; else now and then) to the sinks."""
         with self._lock:
-            armed, self._arm_queue = self._arm_queue, []
-            events = self.pipeline.take_events()
-            urgent, self._sync_due = self._sync_due or bool(armed), False
-        for exc in armed:
-            self._arm_listeners.call(exc)
-        self.sinks.deliver([*events, *map(stop_event, armed)], self.health, urgent=urgent)
+            taken = self.pipeline.take_delivery()
+        self.pipeline.deliver(taken, self.health)
 
     def add_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
         """Call ``fn(exc)`` when the stop is armed (used by tripwire.distributed to publish it)."""
-        self._arm_listeners.add(fn)
+        self.pipeline.arm_listeners.add(fn)
 
     def remove_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
         with self._lock:
-            self._arm_listeners.discard(fn)
+            self.pipeline.arm_listeners.discard(fn)
 
     def add_tick_hook(self, fn: Callable[[Monitor], None]) -> None:
         """Call ``fn(monitor)`` on every reader tick, idle ones included. While any hook is installed every tick is
@@ -215,8 +210,7 @@ class Monitor:
         :mod:`tripwire.sinks`). The log always gets the reports. Adding the same sink twice adds it once. A sink
         with ``bind`` gets this monitor's :meth:`health` (a metrics sink reads it at each scrape)."""
         with self._lock:
-            added = self.sinks.add(sink)
-            self._sync_due |= added
+            added = self.pipeline.add_sink(sink)
         if added and hasattr(sink, "bind"):
             sink.bind(self.health)
 
@@ -224,10 +218,6 @@ class Monitor:
         """Stop handing events to ``sink`` (ValueError if it was not added)."""
         with self._lock:
             self.sinks.remove(sink)
-
-    def emit(self, key: tuple[str, int], total: int, now: float, render: Callable[[int], Report]) -> None:
-        """A reporter's report for ``key`` (a device and a row), through the aggregation window."""
-        self.pipeline.submit(key, total, now, render)
 
     # ------------------------------------------------------------------ lifecycle
     def register_post_capture_hook(self, fn: Callable[[], Any]) -> None:
@@ -308,43 +298,37 @@ class Monitor:
                 )
 
     def _run(self) -> None:
-        interval = self.settings.interval
-        wait = interval
-        try:
+        def prepare() -> None:
             # A restart (stop/start) already knows every device's last rows: hand the quiet ticks to the native thread
             # at once rather than after a first Python tick (that tick is where most of a Python tick's cost is).
             self.devices.relax_once()
             self._maybe_engage()
-        except Exception:
-            log.exception("tripwire: engaging the native tick failed; the reader ticks in Python")
-            self.native.off = "failed to engage"
-        while True:
-            if self.native.attached:
-                # The native thread ticks; this thread sleeps with the GIL released until a copy changed, a native
-                # call failed, someone paused it (drain, poll, prealloc), stop(), or a Python duty is due.
-                with self._lock:
-                    duty = self.pipeline.duty_wait(time.monotonic())
-                self.native.wait(duty)
-                if self._stop_evt.is_set():
-                    break
-            elif self._stop_evt.wait(wait):
-                break
-            t0 = time.perf_counter()
-            try:
-                self.native.pause()
-                self._poll(on_reader_thread=True)
-                self._maybe_engage()
-            except Exception as e:  # the loop itself failed: log, arm, keep going
-                self.loop_errors += 1
-                log.exception("tripwire: reader tick failed")
-                why = f"the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the engine is stopped"
-                self.arm(GuardTripped.internal(f"tripwire: {why}"))
-            if self.native.python_spans is not None:
-                self.native.python_spans.append((t0, time.perf_counter()))
-            # While a rise waits for its confirming copy (already in flight: it was started by the tick that saw the
-            # rise), re-poll after CONFIRM_REPOLL_S instead of a full interval, so detection costs about one interval,
-            # not two.
-            wait = min(interval, confirm.CONFIRM_REPOLL_S) if self.confirmer.any_pending() else interval
+
+        def duty_wait(now: float) -> float:
+            with self._lock:
+                return self.pipeline.duty_wait(now)
+
+        def tick() -> None:
+            self.native.pause()
+            self._poll(on_reader_thread=True)
+            self._maybe_engage()
+
+        def failed(e: Exception) -> None:
+            self.loop_errors += 1
+            log.exception("tripwire: reader tick failed")
+            why = f"the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the engine is stopped"
+            self.arm(GuardTripped.internal(f"tripwire: {why}"))
+
+        run_reader(
+            self.settings.interval,
+            self.native,
+            self._stop_evt,
+            prepare=prepare,
+            duty_wait=duty_wait,
+            tick=tick,
+            failed=failed,
+            pending=self.confirmer.any_pending,
+        )
 
     # ------------------------------------------------------------------ reading
     def poll(self) -> None:
@@ -466,9 +450,8 @@ class Monitor:
             self.pipeline.clear()
             for ring in self._rings:
                 ring.forget()
-            self._arm_queue.clear()
+            self.pipeline.drop_stops()  # and the sinks' health is due
             self._tripped = None
-            self._sync_due = True
         self._deliver()
 
     def take_tainted(self) -> list[Taint]:
@@ -496,7 +479,9 @@ class Monitor:
                         f"site {s.name!r} on {dev} already has a verdict ring: a second ring would find its offenders "
                         f"consumed by the first"
                     )
-            ring = Verdicts(self, dev, resolved, depth)
+            ring = Verdicts(
+                self.pipeline.context, dev, resolved, depth, prealloc=self.prealloc, offenders=self.arena.offenders
+            )
             for s in resolved:
                 self.pipeline.ledger.cover(str(dev), s.id)
             self._rings.append(ring)
@@ -515,28 +500,17 @@ class Monitor:
         ``counts``: per device, each site's count as confirmed so far (reported; a rise not yet confirmed is not in
         it). ``ticks``, ``python_ticks``, ``native_ticks``, ``idle_skips``, ``quiet_ticks``, ``loop_errors``,
         ``sink_errors``."""
-        exc, alive = self._tripped, self.reader_alive
-        last = max((t for t in (self._last_tick, self.native.last_tick()) if t is not None), default=None)
-        devices = {r.name: r.status() for r in self.devices.all()}
-        lost = any(d["lost"] is not None for d in devices.values())
-        return {
-            "ok": exc is None and not lost and (alive or self.settings.mode == "off"),
-            "mode": self.settings.mode,
-            "armed": exc is not None,
-            "stop": None if exc is None else exc.as_dict(),
-            "reader_alive": alive,
-            "last_tick_age": None if last is None else max(time.monotonic() - last, 0.0),
-            "native_tick": self.native_tick,
-            "devices": devices,
-            "counts": self.pipeline.counts(),
-            "ticks": self.ticks,
-            "python_ticks": self.native.python[0],
-            "native_ticks": self.native.native_total(0),
-            "idle_skips": self.idle_skips,
-            "quiet_ticks": self.quiet_ticks,
-            "loop_errors": self.loop_errors,
-            "sink_errors": self.sinks.errors,
-        }
+        return health_record(
+            stop=self._tripped,
+            alive=self.reader_alive,
+            mode=self.settings.mode,
+            native=self.native,
+            last_python_tick=self._last_tick,
+            devices=self.devices,
+            counts=self.pipeline.counts(),
+            loop_errors=self.loop_errors,
+            sink_errors=self.sinks.errors,
+        )
 
     def trace(self, on: bool | None = None) -> list[tuple[float, float]]:
         """Tick spans ``(start, end)`` in ``time.perf_counter`` seconds, Python's and native (benchmarks only: see

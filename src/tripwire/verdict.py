@@ -41,23 +41,23 @@ import contextlib
 import ctypes
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .capture import is_capturing
+from ._runtime.capture import is_capturing
+from ._runtime.report import offenders_text
 from .contain import Taint
 from .errors import CaptureError, GuardTripped
 from .layout import COUNT, E_KEY, E_REQ, E_ROW, E_VALUE, OFF_ENTRY, OFF_HEADER, SLOTS, decode
-from .report import offenders_text
 from .sinks import Offender
 from .sites import GUARD_KINDS, Site
 
 if TYPE_CHECKING:
-    from .monitor import Monitor
+    from ._runtime.report import ReportContext
 
 __all__ = ["Ticket", "Verdict", "VerdictHit", "Verdicts"]
 
@@ -143,7 +143,16 @@ class Verdicts:
     whose verdict was not taken (a ring too small for the engine's queue depth): nothing is consumed then, so no
     count or offender is lost."""
 
-    def __init__(self, monitor: Monitor, device: torch.device, sites: Sequence[Site], depth: int) -> None:
+    def __init__(
+        self,
+        ctx: ReportContext,
+        device: torch.device,
+        sites: Sequence[Site],
+        depth: int,
+        *,
+        prealloc: Callable[[torch.device], torch.Tensor],
+        offenders: Callable[[torch.device], torch.Tensor | None],
+    ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 64:
             raise ValueError(f"depth={depth!r}: expected a whole number of verdict slots in [1, 64]")
         if not sites:
@@ -151,19 +160,19 @@ class Verdicts:
         for s in sites:
             if s.kind not in GUARD_KINDS:
                 raise ValueError(f"site {s.name!r} is a {s.kind!r} row; verdicts read guard-layout rows only")
-            if s.id >= monitor.settings.capacity:
-                raise ValueError(f"site {s.name!r} owns row {s.id}, past the arena's {monitor.settings.capacity} rows")
-        self.monitor = monitor
+            if s.id >= ctx.settings().capacity:
+                raise ValueError(f"site {s.name!r} owns row {s.id}, past the arena's {ctx.settings().capacity} rows")
+        self.context = ctx
         self.device = device
         self.name = str(device)
         self.sites = tuple(sites)
         self.depth = depth
-        self._rows_t = monitor.prealloc(device)
-        off = monitor.arena.offenders(device)
+        self._rows_t = prealloc(device)
+        off = offenders(device)
         assert off is not None
         self._off_t = off
         self.block_words = int(off.shape[1])
-        self.k = monitor.settings.offenders
+        self.k = ctx.settings().offenders
         self._ids = np.array([s.id for s in self.sites], dtype=np.int64)
         width = SLOTS + self.block_words
         n = len(self.sites)
@@ -176,7 +185,7 @@ class Verdicts:
         self._driver: Any = None
         self._open: list[Ticket | None] = [None] * depth
         if self._cuda:
-            from . import _verdict_kernel as _vk
+            from ._runtime import verdict_kernel as _vk
 
             # Allocated here, before any capture; the graph of a captured enqueue holds these addresses.
             self._host = torch.zeros((depth, n, width), dtype=torch.int64, pin_memory=True)
@@ -330,9 +339,9 @@ class Verdicts:
         last = self._last
         if counts.tobytes() == last.tobytes():
             return self._clean  # the common step: one comparison of a few words, no allocation of a verdict
-        mon = self.monitor
-        names = mon.requests
-        contain = mon.pipeline.containment.enabled
+        ctx = self.context
+        names = ctx.requests
+        contain = ctx.containment.enabled
         hits: list[VerdictHit] = []
         taints: list[Taint] = []
         tainted: set[Any] = set()
@@ -361,11 +370,11 @@ class Verdicts:
                 first = offenders[0] if offenders else None
                 row, value = (None, None) if first is None else (first.row, first.value)
                 taints.append(Taint(None, site.name, self.name, row, value))
-            mon.pipeline.ledger.add(self.name, site.id, total, offenders)
-            if not contain and (site.fatal or mon.settings.mode == "raise"):
+            ctx.ledger.add(self.name, site.id, total, offenders)
+            if not contain and (site.fatal or ctx.settings().mode == "raise"):
                 exc = _tripped(site, self.name, total, delta, offenders)
-                mon.arm(exc)
-                stop = stop or mon.armed or exc
+                ctx.arm(exc)
+                stop = stop or ctx.armed() or exc
         return Verdict(self.name, tuple(hits), frozenset(tainted), fail_all, stop, tuple(taints))
 
     def forget(self) -> None:

@@ -81,7 +81,7 @@ int main() {
     }
     ws[w]->size = n;
   }
-  // The block the way tripwire.arena lays it out: header word 1 = K, entries zeroed, its address in slot 7.
+  // The block the way tripwire._runtime.arena lays it out: header word 1 = K, entries zeroed, its address in slot 7.
   std::vector<int64_t> block(k >= 0 ? tripwire::OFF_HEADER + k * tripwire::OFF_ENTRY : 0, 0);
   int64_t ctr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   if (k >= 0) {

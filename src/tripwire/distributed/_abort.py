@@ -10,8 +10,6 @@ import torch
 
 from ._store import pg_initialized
 
-__all__ = ["abort_groups", "abort_one", "all_groups", "group_name", "nccl_backend"]
-
 log = logging.getLogger("tripwire")
 
 

@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["as_bytes", "default_store", "opt_int", "pg_initialized", "private_client"]
-
 log = logging.getLogger("tripwire")
 
 

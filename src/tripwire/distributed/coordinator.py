@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import socket
 import threading
 import time
 import weakref
@@ -17,12 +16,13 @@ from typing import Any
 
 import torch
 
-from .._default import default_monitor
-from ..capture import relax_thread_capture_mode
+from .._runtime.capture import relax_thread_capture_mode
+from .._runtime.default import default_monitor
 from ..errors import GuardTripped
 from ..monitor import Monitor
 from ._abort import abort_groups, all_groups
-from ._store import as_bytes, default_store, opt_int, pg_initialized, private_client
+from ._record import peer_stop, read_record, stop_record
+from ._store import as_bytes, default_store, pg_initialized, private_client
 
 __all__ = [
     "COORDINATION_SITE",
@@ -284,7 +284,7 @@ class Coordinator:
                 if self._lost or self.published is not None or self._to_publish is not None:
                     publish = False
                 else:
-                    self._to_publish = self._record(exc)
+                    self._to_publish = stop_record(self.rank, exc)
                     self._publish_attempted.clear()
                     self._kick = True
                     self._cv.notify_all()
@@ -421,29 +421,13 @@ class Coordinator:
         if raw == self._published_raw or raw == self._seen_raw:
             return  # our own record, or one already acted on (before a reset)
         self._seen_raw = raw
-        try:
-            rec = json.loads(raw)
-            peer_rank = int(rec["rank"])
-        except (ValueError, KeyError, TypeError) as e:
-            rec = {"rank": -1, "site": "<unreadable>", "device": "?", "count": 0, "message": repr(raw[:200])}
-            peer_rank = -1
-            log.error("tripwire: unreadable stop record at %r (%s); stopping anyway", self.key, e)
+        rec, peer_rank, unreadable = read_record(raw)
+        if unreadable is not None:
+            log.error("tripwire: unreadable stop record at %r (%s); stopping anyway", self.key, unreadable)
         if peer_rank == self.rank and rec.get("pid") == os.getpid():
             return
         self.peer = rec
-        age = time.time() - float(rec.get("time", time.time()))
-        where = f"{rec.get('host', '?')} pid {rec.get('pid', '?')}"
-        exc = GuardTripped(
-            f"tripwire: rank {peer_rank} ({where}) stopped {age:.2f} s ago by its clock and published its stop; "
-            f"rank {self.rank} stops too. Rank {peer_rank} reported: {rec.get('message', '?')}",
-            site=str(rec.get("site", "?")),
-            device=str(rec.get("device", "?")),
-            count=int(rec.get("count") or 0),
-            first_row=opt_int(rec.get("first_row")),
-            first_value=opt_int(rec.get("first_value")),
-            rank=peer_rank,
-            fatal=bool(rec.get("fatal", False)),
-        )
+        exc = peer_stop(rec, peer_rank, self.rank)
         self._peer_exc = exc  # marks it for _on_arm: learned, not published again
         # Arm first: an engine whose collective fails because of the abort below must find the stop already armed.
         self.monitor.arm(exc)
@@ -509,22 +493,3 @@ class Coordinator:
             log.exception("tripwire: aborting the process groups failed")
         finally:
             self.abort_done.set()
-
-    # ------------------------------------------------------------------ records
-    def _record(self, exc: GuardTripped) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "site": exc.site,
-            "device": exc.device,
-            "count": exc.count,
-            "first_row": exc.first_row,
-            "first_value": exc.first_value,
-            "fatal": exc.fatal,
-            "message": str(exc),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "time": time.time(),
-        }
-
-
-# ---------------------------------------------------------------------- helpers

@@ -14,8 +14,6 @@ from ..monitor import Monitor
 from ..validate import Validator
 from ._transformers_engine import zeroed
 
-__all__ = ["SITE_BLOCK_TABLE", "SITE_READ_INDEX", "SITE_WRITE_INDEX", "SUPPORTED", "cache_groups", "CacheValidators"]
-
 # [lowest, first unsupported): the versions whose cache layout this module reads (see cache_groups).
 SUPPORTED = ("5.17", "5.25")
 SITE_WRITE_INDEX = "transformers.write_index"

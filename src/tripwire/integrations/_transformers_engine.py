@@ -32,8 +32,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["patch", "unpatch", "zeroed"]
-
 # The engine caches built while patched, whose KV tensors were zeroed at construction (5.17's per-layer layout).
 zeroed: weakref.WeakSet[Any] = weakref.WeakSet()
 

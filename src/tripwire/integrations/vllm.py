@@ -54,7 +54,7 @@ import os
 import threading
 from typing import Any
 
-from .._default import default_monitor
+from .._runtime.default import default_monitor
 from ..monitor import Monitor
 from . import _vllm_v2
 from ._vllm_contain import ATTR, Containment

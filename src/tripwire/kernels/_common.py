@@ -14,25 +14,11 @@ from contextlib import contextmanager
 import torch
 import triton
 
-from .._default import default_monitor
-from ..arena import normalize_device
+from .._runtime.arena import normalize_device
+from .._runtime.default import default_monitor
 from ..layout import SLOTS
 from ..monitor import Monitor
 from ..sites import Site
-
-__all__ = [
-    "INDEX_DTYPES",
-    "check_ctr",
-    "counters",
-    "check_int_arg",
-    "check_requests",
-    "check_same_device",
-    "check_tensor",
-    "interpreting",
-    "pow2",
-    "recorded_launches",
-    "resolve_ctr",
-]
 
 # Metadata (ids, rows, columns, positions) may be int32 (what engines store) or int64 (what torch indexing makes).
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -200,3 +186,10 @@ def check_int_arg(name: str, v: object, *, lo: int = 0) -> int:
 def pow2(n: int, *, lo: int = 1, hi: int = 1 << 30) -> int:
     """The power of two covering ``n``, clamped into ``[lo, hi]`` (a Triton block size)."""
     return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+def check_fake_ctr(ctr: torch.Tensor, n_sites: int) -> None:
+    """A custom op's fake implementation: ``ctr`` is the int64 counter block of ``n_sites`` sites."""
+    ok = ctr.dtype == torch.int64 and (tuple(ctr.shape) == (n_sites, 8) or (n_sites == 1 and tuple(ctr.shape) == (8,)))
+    if not ok:
+        raise ValueError(f"ctr must be int64 [{n_sites}, 8] (or [8] for one site), got {ctr.dtype} {list(ctr.shape)}")

@@ -24,9 +24,16 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hit
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
-__all__ = ["SITES", "SITE_COUNT", "SITE_ROW", "block_table_gather", "block_table_gather_reference"]
+__all__ = [
+    "SITES",
+    "SITE_COUNT",
+    "SITE_ROW",
+    "block_table_gather",
+    "block_table_gather_reference",
+    "block_table_gather_op",
+]
 
 SITE_ROW = register_site(
     "kernels.block_table.row",
@@ -168,3 +175,24 @@ def block_table_gather_reference(
             continue
         out[b, :n] = table[r, :n]
     return out, row_hits, count_hits
+
+
+# The custom op (torch.ops.tripwire.block_table_gather, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::block_table_gather", mutates_args=("out", "ctr"))
+def block_table_gather_op(
+    block_table: torch.Tensor,
+    req_rows: torch.Tensor,
+    block_counts: torch.Tensor,
+    out: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    block_table_gather(block_table, req_rows, block_counts, out, guard=guard, ctr=ctr, requests=requests)
+
+
+@block_table_gather_op.register_fake
+def _(block_table, req_rows, block_counts, out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
+    if tuple(out.shape) != (req_rows.shape[0], block_table.shape[1]) or out.dtype != block_table.dtype:
+        raise ValueError(f"out must be {block_table.dtype} [{req_rows.shape[0]}, {block_table.shape[1]}]")
+    check_fake_ctr(ctr, len(SITES))

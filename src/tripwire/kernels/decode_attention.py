@@ -45,8 +45,6 @@ only on the fault path (a split that holds a bad page, a bad length).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -54,7 +52,8 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import guard_index, record_hit
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._decode_splits import Config, Workspace, _block_h, alloc_workspace, default_splits
 
 __all__ = [
     "DTYPES",
@@ -67,6 +66,7 @@ __all__ = [
     "decode_attention_reference",
     "default_splits",
     "alloc_workspace",
+    "decode_attention_op",
 ]
 
 SITE_PAGE = register_site(
@@ -84,40 +84,8 @@ SITES = (SITE_PAGE, SITE_SEQ_LEN)
 
 DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
-# Query heads per program: one [BLOCK_H, D] tile; a KV group larger than this is split over head tiles (each reads
-# the group's K/V again). 16 is the smallest M of a tensor-core dot, so smaller groups are padded up to it.
-_MAX_BLOCK_H = 64
-_MIN_BLOCK_H = 16
 # Tokens per tile on the fault path (the smallest N of a tensor-core dot; see _decode_split).
 _FAULT_BLOCK_N = 16
-
-
-@dataclass(frozen=True)
-class Config:
-    """Launch shape of the split kernel: ``block_n`` tokens per tile (a power of two >= 16), ``num_warps``, and
-    ``num_stages`` (software pipelining of the K/V loads; 1 = none). The reduce kernel's shape is fixed."""
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "num_warps", "num_stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Config.{name} must be a positive int, got {v!r}")
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"Config.block_n must be a power of two >= 16, got {self.block_n}")
-        if self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"Config.num_warps must be a power of two, got {self.num_warps}")
-
-
-class Workspace(NamedTuple):
-    """The split-K partials: ``out`` float32 ``[B, Hq, S, D]`` (each split's normalised output) and ``lse``
-    float32 ``[B, Hq, S]`` (its log2-sum-exp, -inf for an empty split). ``S`` is the number of splits."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
 
 
 @triton.jit
@@ -278,7 +246,7 @@ def _decode_split(
             # The fault path: count the split's bad entries once, then attend with their tokens masked. Small tiles,
             # not pipelined: registers are allocated for the kernel's worst path, so a fault loop shaped like the
             # hot one would raise the guarded kernel's count above the twin's and cost the hot path occupancy
-            # (tests/test_decode_attention.py checks the sm_90 build).
+            # (tests/kernels/test_decode_attention.py checks the sm_90 build).
             req = None
             if HAS_REQ:
                 req = tl.load(req_ptr + b)
@@ -317,54 +285,6 @@ def _decode_reduce(pout_ptr, plse_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S: tl.
     part = tl.load(pout_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :], mask=used[:, None], other=0.0)
     o = tl.sum(part * w[:, None], 0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + row * D + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-def _block_h(group: int) -> int:
-    return max(_MIN_BLOCK_H, min(_MAX_BLOCK_H, triton.next_power_of_2(group)))
-
-
-def default_splits(
-    batch: int, kv_heads: int, q_heads: int, table_width: int, block_size: int, device: torch.device | str
-) -> int:
-    """Splits per sequence for a launch shape: enough programs for about 32 per SM, so the launch runs in several
-    waves and its last, partial wave is a small part of its time; but at least 256 tokens per split (a split's fixed
-    costs -- query load, page check, epilogue, its share of the reduce -- amortise over its tokens). 1 (which also
-    skips the reduce) when the batch alone is that many programs. A host-side heuristic: it reads the device's SM
-    count, never device memory; ``benchmarks/bench_decode_attention.py`` sweeps the alternatives."""
-    dev = torch.device(device)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-    group = max(1, q_heads // max(1, kv_heads))
-    programs = max(1, batch * kv_heads * triton.cdiv(group, _block_h(group)))
-    by_fill = triton.cdiv(32 * sms, programs)
-    by_length = max(1, (table_width * block_size) // 256)
-    return int(min(by_fill, by_length))
-
-
-def alloc_workspace(
-    q: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    kv_heads: int,
-    *,
-    num_splits: int | None = None,
-) -> Workspace | None:
-    """Allocate the split-K partials for launches of ``q``'s shape (call once, before any capture; the launcher
-    never allocates). ``num_splits`` defaults to :func:`default_splits`; ``None`` is returned when that is 1 (the
-    launcher then writes ``out`` directly)."""
-    B, Hq, D = q.shape
-    S = (
-        default_splits(B, kv_heads, Hq, block_table.shape[1], block_size, q.device)
-        if num_splits is None
-        else num_splits
-    )
-    if isinstance(S, bool) or not isinstance(S, int) or S < 1:
-        raise ValueError(f"num_splits must be a positive int, got {S!r}")
-    if S == 1:
-        return None
-    return Workspace(
-        torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device),
-        torch.empty(B, Hq, S, dtype=torch.float32, device=q.device),
-    )
 
 
 def decode_attention(
@@ -534,3 +454,63 @@ def decode_attention_reference(
         scores = torch.einsum("hd,thd->ht", qf[b], k) * scale
         out[b] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype), page_hits, len_hits
+
+
+# The custom op (torch.ops.tripwire.decode_attention, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::decode_attention", mutates_args=("out", "partial_out", "partial_lse", "ctr"))
+def decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    partial_out: torch.Tensor | None,
+    partial_lse: torch.Tensor | None,
+    ctr: torch.Tensor,
+    scale: float = -1.0,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        workspace=_workspace(partial_out, partial_lse),
+        scale=None if scale < 0 else scale,
+        guard=guard,
+        ctr=ctr,
+        requests=requests,
+    )
+
+
+def _workspace(partial_out: torch.Tensor | None, partial_lse: torch.Tensor | None) -> Workspace | None:
+    if (partial_out is None) != (partial_lse is None):
+        raise ValueError("partial_out and partial_lse are the workspace's two tensors: pass both or neither")
+    return None if partial_out is None else Workspace(partial_out, partial_lse)  # type: ignore[arg-type]
+
+
+@decode_attention_op.register_fake
+def _(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    out,
+    partial_out,
+    partial_lse,
+    ctr,
+    scale=-1.0,
+    guard=True,
+    requests=None,
+):  # type: ignore[no-untyped-def]
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {list(q.shape)}")
+    ws = _workspace(partial_out, partial_lse)
+    if ws is not None and (tuple(ws.out.shape[:2]) != tuple(q.shape[:2]) or ws.out.dtype != torch.float32):
+        raise ValueError(f"partial_out must be float32 [{q.shape[0]}, {q.shape[1]}, splits, {q.shape[2]}]")
+    check_fake_ctr(ctr, len(SITES))

@@ -20,9 +20,9 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hit
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
-__all__ = ["SITE", "SITES", "kv_zero", "kv_zero_reference"]
+__all__ = ["SITE", "SITES", "kv_zero", "kv_zero_reference", "kv_zero_op"]
 
 SITE = register_site(
     "kernels.kv_zero.block",
@@ -107,3 +107,20 @@ def kv_zero_reference(pool: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
         else:
             hits.append((i, b))
     return out, hits
+
+
+# The custom op (torch.ops.tripwire.kv_zero, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::kv_zero", mutates_args=("pool", "ctr"))
+def kv_zero_op(
+    pool: torch.Tensor,
+    block_ids: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    kv_zero(pool, block_ids, guard=guard, ctr=ctr, requests=requests)
+
+
+@kv_zero_op.register_fake
+def _(pool, block_ids, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
+    check_fake_ctr(ctr, len(SITES))

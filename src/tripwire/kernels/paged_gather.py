@@ -22,9 +22,9 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hit
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
-__all__ = ["SITE", "SITES", "paged_gather", "paged_gather_reference"]
+__all__ = ["SITE", "SITES", "paged_gather", "paged_gather_reference", "paged_gather_op"]
 
 SITE = register_site(
     "kernels.paged_gather.page",
@@ -128,3 +128,24 @@ def paged_gather_reference(cache: torch.Tensor, page_table: torch.Tensor) -> tup
         else:
             hits.append((e, page))
     return out, hits
+
+
+# The custom op (torch.ops.tripwire.paged_gather, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::paged_gather", mutates_args=("out", "ctr"))
+def paged_gather_op(
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    out: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    paged_gather(cache, page_table, out, guard=guard, ctr=ctr, requests=requests)
+
+
+@paged_gather_op.register_fake
+def _(cache, page_table, out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
+    want = (*page_table.shape, *cache.shape[1:])
+    if tuple(out.shape) != want or out.dtype != cache.dtype:
+        raise ValueError(f"out must be {cache.dtype} {list(want)}")
+    check_fake_ctr(ctr, len(SITES))

@@ -27,9 +27,9 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hit
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
-__all__ = ["FLOAT_DTYPES", "SITE", "SITES", "rope", "rope_reference"]
+__all__ = ["FLOAT_DTYPES", "SITE", "SITES", "rope", "rope_reference", "rope_op"]
 
 SITE = register_site(
     "kernels.rope.position",
@@ -199,3 +199,26 @@ def rope_reference(
 
     hits = [(t, p) for t, p in enumerate(pos.tolist()) if not 0 <= p < max_pos]
     return rot(q), rot(k), hits
+
+
+# The custom op (torch.ops.tripwire.rope, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::rope", mutates_args=("q_out", "k_out", "ctr"))
+def rope_op(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    rope(positions, q, k, cos_sin, q_out, k_out, guard=guard, ctr=ctr, requests=requests)
+
+
+@rope_op.register_fake
+def _(positions, q, k, cos_sin, q_out, k_out, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
+    if q_out.shape != q.shape or k_out.shape != k.shape:
+        raise ValueError("q_out/k_out must have the shapes of q/k")
+    check_fake_ctr(ctr, len(SITES))

@@ -25,9 +25,26 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_tiles
-from ._common import INDEX_DTYPES, check_int_arg, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import (
+    INDEX_DTYPES,
+    check_fake_ctr,
+    check_int_arg,
+    check_requests,
+    check_same_device,
+    check_tensor,
+    pow2,
+    resolve_ctr,
+)
 
-__all__ = ["SITES", "SITE_BLOCK", "SITE_COLUMN", "SITE_ROW", "slot_mapping", "slot_mapping_reference"]
+__all__ = [
+    "SITES",
+    "SITE_BLOCK",
+    "SITE_COLUMN",
+    "SITE_ROW",
+    "slot_mapping",
+    "slot_mapping_reference",
+    "slot_mapping_op",
+]
 
 SITE_ROW = register_site(
     "kernels.slot_mapping.row",
@@ -266,3 +283,36 @@ def slot_mapping_reference(
             continue
         slots[t] = blk * block_size + p % block_size
     return slots, hits
+
+
+# The custom op (torch.ops.tripwire.slot_mapping, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::slot_mapping", mutates_args=("slots", "ctr"))
+def slot_mapping_op(
+    positions: torch.Tensor,
+    token_rows: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    ctr: torch.Tensor,
+    block_size: int,
+    num_kv_blocks: int = -1,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    slot_mapping(
+        positions,
+        token_rows,
+        block_table,
+        slots,
+        block_size,
+        num_kv_blocks=None if num_kv_blocks < 0 else num_kv_blocks,
+        guard=guard,
+        ctr=ctr,
+        requests=requests,
+    )
+
+
+@slot_mapping_op.register_fake
+def _(positions, token_rows, block_table, slots, ctr, block_size, num_kv_blocks=-1, guard=True, requests=None):  # type: ignore[no-untyped-def]
+    if tuple(slots.shape) != tuple(positions.shape) or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be int64 {list(positions.shape)}")
+    check_fake_ctr(ctr, len(SITES))

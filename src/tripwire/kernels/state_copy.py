@@ -28,9 +28,9 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_hits
-from ._common import INDEX_DTYPES, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
+from ._common import INDEX_DTYPES, check_fake_ctr, check_requests, check_same_device, check_tensor, pow2, resolve_ctr
 
-__all__ = ["SITES", "SITE_COLUMN", "SITE_ROW", "SITE_SLOT", "state_copy", "state_copy_reference"]
+__all__ = ["SITES", "SITE_COLUMN", "SITE_ROW", "SITE_SLOT", "state_copy", "state_copy_reference", "state_copy_op"]
 
 SITE_ROW = register_site(
     "kernels.state_copy.row",
@@ -191,3 +191,23 @@ def state_copy_reference(
         if good:
             out[slots[1]] = before[slots[0]]
     return out, hits
+
+
+# The custom op (torch.ops.tripwire.state_copy, for torch.compile: tripwire.kernels.ops has the contract).
+@torch.library.custom_op("tripwire::state_copy", mutates_args=("state", "ctr"))
+def state_copy_op(
+    state: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    src_cols: torch.Tensor,
+    dst_cols: torch.Tensor,
+    ctr: torch.Tensor,
+    guard: bool = True,
+    requests: torch.Tensor | None = None,
+) -> None:
+    state_copy(state, block_table, rows, src_cols, dst_cols, guard=guard, ctr=ctr, requests=requests)
+
+
+@state_copy_op.register_fake
+def _(state, block_table, rows, src_cols, dst_cols, ctr, guard=True, requests=None):  # type: ignore[no-untyped-def]
+    check_fake_ctr(ctr, len(SITES))

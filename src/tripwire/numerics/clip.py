@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..arena import normalize_device
-from ..capture import is_capturing
+from .._runtime.arena import normalize_device
+from .._runtime.capture import is_capturing
+from .._runtime.report import Report, ReportContext, Wording, register_reporter, short_name
 from ..errors import GuardTripped
-from ..report import Report, Wording, register_reporter, short_name
 from ..sinks import Event
 from ..sites import Site, SiteRegistry
 
@@ -149,7 +149,7 @@ def clip_thresholds(
     so ``bf16_tensor > zero_dim_float32`` is computed on the bf16 grid -- the threshold is rounded to bf16 and values
     just above the true ceiling (below its bf16 rounding) are not counted. A tensor with a dimension takes part in
     promotion as a tensor, so the comparison runs in float32, where every bf16/fp16 value and this threshold are
-    exact. ``tests/test_numerics_clip.py`` shows the 0-dim version undercounting.
+    exact. ``tests/numerics/test_clip.py`` shows the 0-dim version undercounting.
     """
     fmt = _check_fmt(fmt)
     dev = torch.device(device)
@@ -235,7 +235,7 @@ class ClipCounter:
         description: str = "",
     ) -> None:
         if monitor is None:
-            from .._default import default_monitor
+            from .._runtime.default import default_monitor
 
             monitor = default_monitor()
         self.fmt = _check_fmt(fmt)
@@ -381,7 +381,7 @@ class ClipReporter:
         self._logged: dict[tuple[str, int], tuple[int, int]] = {}  # (device, row) -> (k, v) at the last report
         self._next_beat: float | None = None
 
-    def confirm(self, monitor: Monitor, device: str, site: Site, row: np.ndarray, now: float) -> None:
+    def confirm(self, ctx: ReportContext, device: str, site: Site, row: np.ndarray, now: float) -> None:
         key = (device, site.id)
         row = row.copy()
         k, v = int(row[K_COUNT]), int(row[V_COUNT])
@@ -399,9 +399,9 @@ class ClipReporter:
             )
             return Report(events, clip_wording(site, device, row, k - lk, v - lv), site.name)
 
-        monitor.emit(key, k + v, now, render)
+        ctx.emit(key, k + v, now, render)
         if site.fatal:
-            monitor.arm(
+            ctx.arm(
                 GuardTripped(
                     clip_message(site, device, row, None, None) + " The counter is fatal: the engine was stopped "
                     "by tripwire.check().",
@@ -412,11 +412,11 @@ class ClipReporter:
                 )
             )
 
-    def tick(self, monitor: Monitor, latest: dict[str, np.ndarray], now: float) -> None:
+    def tick(self, ctx: ReportContext, latest: dict[str, np.ndarray], now: float) -> None:
         if self._next_beat is not None and now < self._next_beat:
             return
         lines = []
-        sites = monitor.registry.all()
+        sites = ctx.registry.all()
         for device, rows in sorted(latest.items()):
             clip = [s for s in sites[: rows.shape[0]] if s.kind == "clip"]
             if not clip:
@@ -424,7 +424,7 @@ class ClipReporter:
             lines.append(_heartbeat_line(device, clip, rows))
         if not lines:
             return  # nothing read yet: try again next tick
-        self._next_beat = now + monitor.settings.heartbeat
+        self._next_beat = now + ctx.settings().heartbeat
         for line in lines:
             log.info("%s", line)
 

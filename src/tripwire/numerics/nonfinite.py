@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._runtime.hit import Hit
+from .._runtime.report import GuardReporter, Wording, register_reporter, short_name
 from ..monitor import Monitor
-from ..report import GuardReporter, Hit, Wording, register_reporter, short_name
 from ..sites import Site
 from ..triton import record_hits
 
@@ -52,7 +53,7 @@ def register_nonfinite_site(
     """Register (or look up) a non-finite counting site (kind ``"nonfinite"``) in ``monitor``'s registry (the
     default monitor's when None). Call it at import or construction time, before any capture."""
     if monitor is None:
-        from .._default import default_monitor
+        from .._runtime.default import default_monitor
 
         monitor = default_monitor()
     return monitor.registry.register(name, description=description, fatal=fatal, kind="nonfinite")
@@ -152,7 +153,7 @@ def count_nonfinite(
         raise ValueError(f"count_nonfinite needs a contiguous tensor, got strides {tuple(tensor.stride())}")
     if ctr is None:
         if monitor is None:
-            from .._default import default_monitor
+            from .._runtime.default import default_monitor
 
             monitor = default_monitor()
         if isinstance(site, str):

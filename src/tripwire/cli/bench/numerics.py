@@ -1,0 +1,362 @@
+"""Numeric instruments on the GPU: what counting costs.
+
+1. Fused FP8 KV-cache write (``tripwire.numerics.fused``): the kernel with clip counting and the slot guard
+   (``COUNT=True, GUARD=True``, what ``quantize_kv_to_fp8_cache`` runs) vs the same kernel -- same launch shape --
+   with both compiled out (``COUNT=False, GUARD=False``), and vs the guard alone, which is exactly what
+   ``count=False`` runs (the launcher picks one shape for both). Target: counted within 5 % of bare. Also vs the torch-ops
+   path (``ClipCounter.count``: several passes over K/V) alone and with a torch quantise-and-scatter, as ratios.
+   Two regimes: healthy (no element clips: the hot path, no atomics once the maxima settle) and clipping (every
+   token clips: one atomic add per program and tensor, the worst case).
+2. Non-finite counter on ``[256, 152064]`` bf16 logits: achieved bandwidth against a device-to-device copy of the
+   same tensor (read + write bytes). Target: at least 80 %. Block sizes are swept and reported too.
+
+Timings are ``triton.testing.do_bench`` medians of a CUDA graph replaying the call 10-20 times (so Python launch
+overhead is not measured; do_bench flushes L2 between replays, and at the smallest fused shape the data fits in
+L2, so its GB/s is an L2 figure), each comparison measured alternately in one process, the median over ``repeats``
+rounds. ``run(quick)`` returns a dict; ``python -m
+tripwire.cli.bench.numerics [--quick]`` prints a table and the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from tripwire import Monitor, SiteRegistry
+from tripwire.numerics import ClipCounter, count_nonfinite, reference_quantize, register_nonfinite_site
+from tripwire.numerics import fused as fused_mod
+from tripwire.numerics import nonfinite as nonfinite_mod
+
+from .common import Ctx, Result, capture, single
+from .questions import label
+
+FUSED_TARGET_PCT = 5.0
+NONFINITE_TARGET = 0.80
+
+
+def _graphed(fn: Callable[[], object], n: int) -> Callable[[], object]:
+    """``fn`` called ``n`` times back to back, captured in one CUDA graph: timing its replay measures the kernels,
+    not Python's launch overhead (tens of microseconds per Triton launch, as long as a small kernel itself)."""
+    return capture(fn, warm=1, repeat=n).replay
+
+
+def _time(fns: dict[str, Callable[[], object]], repeats: int, rep_ms: int, per_graph: int) -> dict[str, float]:
+    """Median ms per call of each function (graphed ``per_graph`` calls at a time), measured alternately
+    ``repeats`` times so that drift hits every variant alike."""
+    replays = {k: _graphed(fn, per_graph) for k, fn in fns.items()}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, replay in replays.items():
+            samples[name].append(float(do_bench(replay, warmup=25, rep=rep_ms, return_mode="median")) / per_graph)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _fused_case(tokens: int, heads: int, dim: int, regime: str, repeats: int, rep_ms: int, dev: str = "cuda") -> dict:
+    reg = SiteRegistry(capacity=16)
+    mon = Monitor(registry=reg, capacity=16)
+    c = ClipCounter("bench.layer", dev, "e4m3", monitor=mon)
+    g = torch.Generator(device=dev).manual_seed(0)
+    spread = 40.0 if regime == "healthy" else 200.0  # healthy: |x| << 448; clipping: tails past 448 in every token
+    key = (torch.randn(tokens, heads, dim, device=dev, generator=g) * spread).to(torch.bfloat16)
+    value = (torch.randn(tokens, heads, dim, device=dev, generator=g) * spread).to(torch.bfloat16)
+    if regime == "healthy":
+        key.clamp_(-400, 400)
+        value.clamp_(-400, 400)
+    block_size = 16
+    num_blocks = triton.cdiv(tokens, block_size) * 2
+    slots = torch.randperm(num_blocks * block_size, device=dev, generator=g)[:tokens]
+    kc = torch.zeros(num_blocks, block_size, heads, dim, dtype=torch.float8_e4m3fn, device=dev)
+    vc = torch.zeros_like(kc)
+    ks = torch.tensor([1.0], device=dev)
+    vs = torch.tensor([1.0], device=dev)
+
+    tile = triton.next_power_of_2(heads) * triton.next_power_of_2(dim)
+    # What quantize_kv_to_fp8_cache launches, with or without counting (one shape for both), recorded.
+    shape = fused_mod._launch_config(tokens, tile, torch.device(dev))
+
+    def launch(count: bool, guard: bool) -> Callable[[], None]:
+        return lambda: fused_mod._launch(key, value, kc, vc, slots, ks, vs, c, count=count, guard=guard)
+
+    flat_k = kc.view(-1, heads, dim)
+    flat_v = vc.view(-1, heads, dim)
+
+    def torch_full() -> None:
+        # The same work in torch ops: quantise (one pass each), scatter into the cache, count (several passes).
+        flat_k.view(torch.uint8).index_copy_(0, slots, reference_quantize(key, ks, "e4m3").view(torch.uint8))
+        flat_v.view(torch.uint8).index_copy_(0, slots, reference_quantize(value, vs, "e4m3").view(torch.uint8))
+        c.count(key, value, ks, vs, slots)
+
+    fns: dict[str, Callable[[], object]] = {
+        "counted": launch(True, True),
+        "bare": launch(False, False),
+        "guard_only": launch(False, True),  # quantize_kv_to_fp8_cache(count=False) exactly
+        "torch_count": lambda: c.count(key, value, ks, vs, slots),
+        "torch_full": torch_full,
+    }
+    for fn in fns.values():
+        fn()  # compile, and let the max slots settle
+    clipped = c.totals()  # a synchronous read
+    t = _time(fns, repeats, rep_ms, per_graph=20)
+    nbytes = 2 * tokens * heads * dim * (key.element_size() + 1) + slots.numel() * slots.element_size()
+    overhead = 100.0 * (t["counted"] / t["bare"] - 1.0)
+    return {
+        "tokens": tokens,
+        "heads": heads,
+        "head_dim": dim,
+        "dtype": "bfloat16",
+        "fmt": "e4m3",
+        "regime": regime,
+        "clipped_in_warmup": clipped["k"] + clipped["v"],
+        "us": {k: 1e3 * v for k, v in t.items()},
+        "gbps_counted": nbytes / (t["counted"] * 1e-3) / 1e9,
+        "gbps_bare": nbytes / (t["bare"] * 1e-3) / 1e9,
+        "overhead_pct": overhead,
+        "config": list(shape),
+        "guard_only_overhead_pct": 100.0 * (t["guard_only"] / t["bare"] - 1.0),
+        # The counting alone: the counted kernel against the same kernel with its slot guard but no counting, which
+        # is what count=False runs: what counting costs a caller who could turn it off.
+        "count_only_overhead_pct": 100.0 * (t["counted"] / t["guard_only"] - 1.0),
+        "torch_count_over_fused": t["torch_count"] / t["counted"],
+        "torch_full_over_fused": t["torch_full"] / t["counted"],
+        "target_pct": FUSED_TARGET_PCT,
+        "pass": overhead <= FUSED_TARGET_PCT if regime == "healthy" else None,
+    }
+
+
+def _nonfinite(
+    quick: bool, repeats: int, rep_ms: int, dev: str = "cuda", shape: tuple[int, int] = (256, 152064)
+) -> dict:
+    reg = SiteRegistry(capacity=16)
+    mon = Monitor(registry=reg, capacity=16)
+    site = register_nonfinite_site("bench.logits", monitor=mon)
+    x = torch.randn(shape, device=dev).to(torch.bfloat16)
+    dst = torch.empty_like(x)
+    ctr = mon.counter(site, dev)
+    nbytes = x.numel() * x.element_size()
+    fns: dict[str, Callable[[], object]] = {
+        "nonfinite": lambda: count_nonfinite(x, site, ctr=ctr),
+        "copy": lambda: dst.copy_(x),
+    }
+    # (elements per load step, steps per program, warps) around the default.
+    sweep_cfgs = [(1024, 8, 8), (2048, 2, 8), (2048, 4, 4), (2048, 4, 8), (2048, 8, 8), (4096, 4, 8), (8192, 1, 8)]
+    if quick:
+        sweep_cfgs = sweep_cfgs[2:5]
+    for b, it, w in sweep_cfgs:
+        fns[f"block{b}_i{it}_w{w}"] = functools.partial(nonfinite_mod._launch, x, ctr, b, w, it)
+    for fn in fns.values():
+        fn()
+    assert int(mon.read_rows(dev)[site.id][0]) == 0  # clean data: nothing counted (hot path measured)
+    t = _time(fns, repeats, rep_ms, per_graph=10)
+    gbps = nbytes / (t["nonfinite"] * 1e-3) / 1e9
+    copy_gbps = 2 * nbytes / (t["copy"] * 1e-3) / 1e9  # a copy reads and writes
+    ratio = gbps / copy_gbps
+    # The rare path: a few NaNs (one set of atomics in the programs that hold them).
+    x.view(-1)[:: x.numel() // 7] = float("nan")
+    t_nan = _time({"with_nan": fns["nonfinite"]}, 1, rep_ms, per_graph=10)["with_nan"]
+    default_block = nonfinite_mod.default_block(x.dtype)
+    return {
+        "shape": list(shape),
+        "dtype": "bfloat16",
+        "default_block": default_block,
+        "default_num_warps": nonfinite_mod._NUM_WARPS,
+        "default_iters": nonfinite_mod._ITERS,
+        "us": 1e3 * t["nonfinite"],
+        "us_with_7_nans": 1e3 * t_nan,
+        "copy_us": 1e3 * t["copy"],
+        "gbps": gbps,
+        "copy_gbps": copy_gbps,
+        "ratio_to_copy": ratio,
+        "target": NONFINITE_TARGET,
+        "pass": ratio >= NONFINITE_TARGET,
+        "sweep": [
+            {
+                "block": b,
+                "iters": it,
+                "num_warps": w,
+                "us": 1e3 * t[f"block{b}_i{it}_w{w}"],
+                "ratio_to_copy": (nbytes / (t[f"block{b}_i{it}_w{w}"] * 1e-3) / 1e9) / copy_gbps,
+            }
+            for b, it, w in sweep_cfgs
+        ],
+    }
+
+
+def run(quick: bool = False) -> dict:
+    """Measure everything above on the current CUDA device; ``{"skipped": reason}`` without one."""
+    if not torch.cuda.is_available():
+        return {"name": "numerics", "skipped": "needs a CUDA GPU (Triton kernels are timed compiled)"}
+    repeats, rep_ms = (1, 50) if quick else (5, 200)
+    shapes = [(4096, 8, 128)] if quick else [(2048, 8, 128), (16384, 8, 128), (32768, 8, 128)]
+    fused = []
+    for tokens, heads, dim in shapes:
+        for regime in ("healthy", "clipping"):
+            fused.append(_fused_case(tokens, heads, dim, regime, repeats, rep_ms))
+    return {
+        "name": "numerics",
+        "quick": quick,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "repeats": repeats,
+        "fused_fp8": fused,
+        "nonfinite": _nonfinite(quick, repeats, rep_ms),
+    }
+
+
+def _table(res: dict) -> str:
+    if "skipped" in res:
+        return f"numerics: skipped ({res['skipped']})"
+    lines = [
+        f"numerics on {res['device']} (torch {res['torch']}, triton {res['triton']}, quick={res['quick']})",
+        "",
+        "fused FP8 KV write          counted   bare  guard  torch_cnt  torch_full  overhead  target  pass  "
+        "vs_count=False  torch_cnt/fused  torch_full/fused  GB/s",
+    ]
+    for f in res["fused_fp8"]:
+        us = f["us"]
+        shape = f"{f['tokens']}x{f['heads']}x{f['head_dim']} {f['regime']}"
+        mark = "-" if f["pass"] is None else ("PASS" if f["pass"] else "SHORT")
+        lines.append(
+            f"{shape:<26} {us['counted']:8.1f} {us['bare']:6.1f} {us['guard_only']:6.1f} {us['torch_count']:10.1f} "
+            f"{us['torch_full']:11.1f} {f['overhead_pct']:8.2f}% {f['target_pct']:6.1f}% {mark:>5} "
+            f"{f['count_only_overhead_pct']:13.2f}% "
+            f"{f['torch_count_over_fused']:16.2f}x {f['torch_full_over_fused']:16.2f}x {f['gbps_counted']:6.0f}"
+        )
+    n = res["nonfinite"]
+    lines += [
+        "",
+        f"non-finite counter {n['shape']} {n['dtype']}: {n['us']:.1f} us, {n['gbps']:.0f} GB/s; copy {n['copy_us']:.1f} "
+        f"us, {n['copy_gbps']:.0f} GB/s; ratio {n['ratio_to_copy']:.3f} (target >= {n['target']}) "
+        f"{'PASS' if n['pass'] else 'SHORT'}; with 7 NaNs {n['us_with_7_nans']:.1f} us",
+        "  sweep: "
+        + ", ".join(
+            f"block {s['block']} x{s['iters']}/w{s['num_warps']}: {s['ratio_to_copy']:.3f}" for s in n["sweep"]
+        ),
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- into q1's record
+# What fold adds to q1 (guard_cost.py folds a fresh run in; --merge replaces exactly these in an earlier run's record).
+NUMERICS_FIGURE_PREFIXES = ("overhead_pct_fp8_", "fused_", "torch_count_over_fused_", "nonfinite_")
+NUMERICS_TARGET_PREFIXES = ("fused FP8 counter", "non-finite counter")
+NUMERICS_NOTE_PREFIXES = ("fused FP8 and non-finite figures", "bench_numerics")
+
+
+def fold(res: Result, out: dict) -> None:
+    """Add the figures and targets of one :func:`run` result to ``res`` (q1's)."""
+    if "skipped" in out:
+        res.note(f"bench_numerics skipped: {out['skipped']}")
+        return
+    for f in out.get("fused_fp8", []):
+        key = f"fp8_{f['tokens']}x{f['heads']}x{f['head_dim']}_{f['regime']}"
+        res.fig(
+            f"overhead_pct_{key}", single(f["overhead_pct"], unit="%", label=f"fused FP8 {key}: counted / bare - 1")
+        )
+        res.fig(f"fused_us_counted_{key}", single(f["us"]["counted"], unit="us", label=f"fused FP8 {key}, counted"))
+        res.fig(f"fused_us_bare_{key}", single(f["us"]["bare"], unit="us", label=f"fused FP8 {key}, bare"))
+        res.fig(
+            f"fused_guard_only_pct_{key}",
+            single(f["guard_only_overhead_pct"], unit="%", label=f"fused FP8 {key}: slot guard alone / bare - 1"),
+        )
+        res.fig(
+            f"fused_count_only_pct_{key}",
+            single(
+                f["count_only_overhead_pct"],
+                unit="%",
+                label=f"fused FP8 {key}: counted / guard alone (= count=False) - 1, shape {f['config']}",
+            ),
+        )
+        res.fig(f"fused_gbs_{key}", single(f["gbps_counted"], unit="GB/s", label=f"fused FP8 {key}, counted"))
+        res.fig(
+            f"torch_count_over_fused_{key}",
+            single(f["torch_count_over_fused"], unit="x", label=f"{key}: torch-ops counting / fused kernel"),
+        )
+        if f["regime"] == "healthy":
+            res.target(
+                f"fused FP8 counter {key}",
+                f"overhead_pct_{key}",
+                f"within {f['target_pct']:g} %",
+                f["overhead_pct"],
+                f["pass"],
+            )
+            # The same question asked of the shipped calls: counted vs count=False (the guard-alone kernel).
+            res.target(
+                f"fused FP8 counter {key}, vs count=False",
+                f"fused_count_only_pct_{key}",
+                f"within {f['target_pct']:g} %",
+                f["count_only_overhead_pct"],
+                f["count_only_overhead_pct"] <= f["target_pct"],
+            )
+    nf = out.get("nonfinite")
+    if nf:
+        res.fig("nonfinite_us", single(nf["us"], unit="us", label=f"non-finite counter {nf['shape']} {nf['dtype']}"))
+        res.fig("nonfinite_pct_of_copy", single(nf["ratio_to_copy"] * 100, unit="%", label="non-finite vs D2D copy"))
+        for sw in nf.get("sweep", []):
+            shape = f"{sw['block']} x{sw['iters']} w{sw['num_warps']}"
+            res.fig(
+                f"nonfinite_sweep_pct_{sw['block']}_{sw['iters']}_{sw['num_warps']}",
+                single(sw["ratio_to_copy"] * 100, unit="%", label=f"non-finite sweep: block {shape}, vs copy"),
+            )
+        res.target(
+            "non-finite counter bandwidth",
+            "nonfinite_pct_of_copy",
+            f">= {nf['target'] * 100:g} % of a D2D copy",
+            nf["ratio_to_copy"] * 100,
+            nf["pass"],
+        )
+    res.note(f"fused FP8 and non-finite figures from tripwire.cli.bench.numerics (repeats={out.get('repeats')})")
+
+
+def merge(res: dict, bench_json: Path) -> None:
+    """Replace the numerics figures, targets and notes of q1 in an earlier ``tripwire bench`` record with this run's
+    (:func:`fold`, as a full run would), and say so in q1's notes. The guard figures stay as they
+    were: only the numerics kernels are re-measured. Then ``results_md.py --update`` renders the record."""
+    import time
+
+    data = json.loads(bench_json.read_text())
+    q1 = data["questions"][label("guard_cost")]
+    fresh = Result(
+        label("guard_cost"), q1["title"], Ctx(quick=res["quick"], device="cuda", out=bench_json.parent, verbose=False)
+    )
+    fold(fresh, res)
+    q1["figures"] = {
+        k: v for k, v in q1["figures"].items() if not k.startswith(NUMERICS_FIGURE_PREFIXES)
+    } | fresh.figures
+    q1["targets"] = [t for t in q1["targets"] if not t["name"].startswith(NUMERICS_TARGET_PREFIXES)] + fresh.targets
+    q1["notes"] = [n for n in q1["notes"] if not n.startswith(NUMERICS_NOTE_PREFIXES)] + [
+        *fresh.notes,
+        f"bench_numerics --merge: the fused FP8 and non-finite figures re-measured on {time.strftime('%Y-%m-%d')} "
+        f"({res['device']}, torch {res['torch']}, triton {res['triton']}); the guard figures are from the run above",
+    ]
+    bench_json.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="one shape, one round")
+    p.add_argument("--out", type=Path, help="write the result JSON here")
+    p.add_argument("--merge", type=Path, help="fold the result into this tripwire bench JSON's q1 (see merge())")
+    args = p.parse_args(argv)
+    res = run(args.quick)
+    print(_table(res))
+    print(json.dumps(res, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    if args.merge:
+        merge(res, args.merge)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,567 @@
+"""The metadata validator's kernel: every rule of one :class:`tripwire.validate.Validator` call in ONE launch.
+
+A rule is a tuple slot of the kernel: its tensors and sizes are the ``i``-th elements of tuple arguments, its kind,
+flags, bounds and counter rows the ``i``-th elements of constexpr tuples, and ``tl.static_range`` unrolls one branch
+per rule. The grid is the rules' programs laid end to end: rule ``i`` owns ``cdiv(N[i], BLOCK)`` programs for its
+entries plus, when it owns its auxiliary tensor (a lengths or an indptr), one more program that checks that tensor.
+Every entry is read by exactly one program, so a bad entry counts exactly once per call.
+
+Kinds:
+* ``INDEX``: a 1-D or 2-D tensor (flattened row-major, ``W`` columns; 1-D has ``W == 1``). An entry is bad when it is
+  not the padding value and not in ``[LO, HI)``. With lengths, only the first ``lengths[row]`` entries of a row are
+  checked (clamped into ``[0, W]``: the owner program counts a length outside it).
+* ``CSR``: 1-D indices with an indptr. Only the used entries are checked: ``[0, E)`` where ``E`` is the largest
+  in-range indptr value (``0 <= indptr[k] <= len(indices)``, ``k >= 1``), which is the end of the last row once the
+  indptr is repaired. The owner program checks the indptr itself (see :func:`_indptr_check`).
+
+Races inside the launch are harmless by construction: the programs that read an auxiliary tensor derive the same
+effective value from its original and its repaired entries (lengths are clamped on read; ``E`` is the same before and
+after the indptr repair), so it does not matter which of the two they see.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton import record_hits
+from ._rules import ABLOCK, BLOCK, Rules
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _segment_of(pos, sg_ptr, sgn, want):
+    """For each lane of ``want``: the segment ``b`` with ``sg[b] <= pos < sg[b + 1]`` of an offsets tensor of ``sgn``
+    entries (cu_seq_lens, an indptr), or -1 outside them. A bisection of fixed depth (fault path only); an offsets
+    tensor that is not sorted gives a wrong segment, never an out-of-range load."""
+    lo = tl.zeros_like(pos)
+    hi = tl.zeros_like(pos) + (sgn - 1)
+    for _ in range(0, 40):
+        live = want & (lo < hi)
+        mid = (lo + hi + 1) // 2
+        go = tl.load(sg_ptr + mid, mask=live, other=0).to(tl.int64) <= pos
+        lo = tl.where(live & go, mid, lo)
+        hi = tl.where(live & (go == 0), mid - 1, hi)
+    first = tl.load(sg_ptr + lo * 0, mask=want, other=0).to(tl.int64)
+    last = tl.load(sg_ptr + lo * 0 + (sgn - 1), mask=want, other=0).to(tl.int64)
+    return tl.where(want & (pos >= first) & (pos < last) & (lo < sgn - 1), lo, -1)
+
+
+@triton.jit
+def _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
+    """The request of each bad lane (-1: not known). ``REQ``: 1 = ``requests[row]``; 2 = ``requests[segment of row]``
+    (the segments tensor, or a CSR rule's indptr)."""
+    if REQ == 1:
+        idx = rows
+    else:
+        idx = _segment_of(rows, sg_ptr, sgn, bad)
+    ok = bad & (idx >= 0) & (idx < rqn)
+    return tl.where(ok, tl.load(rq_ptr + tl.where(ok, idx, 0), mask=ok, other=-1).to(tl.int64), -1)
+
+
+@triton.jit
+def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
+    if REQ == 0:
+        record_hits(ctr_ptr, bad, rows, v)
+    elif tl.sum(bad.to(tl.int32), axis=0) > 0:  # the request lookups only for a tile with a bad entry
+        record_hits(ctr_ptr, bad, rows, v, _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ))
+
+
+# The fault paths: a block (or an auxiliary chunk) with a bad entry is recorded and repaired by one out-of-line call
+# made with scalars only, which reads the entries again in tiles of _TILE (one per thread at the launch's 4 warps).
+# A kernel is allocated registers for its hungriest path, taken or not, and this one has every rule's paths: recorded
+# in the kernel, over whole 1024-entry blocks, the records' reductions and claims (and the requests' bisection) held
+# it at 128 registers, 4 programs per SM (sm_90); out of line, 72 and 7. Each tile is recorded before it is repaired;
+# the entries a tile reads are its own.
+_TILE = tl.constexpr(128)
+
+
+@triton.jit(noinline=True)
+def _entries_fault(ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND: tl.constexpr,
+                   HAS_PAD: tl.constexpr, HAS_LEN: tl.constexpr, REQ: tl.constexpr, LO: tl.constexpr,
+                   HI: tl.constexpr, PAD: tl.constexpr, SAFE: tl.constexpr, MASK: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """The bounds rule's fault path over the block ``[start, start + BLOCK)`` of entries below ``end`` (an INDEX
+    rule's size, a CSR rule's used end)."""
+    for s0 in tl.range(0, BLOCK, _TILE, loop_unroll_factor=1):
+        offs = start + s0 + tl.arange(0, _TILE)
+        m = offs < end
+        v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
+        if KIND == 1:
+            row = offs // w
+            if HAS_LEN:
+                ln = tl.load(a_ptr + row, mask=m, other=0).to(tl.int64)
+                m = m & ((offs - row * w) < ln)
+        else:
+            row = offs  # a CSR rule's requests are per row of its layout: the segments are its own indptr
+        bad = m & ((v < LO) | (v >= HI))
+        if HAS_PAD:
+            bad = bad & (v != PAD)
+        _record(ctr_ptr, bad, row, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
+        if MASK:
+            tl.store(t_ptr + offs, (v * 0 + SAFE).to(t_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit(noinline=True)
+def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, start, an, w, rqn, sgn, REQ: tl.constexpr, MASK: tl.constexpr,
+                   ABLOCK: tl.constexpr):  # fmt: skip
+    """The lengths rule's fault path over the chunk ``[start, start + ABLOCK)``."""
+    for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
+        k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
+        valid = k < an
+        ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        bad = valid & ((ln < 0) | (ln > w))
+        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ)
+        if MASK:
+            tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
+
+
+@triton.jit(noinline=True)
+def _indptr_fault(ctr_ptr, a_ptr, start, an, ni, carry, MASK: tl.constexpr, ABLOCK: tl.constexpr):
+    """The indptr rule's fault path over the chunk ``[start, start + ABLOCK)``; ``carry``: the last good entry
+    before the chunk. The tiles run in order and carry the last good entry before each (a repaired entry is the
+    last good one before it, so reading it again never raises the max)."""
+    for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
+        k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
+        valid = (k < an) & (s0 + tl.arange(0, _TILE) < ABLOCK)
+        v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        in_range = (v >= 0) & (v <= ni)
+        kp = k - 1
+        prev_here = valid & (kp >= start) & (kp >= 1)
+        vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
+        wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
+        last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
+        bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+        record_hits(ctr_ptr, bad, k, v)
+        if MASK:
+            tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
+        carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
+
+
+@triton.jit
+def _check(
+    ctr_ptr,
+    t_ptr,
+    a_ptr,
+    m,
+    v,
+    start,
+    end,
+    w,
+    rq_ptr,
+    rqn,
+    sg_ptr,
+    sgn,
+    KIND: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    REQ: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    PAD: tl.constexpr,
+    SAFE: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The bounds rule over one block of entries ``v`` (live lanes ``m``): an entry outside ``[LO, HI)`` that is not
+    the padding value is bad. One vote; a block with a bad entry is counted (against the row of each entry, for
+    offenders and requests) and with ``MASK`` each bad entry overwritten in place with ``SAFE``, out of line
+    (:func:`_entries_fault`, which reads the block again). A clean block stores nothing."""
+    bad = m & ((v < LO) | (v >= HI))
+    if HAS_PAD:
+        bad = bad & (v != PAD)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        _entries_fault(
+            ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND, HAS_PAD, HAS_LEN, REQ, LO, HI, PAD,
+            SAFE, MASK, BLOCK,
+        )  # fmt: skip
+
+
+@triton.jit
+def _index_block(
+    ctr_ptr,
+    t_ptr,
+    a_ptr,
+    blk,
+    n,
+    w,
+    lo,
+    hi,
+    pad,
+    safe,
+    rq_ptr,
+    rqn,
+    sg_ptr,
+    sgn,
+    HAS_PAD: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    REQ: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
+    row = offs // w
+    if HAS_LEN:
+        # Clamped on read: a length past the width checks the whole row, a negative one checks nothing.
+        ln = tl.load(a_ptr + row, mask=m, other=0).to(tl.int64)
+        m = m & ((offs - row * w) < ln)
+    _check(
+        ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, n, w, rq_ptr, rqn, sg_ptr, sgn, 1, HAS_PAD, HAS_LEN, REQ,
+        lo, hi, pad, safe, MASK, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _csr_used_end(a_ptr, an, ni, ABLOCK: tl.constexpr):
+    """``E``: the largest in-range indptr entry past the first (0 when there is none)."""
+    e = tl.zeros([ABLOCK], tl.int64)
+    for s in range(0, an, ABLOCK):
+        k = s + tl.arange(0, ABLOCK).to(tl.int64)
+        v = tl.load(a_ptr + k, mask=k < an, other=0).to(tl.int64)
+        ok = (k >= 1) & (k < an) & (v >= 0) & (v <= ni)
+        e = tl.maximum(e, tl.where(ok, v, 0))
+    return tl.max(e, axis=0)
+
+
+@triton.jit
+def _csr_block(
+    ctr_ptr,
+    t_ptr,
+    a_ptr,
+    blk,
+    n,
+    an,
+    lo,
+    hi,
+    pad,
+    safe,
+    rq_ptr,
+    rqn,
+    HAS_PAD: tl.constexpr,
+    REQ: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ABLOCK: tl.constexpr,
+):
+    used = _csr_used_end(a_ptr, an, n, ABLOCK)
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < used
+    v = tl.load(t_ptr + offs, mask=m, other=0).to(tl.int64)
+    # A CSR rule's requests are per row of its layout: the segments are its own indptr.
+    _check(
+        ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, used, 1, rq_ptr, rqn, a_ptr, an, 2, HAS_PAD, False,
+        REQ, lo, hi, pad, safe, MASK, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _lengths_check(
+    ctr_ptr, a_ptr, an, w, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr, MASK: tl.constexpr, ABLOCK: tl.constexpr
+):
+    """A per-row count outside ``[0, W]`` is bad (row = the table row, with the table rule's request of that row);
+    mask clamps it into the range."""
+    for s in range(0, an, ABLOCK):
+        k = s + tl.arange(0, ABLOCK).to(tl.int64)
+        valid = k < an
+        ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        bad = valid & ((ln < 0) | (ln > w))
+        if tl.max(bad.to(tl.int32), axis=0) > 0:  # counted and repaired out of line, from the chunk read again
+            _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, s, an, w, rqn, sgn, REQ, MASK, ABLOCK)
+
+
+@triton.jit
+def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constexpr):
+    """Entry ``k`` of the indptr is bad when ``k == 0`` and it is not 0, or ``k >= 1`` and it is outside
+    ``[0, len(indices)]`` or below the last good entry before it. Mask replaces a bad entry by the last good entry
+    before it (0 for ``k == 0``): the row that ends there becomes empty and every row stays in range.
+
+    The last good entry before ``k`` equals the exclusive prefix max of the in-range entries (a bad in-range entry is
+    below an earlier good one, so it never raises the max), which is a parallel scan: chunks of ``ABLOCK`` carry the
+    max of the chunks before them."""
+    carry = tl.zeros([], tl.int64)  # entry 0 counts as 0, whatever it holds (it is repaired to 0)
+    for s in range(0, an, ABLOCK):
+        k = s + tl.arange(0, ABLOCK).to(tl.int64)
+        valid = k < an
+        v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+        in_range = (v >= 0) & (v <= ni)
+        # The entry before each lane, from this chunk only (the chunks before are in `carry`).
+        kp = k - 1
+        prev_here = valid & (kp >= s) & (kp >= 1)
+        vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
+        wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
+        last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
+        bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+        # The next chunk's carry first: the chunk's words die before the call.
+        below = carry
+        carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
+        if tl.max(bad.to(tl.int32), axis=0) > 0:  # counted and repaired out of line, from the chunk read again
+            _indptr_fault(ctr_ptr, a_ptr, s, an, ni, below, MASK, ABLOCK)
+
+
+@triton.jit(do_not_specialize=["N", "W", "AN", "RQN", "SGN"], do_not_specialize_on_alignment=["T", "A", "RQ", "SG"])
+def _validate(
+    ctr_ptr,
+    T,
+    A,
+    RQ,
+    SG,
+    N,
+    W,
+    AN,
+    RQN,
+    SGN,
+    KIND: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    OWN_AUX: tl.constexpr,
+    REQ: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    PAD: tl.constexpr,
+    SAFE: tl.constexpr,
+    C: tl.constexpr,
+    AC: tl.constexpr,
+    MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ABLOCK: tl.constexpr,
+):
+    # A rule's bounds, values and counter rows are constexprs (fixed when its validator's rules are); only the
+    # tensors and their sizes are runtime arguments, which keeps the host-side launch cheap.
+    pid = tl.program_id(0)
+    beg = 0
+    for i in tl.static_range(len(KIND)):
+        nb = tl.cdiv(N[i], BLOCK)
+        local = pid - beg
+        if (local >= 0) & (local < nb):
+            if KIND[i] == 1:
+                _index_block(
+                    ctr_ptr + C[i],
+                    T[i],
+                    A[i],
+                    local,
+                    N[i],
+                    W[i],
+                    LO[i],
+                    HI[i],
+                    PAD[i],
+                    SAFE[i],
+                    RQ[i],
+                    RQN[i],
+                    SG[i],
+                    SGN[i],
+                    HAS_PAD[i],
+                    HAS_LEN[i],
+                    REQ[i],
+                    MASK,
+                    BLOCK,
+                )
+            else:
+                _csr_block(
+                    ctr_ptr + C[i],
+                    T[i],
+                    A[i],
+                    local,
+                    N[i],
+                    AN[i],
+                    LO[i],
+                    HI[i],
+                    PAD[i],
+                    SAFE[i],
+                    RQ[i],
+                    RQN[i],
+                    HAS_PAD[i],
+                    REQ[i],
+                    MASK,
+                    BLOCK,
+                    ABLOCK,
+                )
+        if OWN_AUX[i]:
+            if local == nb:
+                if KIND[i] == 1:
+                    _lengths_check(
+                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK
+                    )
+                else:
+                    _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK)
+        beg += nb + OWN_AUX[i]
+
+
+def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *, mask: bool) -> None:
+    """Launch the kernel over ``rules`` with the call's ``tensors``. ``arena`` is the device's counter arena
+    (``int64 [capacity, 8]``).
+
+    Preconditions (the Validator checks them, with errors that name the tensor, before calling this): every tensor
+    is a contiguous int32/int64 tensor on the arena's device, 1-D or 2-D as its rule needs; a lengths tensor has one
+    entry per row of its table; the rows are inside the arena. Host arithmetic only: no sync, no allocation, so the
+    launch is captured into a CUDA graph like any kernel.
+    """
+    if not rules.kind:
+        return
+    main = tuple(tensors[i] for i in rules.tensor)
+    aux = tuple(tensors[i] for i in rules.aux)
+    rq = tuple(tensors[i] for i in rules.requests)
+    sg = tuple(tensors[i] for i in rules.segments)
+    n = tuple(t.numel() for t in main)
+    total = sum(triton.cdiv(x, BLOCK) for x in n) + sum(rules.own_aux)
+    if total == 0:
+        return
+    slots = arena.shape[1]
+    _validate[(total,)](
+        arena,
+        main,
+        aux,
+        rq,
+        sg,
+        n,
+        tuple(t.shape[1] if t.dim() == 2 else 1 for t in main),
+        tuple(t.numel() for t in aux),
+        tuple(t.numel() for t in rq),
+        tuple(t.numel() for t in sg),
+        KIND=rules.kind,
+        HAS_PAD=rules.has_pad,
+        HAS_LEN=rules.has_len,
+        OWN_AUX=rules.own_aux,
+        REQ=rules.req,
+        LO=rules.lo,
+        HI=rules.hi,
+        PAD=rules.pad,
+        SAFE=rules.safe,
+        C=tuple(r * slots for r in rules.row),
+        AC=tuple(r * slots for r in rules.aux_row),
+        MASK=mask,
+        BLOCK=BLOCK,
+        ABLOCK=ABLOCK,
+    )
+
+
+class Launcher:
+    """One validator's launch with everything that does not change between its calls computed once: the tensor
+    selections, the constexprs, and, per device and tensor dtypes, the compiled kernel, bound and called directly.
+
+    Why: a JITFunction launch re-binds and re-specialises every argument on each call (the rules are many tuple
+    arguments), tens of microseconds of host time per call, a real share of a CPU-bound engine's step. Bound, a call
+    is the host checks, the sizes and one call into the compiled kernel's launcher. The first call for a (device,
+    dtypes) key goes through the JITFunction (which compiles or loads the kernel) and binds what it returns; so does
+    every call under Triton's interpreter and while a launch hook (a profiler) is installed.
+
+    The compiled kernel depends on nothing else a call can change: the tensors are specialised neither on alignment
+    nor their sizes on value (``do_not_specialize`` on the kernel), the arena is one fixed tensor, the rest are the
+    rules' constexprs. Same preconditions as :func:`launch`.
+    """
+
+    __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "arena", "mask", "rules")
+
+    def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool) -> None:
+        self.arena = arena
+        self.rules = rules
+        self.mask = mask
+        slots = arena.shape[1]
+        # In the kernel's parameter order (after its ten runtime arguments): what the compiled launcher is given.
+        self._consts = (
+            rules.kind,
+            rules.has_pad,
+            rules.has_len,
+            rules.own_aux,
+            rules.req,
+            rules.lo,
+            rules.hi,
+            rules.pad,
+            rules.safe,
+            tuple(r * slots for r in rules.row),
+            tuple(r * slots for r in rules.aux_row),
+            mask,
+            BLOCK,
+            ABLOCK,
+        )
+        # One operator.itemgetter per group: a call selects its tuples in C, not in generator expressions.
+        self._pick = tuple(_getter(ix) for ix in (rules.tensor, rules.aux, rules.requests, rules.segments))
+        self._n_aux = sum(rules.own_aux)
+        self._bound: dict[tuple, Any] = {}
+        self._dev = arena.device.index if arena.is_cuda else -1
+        # Decided at the first eager call, not here: a plan built while torch.compile traces (its op never calls
+        # this launcher) must not touch the JITFunction, which the tracer cannot follow.
+        self._direct: bool | None = None
+
+    def _args(self, tensors: Sequence[torch.Tensor]) -> tuple[int, tuple]:
+        main, aux, rq, sg = (p(tensors) for p in self._pick)
+        n = tuple(t.numel() for t in main)
+        total = self._n_aux
+        for x in n:
+            total += -(-x // BLOCK)
+        args = (
+            self.arena,
+            main,
+            aux,
+            rq,
+            sg,
+            n,
+            tuple(t.shape[1] if t.dim() == 2 else 1 for t in main),
+            tuple(t.numel() for t in aux),
+            tuple(t.numel() for t in rq),
+            tuple(t.numel() for t in sg),
+        )
+        return total, args
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not self.rules.kind:
+            return
+        total, args = self._args(tensors)
+        if total == 0:
+            return
+        if self._direct is None:
+            # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an
+            # InterpretedFunction.
+            self._direct = self.arena.is_cuda and hasattr(_validate, "device_caches")
+        if not self._direct or _hooked():
+            _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
+            return
+        key = tuple(t.dtype for t in tensors)
+        k = self._bound.get(key)
+        if k is None:
+            k = _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
+            # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
+            if hasattr(k, "packed_metadata"):
+                self._bound[key] = k
+            return
+        # The compiled kernel's own launcher, with no launch metadata and no hooks (_hooked() said none is set):
+        # the stream straight from torch (what Triton's driver asks too), on the arena's device.
+        k.run(
+            total, 1, 1, torch._C._cuda_getCurrentRawStream(self._dev), k.function, k.packed_metadata, None, None,
+            None, *args, *self._consts,
+        )  # fmt: skip
+
+
+_CONST_NAMES = ("KIND", "HAS_PAD", "HAS_LEN", "OWN_AUX", "REQ", "LO", "HI", "PAD", "SAFE", "C", "AC", "MASK", "BLOCK",
+                "ABLOCK")  # fmt: skip
+
+
+def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]:
+    """``tensors -> tuple(tensors[i] for i in ix)``, always a tuple (itemgetter of one index returns the item)."""
+    if not ix:
+        return lambda ts: ()
+    if len(ix) == 1:
+        one = ix[0]
+        return lambda ts: (ts[one],)
+    return operator.itemgetter(*ix)  # type: ignore[return-value]
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch hook (a profiler) is installed: then every launch goes through the JITFunction, which
+    hands the hook its metadata. Triton's hooks are HookChains (never None; empty when nothing is installed) or, on
+    older releases, None or a callable."""
+    rt = triton.knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False

@@ -1,0 +1,246 @@
+"""The ``tripwire`` command line: ``sites`` into a closed pipe, ``bench`` outside a checkout, ``doctor``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tripwire
+from tripwire.cli import main
+from tripwire.cli.text import format_table, help_text
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _into_closed_pipe(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with its stdout a pipe whose reader is already gone (what ``| head`` leaves behind)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(cmd, stdout=w, stderr=subprocess.PIPE, text=True, timeout=300, check=False)
+    finally:
+        os.close(w)
+
+
+def test_sites_into_a_closed_pipe_ends_quietly():
+    out = _into_closed_pipe([sys.executable, "-m", "tripwire", "sites"])
+    assert out.returncode == 0 and "BrokenPipeError" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_control_a_plain_print_into_a_closed_pipe_raises():
+    out = _into_closed_pipe([sys.executable, "-c", "print('x' * 100_000)"])
+    assert "BrokenPipeError" in out.stderr
+
+
+def test_sites_lists_the_sites():
+    out = subprocess.run([sys.executable, "-m", "tripwire", "sites"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "numerics.fp8_cache.slot" in out.stdout and "FATAL" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+def test_the_bench_runs_from_an_installed_copy(tmp_path):
+    """The harness ships in the package: a copy of it alone (no checkout, no benchmarks/ folder anywhere) runs a
+    question and writes the record."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "src" / "tripwire", site / "tripwire", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIPWIRE_")}
+    env["PYTHONPATH"] = str(site)
+    out = subprocess.run(
+        [sys.executable, "-m", "tripwire", "bench", "--quick", "--only", "q6", "--no-plot", "--out", "out"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert record["questions"]["q6"]["status"] == "ok"
+    where = subprocess.run(
+        [sys.executable, "-c", "import tripwire; print(tripwire.__file__)"], capture_output=True, text=True, env=env
+    )
+    assert where.stdout.strip() == str(site / "tripwire" / "__init__.py")  # control: the copy ran, not a checkout
+
+
+# ---------------------------------------------------------------------------------------------------- doctor
+def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TRIPWIRE_")}
+    e.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "tripwire", "doctor", *args], capture_output=True, text=True, env=e, timeout=300
+    )
+
+
+def checks(out: subprocess.CompletedProcess) -> dict[str, dict]:
+    return {c["name"]: c for c in json.loads(out.stdout)}
+
+
+def test_doctor_runs_here_and_says_what_would_not_work():
+    out = doctor()
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    for name in ("versions", "settings", "CUDA", "capture-mode relax", "native tick", "compute-sanitizer", "sinks"):
+        assert f"] {name}" in text, name
+    c = checks(doctor("--json"))
+    assert c["native tick"]["status"] == "ok" and "engaged" in c["native tick"]["found"]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert c["CUDA"]["status"] == "warn" and "TRITON_INTERPRET" in c["CUDA"]["consequence"]
+
+
+def test_doctor_fails_on_a_broken_setting():
+    out = doctor(TRIPWIRE_MODE="loud")
+    assert out.returncode == 1 and "[FAIL] settings: TRIPWIRE_MODE='loud' is not a mode" in out.stdout
+
+
+def test_doctor_says_when_the_native_tick_cannot_be_built(tmp_path):
+    c = checks(doctor("--json", CC=str(tmp_path / "no-cc"), XDG_CACHE_HOME=str(tmp_path)))
+    nt = c["native tick"]
+    assert (
+        nt["status"] == "warn" and "cannot be built" in nt["found"] and "holding the engine's GIL" in nt["consequence"]
+    )
+
+
+def test_doctor_fails_on_an_unwritable_event_log(tmp_path):
+    (tmp_path / "plain").write_text("")
+    c = checks(doctor("--json", TRIPWIRE_EVENT_LOG=str(tmp_path / "plain" / "e.jsonl")))
+    assert c["sinks"]["status"] == "fail" and "event log cannot be opened" in c["sinks"]["consequence"]
+
+
+@pytest.mark.gpu
+def test_doctor_on_a_gpu_finds_cuda_the_relax_and_the_native_tick():
+    c = checks(doctor("--json"))
+    assert c["CUDA"]["status"] == "ok" and "fast path" in c["CUDA"]["found"]
+    assert c["capture-mode relax"]["status"] == "ok"
+    assert c["native tick"]["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------- broken settings
+@pytest.mark.parametrize(
+    "cmd", [["demo"], ["demo", "--mode", "raise"], ["demo", "--engine", "transformers"], ["bench"], ["sites"]]
+)
+def test_a_bad_setting_value_is_one_line_and_status_2(cmd, monkeypatch, capsys):
+    monkeypatch.setenv("TRIPWIRE_MODE", "rasie")
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert err == f"tripwire {cmd[0]}: error: TRIPWIRE_MODE='rasie' is not a mode; expected one of raise, warn, off\n"
+
+
+def test_a_misspelt_setting_name_stops_the_command(monkeypatch, capsys):
+    monkeypatch.setenv("TRIPWIRE_MDOE", "raise")
+    assert main(["sites"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "tripwire sites: error: TRIPWIRE_MDOE is not a tripwire setting (did you mean TRIPWIRE_MODE?)"
+    )
+    assert err.count("\n") == 1
+
+
+def test_a_bad_setting_keyword_of_the_demo_is_one_line_too(capsys):
+    assert main(["demo", "--steps", "1", "--device", "cpu", "--interval", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "tripwire demo: error: " in err and "expected a finite number of seconds > 0" in err
+    assert "Traceback" not in err
+
+
+def test_a_bad_setting_through_the_command_line_has_no_traceback():
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TRIPWIRE_")}
+    e["TRIPWIRE_MODE"] = "rasie"
+    out = subprocess.run(
+        [sys.executable, "-m", "tripwire", "demo", "--mode", "raise"],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_doctor_fails_on_a_misspelt_setting_name():
+    out = doctor(TRIPWIRE_MDOE="raise")
+    assert out.returncode == 1, out.stdout
+    assert "[FAIL] settings: TRIPWIRE_MDOE is not a tripwire setting (did you mean TRIPWIRE_MODE?)" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- help, version
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"tripwire {tripwire.__version__}\n"
+
+
+def test_help_is_plain_text_and_whole(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and ":class:" not in out
+    for cmd in ("demo", "bench", "sites", "doctor", "resources", "--version"):
+        assert cmd in out
+    description = out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description  # a sentence, not a cut-off line
+
+
+@pytest.mark.parametrize(
+    "cmd", [["demo"], ["demo", "--engine", "transformers"], ["demo", "--engine", "vllm"], ["doctor"], ["bench"]]
+)
+def test_every_commands_help_is_plain_and_whole(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert e.value.code == 0 and description.startswith(f"tripwire {cmd[0]}"), out
+    assert "``" not in description and ":func:" not in description and description.rstrip().endswith("."), out
+
+
+def test_control_help_text_makes_a_docstring_plain():
+    doc = """``tripwire x``: reads :func:`tripwire.check` and
+    ``y``.
+
+    Not this paragraph."""
+    assert help_text(doc) == "tripwire x: reads tripwire.check and y."
+
+
+def test_demo_help_lists_the_engines(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "--engine {transformers,vllm}" in out and "--steps" in out
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+def test_sites_has_a_header_and_aligned_columns(capsys):
+    assert main(["sites"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["ID", "KIND", "FATAL", "NAME", "DESCRIPTION"]
+    name_at = lines[0].index("NAME")
+    desc_at = lines[0].index("DESCRIPTION")
+    for ln in lines[1:]:
+        assert ln[name_at - 1] == " " and ln[name_at] != " ", ln
+        assert ln[desc_at - 2 : desc_at] == "  " and ln[desc_at] != " ", ln  # every site has a description
+    assert any(" FATAL " in ln for ln in lines[1:])
+
+
+def test_control_a_table_is_as_wide_as_its_widest_cell():
+    text = format_table([("a", "n", "b"), ("x" * 12, "7", "y"), ("z", "1234", "w")], right=(1,))
+    assert text.splitlines() == ["a                n  b", "xxxxxxxxxxxx     7  y", "z             1234  w"]
+
+
+def test_bench_into_head_writes_its_lines_and_ends_quietly(tmp_path):
+    """`tripwire bench | head -3`: the three lines arrive, the question running when head leaves is not recorded as
+    a failure with a traceback, and the command ends with status 0 (the control: the same run uncut has more)."""
+    cmd = f"{sys.executable} -m tripwire bench --only q5 --quick --no-plot --out {tmp_path}"
+    cut = subprocess.run(
+        ["bash", "-c", f"{cmd} | head -3; exit ${{PIPESTATUS[0]}}"], capture_output=True, text=True, timeout=600
+    )
+    assert cut.returncode == 0 and "Traceback" not in cut.stderr and "Broken pipe" not in cut.stderr, cut.stderr
+    lines = cut.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("tripwire bench: ") and lines[2].startswith("[q5] ")
+    whole = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0 and len(whole.stdout.splitlines()) > 3

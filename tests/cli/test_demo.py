@@ -1,0 +1,117 @@
+"""`tripwire demo` end to end (a subprocess, as a user runs it), its fault parsing and its progress bar.
+
+The default run must show: WARNING lines naming the sites of the injected faults, the fatal rope site stopping the
+loop at the next check, the last step's hit reported by the final drain, and a summary table. The control: with
+mode off nothing is reported (no reader), yet the summary's snapshot shows the kernels still counted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tripwire.cli import demo
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if "cuda" in args:
+        env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU
+    else:
+        env.setdefault("TRITON_INTERPRET", "1")
+    for k in list(env):
+        if k.startswith("TRIPWIRE_"):
+            del env[k]
+    return subprocess.run(
+        [sys.executable, "-m", "tripwire", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if os.environ.get("TRITON_INTERPRET") != "1" else []))
+def test_demo_default_run(device):
+    p = _run("--steps", "12", "--device", device)
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout
+    err, out = p.stderr, p.stdout
+    # warnings name the exact sites and entries of the injected faults
+    for site in (
+        "kernels.paged_gather.page",
+        "kernels.block_table.row",
+        "kernels.block_table.count",
+        "kernels.rope.position",
+    ):
+        assert f"MASKED FAULT at site '{site}'" in err, site
+    assert "First offender: row" in err
+    # the fatal rope site stops the loop at a later check (warn mode)
+    assert "raised GuardTripped: site 'kernels.rope.position'" in err
+    assert "stopped at step" in out and "by 'kernels.rope.position'" in out
+    # the last step's hit is reported by the final drain, after the loop
+    after_loop = err.split(">>> loop done", 1)[1]
+    assert "MASKED FAULT at site 'kernels.kv_zero.block'" in after_loop
+    kv_line = next(line for line in out.splitlines() if line.strip().startswith("kernels.kv_zero.block"))
+    assert kv_line.rstrip().endswith("drain")
+    assert "tripwire demo summary" in out
+    assert "every injected fault that ran (5) was masked and counted" in out
+    # The summary's columns hold every site's name, the longest included (decode attention's).
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.strip().startswith("site ") and "hits" in ln)
+    hits_end = lines[head].index("hits") + len("hits")
+    rows = [ln for ln in lines[head + 2 :] if ln.strip().startswith("kernels.")]
+    assert any("decode_attention.seq_len" in r for r in rows) and len(rows) >= 10
+    for r in rows:
+        assert r[hits_end - 1].isdigit() and r[hits_end : hits_end + 1] in ("", " "), (lines[head], r)
+
+
+def test_demo_control_mode_off_reports_nothing():
+    p = _run("--steps", "6", "--mode", "off", "--faults", "block@1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "MASKED FAULT" not in p.stderr  # off: no reader, nothing reported
+    line = next(ln for ln in p.stdout.splitlines() if ln.strip().startswith("kernels.paged_gather.page"))
+    assert " 1  (" in line and "not read (mode off)" in line  # but the kernel still masked and counted
+
+
+def test_demo_clean_run_reports_nothing():
+    p = _run("--steps", "3", "--faults", "none")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "MASKED FAULT" not in p.stderr
+    assert "every injected fault that ran (0)" in p.stdout
+
+
+def test_parse_faults():
+    fs = demo._parse_faults("block@2,rope@5,last", 10)
+    assert [(f.kind, f.step) for f in fs] == [("block", 2), ("rope", 5), ("last", 9)]
+    assert demo._parse_faults("none", 10) == []
+    with pytest.raises(ValueError, match="unknown fault 'bogus'"):
+        demo._parse_faults("bogus@1", 10)
+    with pytest.raises(ValueError, match=r"step must be in \[0, 10\)"):
+        demo._parse_faults("row@10", 10)
+    with pytest.raises(ValueError, match="integer step"):
+        demo._parse_faults("row", 10)
+    with pytest.raises(ValueError, match="takes no step"):
+        demo._parse_faults("last@3", 10)
+    assert demo._default_faults(30) == "block@6,row@12,count@15,rope@18,last"
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--faults", "bogus@1"])
+    assert e.value.code == 2
+    assert "unknown fault" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--steps", "0"])
+
+
+def test_progress_bar_lines_when_not_a_tty(capsys):
+    bar = demo._Progress(50, enabled=True)
+    for i in range(1, 51):
+        bar.update(i)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 11  # one line per 10 % (0 % .. 100 %), not one per step
+    assert err[-1] == "progress: [##########] 50/50 steps"

@@ -1,0 +1,148 @@
+"""tripwire._validate_torch: the validator's plain torch CPU path, proven equal to the Triton kernel.
+
+The kernel runs here under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU) on the
+same calls as the torch path, and every word both leave behind is compared: the arena rows, the offender blocks, the
+repaired tensors. ``tests/test_validate.py`` runs the validator's semantic tests on both paths.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tripwire.validate._torch as _vt
+from tripwire import Monitor, SiteRegistry
+from tripwire.validate import Validator
+
+
+def test_cpu_path_needs_no_triton():
+    """A CPU validator runs in a process where triton cannot be imported at all (vLLM's CPU build), with its exact
+    counts, offenders and masking. Control: the same process fails on a CUDA-path import of the kernel module."""
+    code = """
+import sys
+sys.modules["triton"] = None  # `import triton` raises ImportError from here on
+import torch
+from tripwire import Monitor, SiteRegistry
+from tripwire.validate import Validator
+m = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+v = Validator("cpu", "cpu", monitor=m)
+v.index("slots", hi=10, padding=-1, requests="req")
+s = torch.tensor([1, 12, -1, -3])
+v(slots=s, req=torch.tensor([5, 6, 7, 8]))
+hit = m.snapshot()[("cpu", "cpu.slots")]
+print(s.tolist(), hit.count, [tuple(o) for o in hit.offenders])
+try:
+    import tripwire.validate._triton
+except ImportError:
+    print("kernel module needs triton")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["[1, -1, -1, -1] 2 [(1, 12, 6), (3, -3, 8)]", "kernel module needs triton"]
+
+
+# ---------------------------------------------------------------------------------------------- the two CPU paths
+def _twin_call(k_offenders, seed, mask, calls):
+    """Two monitors with the same rules (so the same arena rows), one run on the torch path and one on the kernel
+    under the interpreter, over the same calls: returns both arenas' words (rows less slot 7, the offender block's
+    address; offender blocks whole) and both runs' repaired tensors."""
+    import tripwire.validate._triton as k
+    from tripwire.layout import OFFENDERS
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for runner in ("torch", "kernel"):
+        m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, offenders=k_offenders)
+        v = Validator("twin", "cpu", policy="mask" if mask else "flag", monitor=m)
+        v.index("slots", hi=900, padding=-1, fatal=True, requests="req", segments="cu")
+        v.index("table", hi=50, safe=0, lengths="n", requests="row_req")
+        v.index("pos", hi=64, safe=0, site="twin.shared")
+        v.index("pos2", hi=40, safe=0, site="twin.shared")
+        v.csr("kv", indptr="ptr", hi=30, safe=0, requests="seq_req")
+        tensors_per_call = []
+        g.manual_seed(seed)
+        for _ in range(calls):
+            n_tok = int(torch.randint(1, 2600, (1,), generator=g))
+            slots = torch.randint(0, 900, (n_tok,), generator=g)
+            slots[torch.randint(0, n_tok, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g)] = (
+                torch.randint(-5, 3000, (1,), generator=g).item()
+            )
+            slots[torch.randint(0, n_tok, (5,), generator=g)] = -1
+            cu = torch.sort(torch.randint(0, n_tok + 1, (6,), generator=g)).values
+            cu[0] = 0
+            if int(torch.randint(0, 4, (1,), generator=g)) == 0:
+                cu = cu.flip(0)  # unsorted segments: the kernel's bisection, whatever it finds
+            table = torch.randint(0, 50, (300, 7), generator=g, dtype=torch.int32)  # rows straddle programs
+            bad = torch.randint(0, 2100, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g)
+            table.view(-1)[bad] = torch.randint(-100, 10**6, (bad.numel(),), generator=g, dtype=torch.int32)
+            n = torch.randint(-1, 9, (300,), generator=g, dtype=torch.int32)
+            pos = torch.randint(0, 70, (1500,), generator=g)
+            pos2 = torch.randint(0, 45, (30,), generator=g)
+            kv = torch.randint(-2, 33, (200,), generator=g, dtype=torch.int32)
+            ptr = torch.sort(torch.randint(0, 200, (9,), generator=g)).values
+            ptr[int(torch.randint(0, 9, (1,), generator=g))] = int(torch.randint(-3, 260, (1,), generator=g))
+            tensors_per_call.append(
+                {
+                    "slots": slots,
+                    "req": torch.randint(-1, 1 << 40, (5,), generator=g),
+                    "cu": cu.to(torch.int32),
+                    "table": table,
+                    "n": n,
+                    "row_req": torch.arange(300) * 3 - 2,
+                    "pos": pos,
+                    "pos2": pos2,
+                    "kv": kv,
+                    "ptr": ptr,
+                    "seq_req": torch.arange(8, dtype=torch.int32) + 1000,
+                }
+            )
+        for tensors in tensors_per_call:
+            if runner == "torch":
+                v(**tensors)
+            else:
+                plan = v._plan if v._plan is not None else v._build_plan()
+                k.launch(v._arena, plan.rules, [tensors[x] for x in plan.names], mask=mask)
+        rows = m.arena.get(torch.device("cpu")).clone()
+        rows[:, OFFENDERS] = 0
+        out.append((rows, m.arena.offenders(torch.device("cpu")).clone(), tensors_per_call))
+    return out
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k_off=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10**6), mask=st.booleans(), calls=st.integers(1, 2))
+def test_torch_path_equals_the_kernel_word_for_word(k_off, seed, mask, calls):
+    """The CPU path against the Triton kernel under the interpreter, on calls of up to 2600 tokens (three programs),
+    a 300 x 7 table (rows straddling programs), broken lengths and indptrs, two rules sharing a site, requests by
+    row, by CSR row and by (sometimes unsorted) segments, small K (full offender blocks, repeats over calls): every
+    arena word, every offender word and every repaired entry equal."""
+    (rows_t, off_t, calls_t), (rows_k, off_k, calls_k) = _twin_call(k_off, seed, mask, calls)
+    assert int(rows_t[:, 0].sum()) > 0  # the calls did fault (or the comparison would be of zeros)
+    assert torch.equal(rows_t, rows_k), (rows_t[rows_t.any(1)], rows_k[rows_k.any(1)])
+    assert torch.equal(off_t, off_k)
+    for a, b in zip(calls_t, calls_k, strict=True):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_word_comparison_can_fail(monkeypatch):
+    """Control for the comparison above: a torch path that claims offenders in another order (highest first), or
+    counts one hit too many, is caught word for word."""
+    real_claim, real_fault = _vt._claim, _vt._fault
+    monkeypatch.setattr(_vt, "_claim", lambda block, cands: real_claim(block, sorted(cands, reverse=True)))
+    (_, off_t, _), (_, off_k, _) = _twin_call(4, 11, True, 1)
+    assert not torch.equal(off_t, off_k)
+    monkeypatch.setattr(_vt, "_claim", real_claim)
+
+    def one_more(ctr, block, groups, rows, vals, q):  # type: ignore[no-untyped-def]
+        real_fault(ctr, block, groups, rows, vals, q)
+        ctr[0] += 1
+
+    monkeypatch.setattr(_vt, "_fault", one_more)
+    (rows_t, _, _), (rows_k, _, _) = _twin_call(4, 11, True, 1)
+    assert not torch.equal(rows_t, rows_k)
