@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# One device call: every test (GPU ones compiled), the memcheck control, and the demo on the GPU.
-# Usage on the H200: bash scripts/gpu_check.sh [pytest args...]; logs go to $OUT (or ./gpu-out).
+# One device call: every test (GPU ones compiled), the memcheck control, and the demos on the GPU, side by side.
+# Usage on the H200: [JOBS=N] [LIMIT=S] [MEMCHECK=k1,k2] bash scripts/gpu_check.sh [pytest args...]; logs go to $OUT
+# (or ./gpu-out), with summary.txt: each part's exit status and the lines that matter.
+# The parts run at once (the host has 16 cores, the GPU room for all): the tests spread over JOBS workers when
+# pytest-xdist is importable (carry its wheel: docs/benchmarks.md), each part under LIMIT seconds. Nothing here is
+# timed: run benchmarks in a call of their own.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+LIMIT=${LIMIT:-420}; JOBS=${JOBS:-8}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || export PYTHONPATH=$PWD/src
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+SUM="$OUT/summary.txt"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"; } | tee "$OUT/env.txt"
-rc=0
-# A per-test limit needs pytest-timeout (the dev extra has it; this host may have no network to install it): without
-# it, the outer `timeout` alone bounds the run.
-per_test=(); python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 180) || echo "gpu_check: no pytest-timeout here: no per-test limit, only the run's 420 s"
-timeout 420 python3 -m pytest -q -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} -rs "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60 || rc=1
-[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"; } >"$SUM" 2>&1
+# A per-test limit needs pytest-timeout, workers need pytest-xdist (the dev extra has both; the host has no network:
+# carry their wheels); without them, the part's LIMIT alone bounds the run, serially.
+opts=(-q -p no:cacheprovider -rs -rx)
+python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 240)
+python3 -c "import xdist" 2>/dev/null && [ "$JOBS" -gt 1 ] && opts+=(-n "$JOBS")
+timeout "$LIMIT" python3 -m pytest "${opts[@]}" "$@" >"$OUT/pytest.log" 2>&1 & tests=$!
+parts=()
 if [ -z "${SKIP_MEMCHECK:-}" ]; then
-  timeout 300 python3 scripts/memcheck.py 2>&1 | tee "$OUT/memcheck.log" | tail -15; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  timeout "$LIMIT" python3 scripts/memcheck.py ${MEMCHECK:+--kernels "$MEMCHECK"} >"$OUT/memcheck.log" 2>&1 & parts+=("memcheck:$!")
 fi
 if [ -z "${SKIP_DEMO:-}" ]; then
-  timeout 120 tripwire demo >"$OUT/demo.log" 2>&1; d=$?; tail -25 "$OUT/demo.log"; [ $d = 0 ] || rc=1
+  timeout "$LIMIT" python3 -m tripwire demo >"$OUT/demo.log" 2>&1 & parts+=("demo:$!")
+  timeout "$LIMIT" python3 -m tripwire demo --engine transformers >"$OUT/demo_transformers.log" 2>&1 & parts+=("demo_transformers:$!")
 fi
-echo "gpu_check rc=$rc"
+rc=0
+wait "$tests"; t=$?; [ $t = 0 ] || rc=1
+echo "== pytest rc=$t" >>"$SUM"; tail -4 "$OUT/pytest.log" >>"$SUM"; grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" >>"$SUM"
+for p in "${parts[@]}"; do
+  name=${p%%:*}; wait "${p#*:}"; s=$?; [ $s = 0 ] || rc=1
+  echo "== $name rc=$s" >>"$SUM"; tail -6 "$OUT/$name.log" >>"$SUM"
+done
+echo "gpu_check rc=$rc" >>"$SUM"
+cat "$SUM"
 exit $rc
