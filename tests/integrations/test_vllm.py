@@ -362,7 +362,9 @@ V2.execute_model = execute_model
 own = {n: V2.__dict__[n] for n in _vllm_v2.HOOKS}
 m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
 plugin = tv.install("mask", monitor=m)
-bound = all(V2.__dict__[n] is not own[n] and V2.__dict__[n].__wrapped__ is own[n] for n in own)
+# sample_tokens is wrapped per runner instance, only for the call after a step that took a verdict.
+bound = all(V2.__dict__[n] is not own[n] and V2.__dict__[n].__wrapped__ is own[n] for n in own if n != "sample_tokens")
+bound = bound and V2.__dict__["sample_tokens"] is own["sample_tokens"]
 
 class Tables:
     # vLLM's BlockTables, in torch on the CPU (the real one needs pinned memory and Triton's GPU backend).

@@ -277,3 +277,213 @@ def test_a_fast_path_that_passes_everything_misses_each_rule(rule):
     assert calls == [True, False, False, False]
     assert seen["counts"] == {}
     assert after != safe
+
+
+# ---------------------------------------------------------------- the plugin's wrappers: on only while they have work
+class _Runner:
+    """The V1 runner's methods the plugin wraps, as stand-ins: a step builds its metadata (the hook validates it)
+    and returns None; sample_tokens returns the step's output."""
+
+    _tripwire: object
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+        pass
+
+    def capture_model(self):
+        pass
+
+    def _build_attention_metadata(  # vLLM 0.32's signature: the plugin's wrapper of the same signature is used
+        self,
+        num_tokens,
+        num_reqs,
+        max_query_len,
+        num_tokens_padded=None,
+        num_reqs_padded=None,
+        ubatch_slices=None,
+        logits_indices=None,
+        max_num_sampled_tokens=None,
+        use_spec_decode=False,
+        for_cudagraph_capture=False,
+        num_scheduled_tokens=None,
+        slot_mappings=None,
+    ):
+        return num_tokens_padded, for_cudagraph_capture
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        meta = self._build_attention_metadata(num_reqs=1, num_tokens=1, max_query_len=1, slot_mappings={})
+        assert meta == (None, False)  # the wrapper passed vLLM's defaults on
+
+    def sample_tokens(self, grammar_output):
+        return SimpleNamespace(step=grammar_output)
+
+
+class _Sched:
+    """vLLM's scheduler as far as the plugin reads it (its update fails requests through encoder_cache_mismatch_reqs
+    with FINISHED_ERROR: the names the contain mode checks the source for)."""
+
+    encoder_cache_mismatch_reqs: set[str]
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        self.seen = (self.encoder_cache_mismatch_reqs, "FINISHED_ERROR", model_runner_output)
+        return "updated"
+
+    def finish_requests(self):
+        pass
+
+
+class _Core:
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture
+def stand_in_plugin(monkeypatch):
+    """The plugin's wrappers (contain) on the stand-in classes above, installed as install() does; uninstalled after."""
+    from tripwire.integrations import _vllm_contain
+    from tripwire.integrations import vllm as tw
+
+    for name, cls in (("_runner_class", _Runner), ("_scheduler_class", _Sched), ("_engine_core_class", _Core)):
+        monkeypatch.setattr(tw, name, lambda cls=cls: cls)
+    monkeypatch.setattr(tw, "_v2_runner_class", lambda version: None)
+    own = {(c, n): c.__dict__[n] for c in (_Runner, _Sched) for n in c.__dict__ if callable(c.__dict__[n])}
+    plugin = tw._Plugin("contain", Monitor(registry=SiteRegistry(capacity=32), capacity=32), "0.32.0")
+    updates: list[dict] = []
+    monkeypatch.setattr(plugin.contain, "before_update", lambda sched, out: updates.append(dict(out.t)))
+    monkeypatch.setattr(
+        plugin.contain, "after_update", lambda sched: updates.append({"after": len(plugin.contain.masked)})
+    )
+    monkeypatch.setattr(_vllm_contain, "ATTR", "t")
+    monkeypatch.setattr(tw, "ATTR", "t")
+    tw._patch(plugin)
+    monkeypatch.setattr(tw, "_plugin", plugin)
+    try:
+        yield plugin, own, updates
+    finally:
+        tw.uninstall()
+    assert all(c.__dict__[n] is f for (c, n), f in own.items())  # uninstall restored every method
+    assert _vllm_contain.ON_TAINT is None
+
+
+def _sched() -> _Sched:
+    s = _Sched()
+    s.encoder_cache_mismatch_reqs = set()
+    return s
+
+
+def test_scheduler_wrapper_is_on_only_while_taints_are_due(stand_in_plugin, monkeypatch):
+    """A clean step's output reaches vLLM's own update_from_output (nothing of the plugin on the class); an output
+    with taints puts the wrapper on where it is unpickled (the engine core's process), the wrapper acts on it and
+    comes off after; two tainted outputs unpickled before their updates keep it on for both. Control: an output
+    whose taints are a plain dict (not armed on unpickling) reaches vLLM's method unwrapped, and its taints are
+    never acted on."""
+    import pickle
+
+    from tripwire.integrations import _vllm_contain
+
+    plugin, own, updates = stand_in_plugin
+    orig = own[(_Sched, "update_from_output")]
+    assert _Sched.__dict__["update_from_output"] is orig  # installed, yet vLLM's own method on a clean step
+    s = _sched()
+    assert s.update_from_output(None, SimpleNamespace()) == "updated" and updates == []
+
+    def worker_output(req: str, taints=_vllm_contain.arrived):  # type: ignore[no-untyped-def]
+        # Made in "another process": this one's arming is off while the worker attaches its taints.
+        with monkeypatch.context() as m:
+            m.setattr(_vllm_contain, "ON_TAINT", None)
+            out = SimpleNamespace(t=taints({req: "why"}))
+        assert _Sched.__dict__["update_from_output"] is orig
+        return pickle.dumps(out)
+
+    a, b = worker_output("req-a"), worker_output("req-b")
+    got_a = pickle.loads(a)
+    assert _Sched.__dict__["update_from_output"] is not orig  # armed on arrival, before the scheduler sees it
+    got_b = pickle.loads(b)
+    assert s.update_from_output(None, got_a) == "updated" and updates == [{"req-a": "why"}]
+    assert _Sched.__dict__["update_from_output"] is not orig  # req-b's output is still to come
+    assert s.update_from_output(None, got_b) == "updated" and updates[-1] == {"req-b": "why"}
+    assert _Sched.__dict__["update_from_output"] is orig  # off again: the next clean step is vLLM's alone
+    # A masked request running on (mask mode) keeps the wrapper on until it is gone.
+    plugin.contain.masked["req-c"] = "masked"
+    got_c = pickle.loads(worker_output("req-c"))  # unpickled before the update is looked up, as in vLLM
+    s.update_from_output(None, got_c)
+    assert updates[-2:] == [{"req-c": "why"}, {"after": 1}]
+    assert _Sched.__dict__["update_from_output"] is not orig
+    s.update_from_output(None, SimpleNamespace())  # a clean step while req-c runs on: the masked side still runs
+    assert updates[-1] == {"after": 1} and _Sched.__dict__["update_from_output"] is not orig
+    plugin.contain.masked.clear()  # req-c finished
+    s.update_from_output(None, SimpleNamespace())
+    assert _Sched.__dict__["update_from_output"] is orig
+    # Control: taints that do not arm on arrival reach an unwrapped scheduler and are lost.
+    n = len(updates)
+    lost = pickle.loads(worker_output("req-d", taints=dict))
+    assert _Sched.__dict__["update_from_output"] is orig
+    s.update_from_output(None, lost)
+    assert len(updates) == n and s.seen[2] is lost
+
+
+def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plugin, monkeypatch):
+    """A clean step calls vLLM's own sample_tokens (the class's method is never wrapped, and nothing is put on the
+    runner); a step whose validator ran wraps the runner's next sample_tokens call, which takes the verdict once
+    and unwraps. Control: the same step with the instance wrapper removed before sampling takes no verdict."""
+    from tripwire.integrations import vllm as tw
+
+    plugin, own, _updates = stand_in_plugin
+    taken: list[object] = []
+
+    def after_step(ring, ticket, step, out):  # type: ignore[no-untyped-def]
+        taken.append(ticket)
+        return out
+
+    monkeypatch.setattr(plugin.contain, "after_step", after_step)
+    clean = [True]
+    validator = SimpleNamespace(_host=lambda *a: clean[0], exact=lambda *a: True)
+    ring = SimpleNamespace(enqueue=lambda: f"ticket-{len(taken)}")
+    r = _Runner()
+    r._tripwire = tw._RunnerState(validator, ring)  # type: ignore[arg-type]
+    plugin.started = True  # the stand-in has no reader to start
+    assert _Runner.__dict__["sample_tokens"] is own[(_Runner, "sample_tokens")]
+    # vLLM 0.32's signatures: the wrappers that bind them directly (no per-step *args/**kwargs objects).
+    assert _Runner.__dict__["execute_model"].__code__.co_name == "execute_model_v1"
+    assert _Runner.__dict__["_build_attention_metadata"].__code__.co_name == "_build_attention_metadata_v1"
+
+    def step(i: int, drop: bool = False):  # type: ignore[no-untyped-def]
+        assert r.execute_model(f"step-{i}") is None
+        wrapped = "sample_tokens" in r.__dict__
+        if drop:
+            del r.sample_tokens
+        return wrapped, r.sample_tokens(i).step
+
+    assert step(0) == (False, 0) and taken == []
+    clean[0] = False
+    assert step(1) == (True, 1) and taken == ["ticket-0"]
+    assert "sample_tokens" not in r.__dict__
+    clean[0] = True
+    assert step(2) == (False, 2) and taken == ["ticket-0"]
+    # Control: without the runner's one-call wrapper, a step whose validator ran has its verdict left untaken.
+    clean[0] = False
+    assert step(3, drop=True) == (True, 3) and taken == ["ticket-0"]
+
+
+def test_exact_signature_wrappers_only_for_vllms_own_signature():
+    """The wrappers with vLLM 0.32's parameters are chosen only for a method with exactly those names, each
+    positional-or-keyword. Control: a ``**kwargs`` method, or one parameter more or renamed, gets the generic one."""
+    from tripwire.integrations import vllm as tw
+
+    assert tw._same_parameters(_Runner.__dict__["_build_attention_metadata"], tw._ATTN_PARAMETERS)
+    assert tw._same_parameters(_Runner.execute_model, ("self", "scheduler_output", "intermediate_tensors"))
+
+    def kw(self, **kwargs):  # type: ignore[no-untyped-def]
+        pass
+
+    def more(self, scheduler_output, intermediate_tensors=None, extra=None):  # type: ignore[no-untyped-def]
+        pass
+
+    def renamed(self, scheduler_output, tensors=None):  # type: ignore[no-untyped-def]
+        pass
+
+    def keyword_only(self, scheduler_output, *, intermediate_tensors=None):  # type: ignore[no-untyped-def]
+        pass
+
+    names = ("self", "scheduler_output", "intermediate_tensors")
+    assert not any(tw._same_parameters(f, names) for f in (kw, more, renamed, keyword_only))
+    assert not tw._same_parameters(kw, tw._ATTN_PARAMETERS)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..monitor import Monitor
@@ -33,6 +35,63 @@ log = logging.getLogger("tripwire")
 ATTR = "_tripwire_tainted"
 # Verdict copies in flight per runner: one per step; vLLM keeps at most two steps in flight (async scheduling).
 DEPTH = 4
+
+
+class Taints(dict):  # type: ignore[type-arg]
+    """What a step's ``ModelRunnerOutput`` carries at :data:`ATTR` (request id -> why). Made, and rebuilt where it is
+    unpickled (the engine core's process, when the runner is in a worker process), through :func:`arrived`, which
+    arms the scheduler's side of that process before the scheduler can see the output: a clean step's output
+    carries none, so the scheduler runs vLLM's own ``update_from_output``, unwrapped."""
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, str]]]:
+        return arrived, (dict(self),)
+
+
+# The scheduler side's arming of this process (set while the plugin is installed with a verdict; None otherwise).
+ON_TAINT: Callable[[], None] | None = None
+
+
+def arrived(named: dict[str, str]) -> Taints:
+    """A step's taints, in the process that holds them now: the scheduler's wrapper armed here first."""
+    arm = ON_TAINT
+    if arm is not None:
+        arm()
+    return Taints(named)
+
+
+class SchedulerSide:
+    """The scheduler's ``update_from_output`` wrapper, on the class only while containment has something to do:
+    armed by each step output that carries taints (:func:`arrived`), and taken off again after an update once no
+    armed output is still to come and no masked request runs on. A clean step passes through vLLM's own method."""
+
+    def __init__(self, cls: type, name: str, wrapper: Any) -> None:
+        self.cls, self.name, self.wrapper = cls, name, wrapper
+        self.original = cls.__dict__[name]
+        # Outputs armed in this process and not yet seen by the wrapper (outputs unpickled ahead of their update,
+        # under async scheduling, keep the wrapper on for theirs).
+        self.pending = 0
+        self.lock = threading.Lock()
+
+    def arm(self) -> None:
+        with self.lock:
+            self.pending += 1
+            if self.cls.__dict__[self.name] is not self.wrapper:
+                setattr(self.cls, self.name, self.wrapper)
+
+    def settle(self, consumed: bool, masked: dict[str, str]) -> None:
+        """After a wrapped update: ``consumed`` (it carried taints) counts one armed output off; the wrapper comes
+        off once none is pending and no masked request runs on."""
+        with self.lock:
+            if consumed and self.pending > 0:
+                self.pending -= 1
+            if self.pending == 0 and not masked and self.cls.__dict__[self.name] is self.wrapper:
+                setattr(self.cls, self.name, self.original)
+
+    def remove(self) -> None:
+        with self.lock:
+            self.pending = 0
+            if self.cls.__dict__[self.name] is self.wrapper:
+                setattr(self.cls, self.name, self.original)
 
 
 class Containment:
@@ -95,7 +154,9 @@ class Containment:
 
         if output is EMPTY_MODEL_RUNNER_OUTPUT:
             output = copy.copy(output)
-        setattr(output, ATTR, {r: _message(verdict, r) for r in ids})
+        # Through arrived(): this process's scheduler side armed (the in-process engine core's), and again, on
+        # unpickling, in the engine core's process.
+        setattr(output, ATTR, arrived({r: _message(verdict, r) for r in ids}))
         return output
 
     # ------------------------------------------------------------------ the scheduler's side

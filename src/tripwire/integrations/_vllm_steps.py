@@ -310,6 +310,7 @@ class _HostCheck:
             _Group(table, counts._source, (rules[sm].lo, rules[sm].hi, rules[sm].padding, rules[bt].lo, rules[bt].hi))
             for (sm, bt, _n, table), counts in zip(sv.groups, sv._counts, strict=True)
         )
+        self.indexed = tuple(enumerate(self.groups))
         # The runner's tensors the views below were built from (None: not bound yet, so the first step binds).
         self._pos_t: Any = None
         self._sl_t: Any = None
@@ -340,19 +341,24 @@ class _HostCheck:
         if not self._ok:
             return False  # a buffer the views cannot read: every step is exact
         # Slices of bound views and tolist() of a few entries: no torch op, no tensor allocated. Each list is
-        # tested at its ends after sorted(): one C call where min() and max() are two slower ones (their generic
-        # iteration), on lists that are mostly sorted already, and the same code path for every rule (a step runs
-        # this on caches the forward pass has just evicted: fewer distinct paths cost less).
-        v = sorted(self._pos[:num_tokens].tolist())  # type: ignore[index]
+        # sorted in place and tested at its ends: one C call where min() and max() are two slower ones (their
+        # generic iteration), no second list as sorted() would copy, on lists that are mostly sorted already, and
+        # the same code path for every rule (a step runs this on caches the forward pass has just evicted: fewer
+        # distinct paths and objects cost less).
+        v = self._pos[:num_tokens].tolist()  # type: ignore[index]
+        v.sort()
         if v and not (self.pos_lo <= v[0] and v[-1] < self.pos_hi):
             return False
-        v = sorted(self._sl[:num_reqs].tolist())  # type: ignore[index]
+        v = self._sl[:num_reqs].tolist()  # type: ignore[index]
+        v.sort()
         if v and not (self.sl_lo <= v[0] and v[-1] < self.sl_hi):
             return False
         q = self._qsl[: num_reqs + 1].tolist()  # type: ignore[index]
+        # Non-decreasing: compared with its sorted copy (the one rule that needs the list's order kept).
         if q[0] != 0 or q[-1] > num_tokens or q != sorted(q):
             return False
-        for i, g in enumerate(self.groups):
+        # (index, group) pairs built once: iterating them makes no enumerate object per step.
+        for i, g in self.indexed:
             table = g.table
             if table.slot_mapping.gpu is not g.slot_t or table.block_table.gpu is not g.table_t:
                 return self._bind(runner)
@@ -362,16 +368,18 @@ class _HostCheck:
             # numel, not shape[0] or len(): the cheapest of torch's reads of the length (no Size object). vLLM's
             # slot mapping is a prefix slice of that buffer (gpu[:n]), so its numel entries are the ones read here.
             v = g.slots[: sm.numel()].tolist()  # type: ignore[index]
-            s = sorted(v)
-            if s and not (g.s_lo <= s[0] and s[-1] < g.s_hi) and not _within(v, g.s_lo, g.s_hi, g.pad):
+            v.sort()  # order does not matter to _within either (every entry tested)
+            if v and not (g.s_lo <= v[0] and v[-1] < g.s_hi) and not _within(v, g.s_lo, g.s_hi, g.pad):
                 return False
             width = g.width
-            v = sorted(g.blocks[: num_reqs * width].tolist())  # type: ignore[index]
+            v = g.blocks[: num_reqs * width].tolist()  # type: ignore[index]
+            v.sort()
             if v and not (g.b_lo <= v[0] and v[-1] < g.b_hi):
                 return False
             if g.counts is None:
                 return False
-            v = sorted(g.counts[:num_reqs].tolist())
+            v = g.counts[:num_reqs].tolist()
+            v.sort()
             if v and not (0 <= v[0] and v[-1] <= width):
                 return False
         return True

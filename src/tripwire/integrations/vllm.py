@@ -26,7 +26,9 @@ computed) and before any attention metadata or kernel reads them: one validator 
 (and so preallocates the arena) before vLLM captures anything; the reader starts after ``capture_model`` or at the
 first step; ``tripwire.check()`` runs at the top of every step; the engine core's ``shutdown`` drains. The scheduler's
 ``update_from_output`` fails the tainted requests, which the step's ``ModelRunnerOutput`` carries to it, through the
-scheduler's own per-request error path.
+scheduler's own per-request error path. A clean step passes two wrappers (``execute_model`` and the metadata hook);
+``sample_tokens`` (on the runner instance) and ``update_from_output`` (on the class, armed by the output's taints
+where they arrive: :class:`tripwire.integrations._vllm_contain.SchedulerSide`) are wrapped only while they have work.
 
 The V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, shipped in 0.32, vLLM's GPU default
 from 0.33) is hooked the same way, its step validated right after ``prepare_attn``
@@ -52,12 +54,13 @@ import inspect
 import logging
 import os
 import threading
+import types
 from typing import Any
 
 from .._runtime.default import default_monitor
 from ..monitor import Monitor
-from . import _vllm_v2
-from ._vllm_contain import ATTR, Containment
+from . import _vllm_contain, _vllm_v2
+from ._vllm_contain import ATTR, Containment, SchedulerSide
 from ._vllm_steps import (
     SITE_BLOCK_COUNTS,
     SITE_BLOCK_TABLE,
@@ -142,7 +145,9 @@ class _Plugin:
         self.version = version
         self.policy = "flag" if mode == "flag" else "mask"
         self.contain = Containment(mode, monitor)
+        # The methods wrapped for as long as the plugin is installed (the scheduler's: ``sched``, only while armed).
         self.originals: dict[tuple[type, str], Any] = {}
+        self.sched: SchedulerSide | None = None
         self.started = False
         self.lock = threading.Lock()
 
@@ -270,19 +275,76 @@ def _patch(plugin: _Plugin) -> None:
             st.validated = True
         return attn_orig(self, *args, **kwargs)
 
+    if _same_parameters(attn_orig, _ATTN_PARAMETERS):
+
+        def _build_attention_metadata_v1(
+            self: Any,
+            num_tokens: Any,
+            num_reqs: Any,
+            max_query_len: Any,
+            num_tokens_padded: Any = None,
+            num_reqs_padded: Any = None,
+            ubatch_slices: Any = None,
+            logits_indices: Any = None,
+            max_num_sampled_tokens: Any = None,
+            use_spec_decode: Any = False,
+            for_cudagraph_capture: Any = False,
+            num_scheduled_tokens: Any = None,
+            slot_mappings: Any = None,
+        ) -> Any:
+            # vLLM's exact signature (checked at install; its defaults copied below): the step's call binds its
+            # keywords straight to these names and is passed on with the same constant keyword names, where a
+            # **kwargs wrapper builds a dict of them and unpacks it again on every step.
+            st: _RunnerState | None = getattr(self, "_tripwire", None)
+            # Real steps only, once each (as the generic wrapper above).
+            if st is not None and st.in_step and not st.validated and not for_cudagraph_capture:
+                clean = st.clean
+                if clean is not None and clean(self, num_reqs, num_tokens, slot_mappings):
+                    st.rose = False  # clean by the validator's own test: nothing to count, repair or take a verdict of
+                elif clean is not None:
+                    st.rose = st.validator.exact(self, num_reqs, num_tokens, slot_mappings)
+                else:
+                    st.rose = st.validator(self, num_reqs, num_tokens, slot_mappings)
+                st.validated = True
+            return attn_orig(
+                self,
+                num_tokens=num_tokens,
+                num_reqs=num_reqs,
+                max_query_len=max_query_len,
+                num_tokens_padded=num_tokens_padded,
+                num_reqs_padded=num_reqs_padded,
+                ubatch_slices=ubatch_slices,
+                logits_indices=logits_indices,
+                max_num_sampled_tokens=max_num_sampled_tokens,
+                use_spec_decode=use_spec_decode,
+                for_cudagraph_capture=for_cudagraph_capture,
+                num_scheduled_tokens=num_scheduled_tokens,
+                slot_mappings=slot_mappings,
+            )
+
+        _build_attention_metadata_v1.__defaults__ = attn_orig.__defaults__  # vLLM's own defaults, exactly
+        _build_attention_metadata = functools.wraps(attn_orig)(_build_attention_metadata_v1)
+
     sched_orig = sched_cls.__dict__["update_from_output"]
     contain = plugin.contain
-    masked = contain.masked  # the dict itself (never replaced): its emptiness is the per-step test below
+    masked = contain.masked  # the dict itself (never replaced): its emptiness is the test below
 
     @functools.wraps(sched_orig)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        # Every step passes here; a clean one costs two tests: no taints on the output, no masked request running.
-        if getattr(model_runner_output, ATTR, None):
+        # On the class only while an output with taints is due or a masked request runs on (SchedulerSide): a clean
+        # step never comes here.
+        named = getattr(model_runner_output, ATTR, None)
+        if named:
             contain.before_update(self, model_runner_output)
-        out = sched_orig(self, scheduler_output, model_runner_output)
-        if masked:
-            contain.after_update(self)
+        try:
+            out = sched_orig(self, scheduler_output, model_runner_output)
+            if masked:
+                contain.after_update(self)
+        finally:
+            side.settle(bool(named), masked)
         return out
+
+    side = plugin.sched = SchedulerSide(sched_cls, "update_from_output", update_from_output)
 
     core_orig = core_cls.__dict__["shutdown"]
 
@@ -295,18 +357,50 @@ def _patch(plugin: _Plugin) -> None:
         *_lifecycle(plugin, runner_cls, StepValidator),
         (runner_cls, "_build_attention_metadata", _build_attention_metadata),
         *(_v2_patches(plugin, v2) if v2 is not None else []),
-        (sched_cls, "update_from_output", update_from_output),
         (core_cls, "shutdown", shutdown),
     ]
     for cls, name, fn in patches:
         plugin.originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)
+    if plugin.mode != "flag":
+        _vllm_contain.ON_TAINT = side.arm  # a step output with taints puts the scheduler's wrapper on
+
+
+# V1's _build_attention_metadata parameters (vLLM 0.32): the wrapper with this exact signature is used when the
+# installed vLLM's matches, name for name (the generic keyword wrapper otherwise).
+_ATTN_PARAMETERS = (
+    "self",
+    "num_tokens",
+    "num_reqs",
+    "max_query_len",
+    "num_tokens_padded",
+    "num_reqs_padded",
+    "ubatch_slices",
+    "logits_indices",
+    "max_num_sampled_tokens",
+    "use_spec_decode",
+    "for_cudagraph_capture",
+    "num_scheduled_tokens",
+    "slot_mappings",
+)
+
+
+def _same_parameters(fn: Any, names: tuple[str, ...]) -> bool:
+    """``fn`` takes exactly ``names``, each positional-or-keyword (no ``*args``, no ``**kwargs``, no keyword-only):
+    a wrapper with these names binds and passes on every call the same way."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return tuple(p.name for p in params) == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
 
 
 def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type, str, Any]]:
-    """The wrappers of a runner class's lifecycle and step (both runners have these four methods): the validator
-    built by ``make`` after the KV cache, the reader started after the captures, the stop checked and the verdict
-    enqueued around each step, and taken with the sampled tokens."""
+    """The wrappers of a runner class's lifecycle and step (both runners have these methods): the validator built
+    by ``make`` after the KV cache, the reader started after the captures, the stop checked and the verdict
+    enqueued around each step, and taken with the sampled tokens (``sample_tokens`` wrapped on the runner instance,
+    for the one call after a step that enqueued a verdict: a clean step passes two wrappers, ``execute_model`` and
+    the metadata hook, the scheduler's being off the class then)."""
     orig = {name: runner_cls.__dict__[name] for name in _LIFECYCLE}
     init_sig = inspect.signature(orig["initialize_kv_cache"])
 
@@ -327,7 +421,11 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
 
     # Bound once: the step path below reads no setting and resolves no method per step.
     execute = orig["execute_model"]
-    check = None if plugin.mode == "flag" else plugin.monitor.check
+    monitor = plugin.monitor
+    # Monitor.check() inlined (one Python call less per step): the armed stop is one attribute, and the reader's
+    # activity flag a bytearray the monitor never replaces. flag never arms a stop from a verdict: no check.
+    checks = plugin.mode != "flag"
+    act = monitor._act
 
     @functools.wraps(execute)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -338,8 +436,11 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             return execute(self, scheduler_output, *args, **kwargs)
         if not plugin.started:
             plugin.start()  # the first step comes after vLLM's warm-up and captures
-        if check is not None:
-            check()  # an armed stop fails this step through vLLM's own error path
+        if checks:
+            tripped = monitor._tripped
+            if tripped is not None:  # an armed stop fails this step through vLLM's own error path
+                raise tripped.with_traceback(None)  # as Monitor.check: no traceback grows over retries
+            act[0] = 1  # one byte store: the step is activity for the reader's idle detection
         # One store each on a slotted object (a four-way tuple assignment would build a tuple): no allocation on the
         # step path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
         st.in_step = True
@@ -356,21 +457,63 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             st.ticket = st.ring.enqueue()
             if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
                 return _take_verdict(plugin, st, out)
+            # The verdict goes with the sampled tokens: sample_tokens is wrapped on this runner only, for its next
+            # call (an instance attribute over the class's method), so a step without a verdict calls vLLM's own.
+            self.sample_tokens = types.MethodType(sample_tokens, self)
         return out
 
-    @functools.wraps(orig["sample_tokens"])
+    if _same_parameters(execute, ("self", "scheduler_output", "intermediate_tensors")):
+        # V1's exact signature (checked above): its positional call binds straight to these names, where a
+        # *args/**kwargs wrapper builds a tuple and a dict on every step, and calls with both unpacked again.
+        def execute_model_v1(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+            st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
+            if st is None:
+                return execute(self, scheduler_output, intermediate_tensors)
+            if not plugin.started:
+                plugin.start()  # the first step comes after vLLM's warm-up and captures
+            if checks:
+                tripped = monitor._tripped
+                if tripped is not None:  # an armed stop fails this step through vLLM's own error path
+                    raise tripped.with_traceback(None)  # as Monitor.check: no traceback grows over retries
+                act[0] = 1  # one byte store: the step is activity for the reader's idle detection
+            # One store each on a slotted object (a four-way tuple assignment would build a tuple): no allocation on the
+            # step path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
+            st.in_step = True
+            st.validated = False
+            st.rose = False
+            st.step = scheduler_output
+            try:
+                out = execute(self, scheduler_output, intermediate_tensors)
+            finally:
+                st.in_step = False
+            if st.rose and st.ring is not None:
+                # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
+                # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
+                st.ticket = st.ring.enqueue()
+                if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
+                    return _take_verdict(plugin, st, out)
+                # The verdict goes with the sampled tokens: sample_tokens is wrapped on this runner only, for its next
+                # call (an instance attribute over the class's method), so a step without a verdict calls vLLM's own.
+                self.sample_tokens = types.MethodType(sample_tokens, self)
+            return out
+
+        execute_model_v1.__defaults__ = execute.__defaults__  # vLLM's own default, exactly
+        execute_model = functools.wraps(execute)(execute_model_v1)
+
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__.pop("sample_tokens", None)  # one call only: the class's method again from the next step on
         st: _RunnerState | None = getattr(self, "_tripwire", None)
-        out = orig["sample_tokens"](self, *args, **kwargs)
+        out = type(self).sample_tokens(self, *args, **kwargs)  # the runner's own, through its class
         if st is not None and st.ticket is not None:
             return _take_verdict(plugin, st, out)
         return out
+
+    functools.update_wrapper(sample_tokens, orig["sample_tokens"])
 
     return [
         (runner_cls, "initialize_kv_cache", initialize_kv_cache),
         (runner_cls, "capture_model", capture_model),
         (runner_cls, "execute_model", execute_model),
-        (runner_cls, "sample_tokens", sample_tokens),
     ]
 
 
@@ -490,6 +633,9 @@ def uninstall() -> None:
             return
         for (cls, name), fn in _plugin.originals.items():
             setattr(cls, name, fn)
+        _vllm_contain.ON_TAINT = None
+        if _plugin.sched is not None:
+            _plugin.sched.remove()
         atexit.unregister(_plugin.drain)
         _plugin = None
 
