@@ -340,7 +340,8 @@ class _Core:
 def stand_in_plugin(monkeypatch):
     """The plugin's wrappers (contain) on the stand-in classes above, installed as install() does; uninstalled after."""
     from tripwire.integrations import _vllm_contain
-    from tripwire.integrations import vllm as tw
+    from tripwire.integrations import _vllm_hooks as tw
+    from tripwire.integrations import vllm as plugin_module
 
     for name, cls in (("_runner_class", _Runner), ("_scheduler_class", _Sched), ("_engine_core_class", _Core)):
         monkeypatch.setattr(tw, name, lambda cls=cls: cls)
@@ -355,11 +356,11 @@ def stand_in_plugin(monkeypatch):
     monkeypatch.setattr(_vllm_contain, "ATTR", "t")
     monkeypatch.setattr(tw, "ATTR", "t")
     tw._patch(plugin)
-    monkeypatch.setattr(tw, "_plugin", plugin)
+    monkeypatch.setattr(plugin_module, "_plugin", plugin)
     try:
         yield plugin, own, updates
     finally:
-        tw.uninstall()
+        plugin_module.uninstall()
     assert all(c.__dict__[n] is f for (c, n), f in own.items())  # uninstall restored every method
     assert _vllm_contain.ON_TAINT is None
 
@@ -425,7 +426,7 @@ def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plug
     """A clean step calls vLLM's own sample_tokens (the class's method is never wrapped, and nothing is put on the
     runner); a step whose validator ran wraps the runner's next sample_tokens call, which takes the verdict once
     and unwraps. Control: the same step with the instance wrapper removed before sampling takes no verdict."""
-    from tripwire.integrations import vllm as tw
+    from tripwire.integrations import _vllm_hooks as tw
 
     plugin, own, _updates = stand_in_plugin
     taken: list[object] = []
@@ -467,7 +468,7 @@ def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plug
 def test_exact_signature_wrappers_only_for_vllms_own_signature():
     """The wrappers with vLLM 0.32's parameters are chosen only for a method with exactly those names, each
     positional-or-keyword. Control: a ``**kwargs`` method, or one parameter more or renamed, gets the generic one."""
-    from tripwire.integrations import vllm as tw
+    from tripwire.integrations import _vllm_hooks as tw
 
     assert tw._same_parameters(_Runner.__dict__["_build_attention_metadata"], tw._ATTN_PARAMETERS)
     assert tw._same_parameters(_Runner.execute_model, ("self", "scheduler_output", "intermediate_tensors"))

@@ -71,12 +71,13 @@ def engine(model: str, max_seqs: int = 8, prefix_caching: bool = False) -> Any:
 
 
 def _hooked() -> bool:
-    """The V1 runner's execute_model is tripwire's wrapper (anywhere in its chain of wrappers)."""
+    """The V1 runner's execute_model is tripwire's wrapper (anywhere in its chain of wrappers): a function of the
+    plugin's hooks module (by its code's file: functools.wraps gives a wrapper vLLM's ``__module__``)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     fn: Any = GPUModelRunner.execute_model
     while fn is not None:
-        if fn.__code__.co_filename.endswith(os.path.join("integrations", "vllm.py")):
+        if fn.__code__.co_filename.endswith(os.path.join("integrations", "_vllm_hooks.py")):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
