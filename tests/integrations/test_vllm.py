@@ -2,7 +2,7 @@
 
 Every engine run is a process of its own (tests/vllm_helpers.py), because the unguarded engine segfaults. The
 runs are declared once (``RUNS``) and started in the background two at a time; each test reads its own. Faults are
-host-side bugs written into the engine's own block table or slot mapping for one step (tripwire._vllm_faults): a
+host-side bugs written into the engine's own block table or slot mapping for one step (tripwire.cli._vllm_faults): a
 read (block-table column 0), a write (the newest token's block, before vLLM computes its slot from it) and a bad
 slot, each with a value just past the end (``"end"``), far past it and negative, at chosen steps and requests, the
 last step included. Several faults share a round (one ``generate``) and rounds share a process where the contract
@@ -23,7 +23,7 @@ from vllm_helpers import EnginePool, python_in_vllm_env, vllm_python
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 32  # the engine's block size (tripwire._vllm_run)
+BLOCK = 32  # the engine's block size (tripwire.cli._vllm_run)
 
 
 def prompt(round_: int, i: int) -> list[int]:

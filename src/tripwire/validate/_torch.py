@@ -1,7 +1,7 @@
 """The metadata validator on CPU tensors: plain torch, with the Triton kernel's counts, offenders and masking.
 
 :class:`tripwire.validate.Validator` runs this for CPU tensors (CPU engines such as vLLM's CPU build: no Triton
-interpreter, no triton import) and :mod:`tripwire._validate_kernel` for CUDA tensors. Both write the same arena words
+interpreter, no triton import) and :mod:`tripwire.validate._triton` for CUDA tensors. Both write the same arena words
 for the same call: the count, the extremes, the first pair and the offender blocks (:mod:`tripwire.layout`), and the
 same repaired tensors; ``tests/test_validate.py`` runs the kernel under the interpreter beside this path and compares
 every word.
@@ -66,7 +66,7 @@ _BISECT = 40
 
 def offenders_of(arena: torch.Tensor) -> torch.Tensor | None:
     """The offender blocks of the arena whose rows are ``arena`` (the ``[capacity, SLOTS]`` rows of an allocation
-    kept by :mod:`tripwire.arena`), found through the address in slot 7 of row 0 like the kernel finds them; None
+    kept by :mod:`tripwire._runtime.arena`), found through the address in slot 7 of row 0 like the kernel finds them; None
     when ``arena`` is not an arena's rows (a counter tensor of a caller's own keeps no offenders)."""
     if arena.dim() != 2 or arena.shape[0] == 0 or arena.shape[1] != SLOTS:
         return None
@@ -330,7 +330,7 @@ def launch(
 ) -> None:
     """Check (and with ``mask`` repair) the call's CPU ``tensors`` under ``rules``, recording into ``arena`` (the
     CPU arena's rows, ``int64 [capacity, 8]``) and its offender blocks (``offenders``; found from the arena when
-    None). The preconditions are the kernel's (``tripwire._validate_kernel.launch``), checked by the Validator."""
+    None). The preconditions are the kernel's (``tripwire.validate._triton.launch``), checked by the Validator."""
     if offenders is None:
         offenders = offenders_of(arena)
 
