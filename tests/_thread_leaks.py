@@ -4,8 +4,8 @@ The interpreter joins every non-daemon thread at exit: one left running (a servi
 test never stopped) keeps pytest alive after its summary until CI's time limit kills it, a red run that names no test.
 So each test module's new non-daemon threads are checked when the module ends (after its class and module fixtures
 closed what they serve; a short grace for threads that are ending): they fail the module's last test, naming the
-module and the threads. A session that still has one at its end reports them and exits with status 1 instead of
-waiting forever.
+module and the threads. A session that still has one at its end reports them and exits with status 1 (or the
+session's own failing status) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -20,11 +20,19 @@ import pytest
 GRACE_S = 5.0
 
 
+def _pool_worker(t: threading.Thread) -> bool:
+    # concurrent.futures' workers are non-daemon, but the interpreter stops and joins them itself at exit (a
+    # library's lazily made pool, e.g. inductor's compile pool, never hangs it).
+    target = getattr(t, "_target", None)
+    return getattr(target, "__module__", None) == "concurrent.futures.thread"
+
+
 def _alive_non_daemon(before: set[int] | None = None) -> list[threading.Thread]:
     return [
         t
         for t in threading.enumerate()
         if t is not threading.main_thread()
+        and not _pool_worker(t)
         and not t.daemon
         and t.is_alive()
         and (before is None or id(t) not in before)
@@ -52,6 +60,13 @@ def _no_thread_left_behind(request):
         )
 
 
+_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _status.append(int(exitstatus))
+
+
 def pytest_unconfigure(config):
     left = _wait_out(_alive_non_daemon())
     if left:
@@ -61,4 +76,5 @@ def pytest_unconfigure(config):
         )
         sys.stderr.flush()
         sys.stdout.flush()
-        os._exit(1)
+        # The session's own status where it was a failure already (interrupted, usage error, no tests...), else 1.
+        os._exit((_status[-1] if _status else 0) or 1)

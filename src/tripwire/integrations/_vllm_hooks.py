@@ -218,9 +218,11 @@ def _patch(plugin: _Plugin) -> None:
         # On the class only while an output with taints is due or a masked request runs on (SchedulerSide): a clean
         # step never comes here.
         named = getattr(model_runner_output, ATTR, None)
-        if named:
-            contain.before_update(self, model_runner_output)
         try:
+            # Inside the try: an error while failing the victims still settles the wrapper's count (else it would
+            # stay on the class for good) and reaches vLLM's own step error path.
+            if named:
+                contain.before_update(self, model_runner_output)
             out = sched_orig(self, scheduler_output, model_runner_output)
             if masked:
                 contain.after_update(self)
@@ -283,8 +285,9 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
     """The wrappers of a runner class's lifecycle and step (both runners have these methods): the validator built
     by ``make`` after the KV cache, the reader started after the captures, the stop checked and the verdict
     enqueued around each step, and taken with the sampled tokens (``sample_tokens`` wrapped on the runner instance,
-    for the one call after a step that enqueued a verdict: a clean step passes two wrappers, ``execute_model`` and
-    the metadata hook, the scheduler's being off the class then)."""
+    for the one call after a step that enqueued a verdict: a clean CPU step passes two wrappers, ``execute_model``
+    and the metadata hook, the scheduler's being off the class then; on CUDA every step enqueues a verdict, since the
+    validator's launch is asynchronous, so every step wraps ``sample_tokens`` too)."""
     orig = {name: runner_cls.__dict__[name] for name in _LIFECYCLE}
     init_sig = inspect.signature(orig["initialize_kv_cache"])
 

@@ -26,7 +26,8 @@ computed) and before any attention metadata or kernel reads them: one validator 
 (and so preallocates the arena) before vLLM captures anything; the reader starts after ``capture_model`` or at the
 first step; ``tripwire.check()`` runs at the top of every step; the engine core's ``shutdown`` drains. The scheduler's
 ``update_from_output`` fails the tainted requests, which the step's ``ModelRunnerOutput`` carries to it, through the
-scheduler's own per-request error path. A clean step passes two wrappers (``execute_model`` and the metadata hook);
+scheduler's own per-request error path. A clean CPU step passes two wrappers (``execute_model`` and the metadata
+hook; on CUDA the validator's launch is asynchronous, so every step takes a verdict and wraps ``sample_tokens`` too);
 ``sample_tokens`` (on the runner instance) and ``update_from_output`` (on the class, armed by the output's taints
 where they arrive: :class:`tripwire.integrations._vllm_contain.SchedulerSide`) are wrapped only while they have work.
 

@@ -94,7 +94,8 @@ def _token_tile(C, args, t):
     tripwire.triton.record_tiles. ``C = (SITE, LOG2_BS, HAS_REQ)`` (SITE: 0 row, 1 column, 2 block), constexprs, so
     each site's fault path forms only its own words from only the arguments it reads (the out-of-line functions
     receive them in registers): ``args`` is ``(start, limit, <the site's>..., requests)``, the requests read with
-    HAS_REQ only. Each token counts at one site: the first check it fails."""
+    HAS_REQ only. The row and column sites are checked independently (a token with both wrong counts at both); the
+    block site only where the row and column are in range."""
     SITE: tl.constexpr = C[0]
     LOG2_BS: tl.constexpr = C[1]
     HAS_REQ: tl.constexpr = C[2]
