@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._rules import ABLOCK, BLOCK, Rules
-from ._triton_fault import _entries_fault, _indptr_fault, _lengths_fault, _max_combine
+from ._triton_fault import _entries_fault, _indptr_bad, _indptr_fault, _lengths_fault
 
 
 @triton.jit
@@ -179,15 +179,8 @@ def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constex
     for s in range(0, an, ABLOCK):
         k = s + tl.arange(0, ABLOCK).to(tl.int64)
         valid = k < an
-        v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
-        in_range = (v >= 0) & (v <= ni)
-        # The entry before each lane, from this chunk only (the chunks before are in `carry`).
-        kp = k - 1
-        prev_here = valid & (kp >= s) & (kp >= 1)
-        vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
-        wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
-        last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
-        bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+        # The entry before each lane from this chunk only (the chunks before are in `carry`).
+        v, in_range, _, bad = _indptr_bad(a_ptr, k, valid, s, ni, carry)
         # The next chunk's carry first: the chunk's words die before the call.
         below = carry
         carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))

@@ -106,6 +106,22 @@ def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, start, an, w, rqn, sgn, REQ: 
             tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
 
 
+@triton.jit
+def _indptr_bad(a_ptr, k, valid, lo, ni, carry):
+    """The indptr's entries ``k`` (the ``valid`` lanes): ``(value, in range, last good entry before, bad)``, one
+    definition for the check and its fault path. Each lane's previous entry is read from ``[lo, k)`` only; ``carry``
+    is the last good entry before ``lo``."""
+    v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
+    in_range = (v >= 0) & (v <= ni)
+    kp = k - 1
+    prev_here = valid & (kp >= lo) & (kp >= 1)
+    vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
+    wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
+    last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
+    bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+    return v, in_range, last_good, bad
+
+
 @triton.jit(noinline=True)
 def _indptr_fault(ctr_ptr, a_ptr, start, an, ni, carry, MASK: tl.constexpr, ABLOCK: tl.constexpr):
     """The indptr rule's fault path over the chunk ``[start, start + ABLOCK)``; ``carry``: the last good entry
@@ -114,14 +130,7 @@ def _indptr_fault(ctr_ptr, a_ptr, start, an, ni, carry, MASK: tl.constexpr, ABLO
     for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
         k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
         valid = (k < an) & (s0 + tl.arange(0, _TILE) < ABLOCK)
-        v = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
-        in_range = (v >= 0) & (v <= ni)
-        kp = k - 1
-        prev_here = valid & (kp >= start) & (kp >= 1)
-        vp = tl.load(a_ptr + kp, mask=prev_here, other=-1).to(tl.int64)
-        wp = tl.where(prev_here & (vp >= 0) & (vp <= ni), vp, -1)
-        last_good = tl.maximum(tl.associative_scan(wp, 0, _max_combine), carry)
-        bad = valid & tl.where(k == 0, v != 0, (in_range == 0) | (v < last_good))
+        v, in_range, last_good, bad = _indptr_bad(a_ptr, k, valid, start, ni, carry)
         record_hits(ctr_ptr, bad, k, v)
         if MASK:
             tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
