@@ -314,13 +314,9 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
     checks = plugin.mode != "flag"
     act = monitor._act
 
-    @functools.wraps(execute)
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
-        if st is None or (kwargs and kwargs.get("dummy_run", False)):  # V1 passes no keywords: no dict lookup
-            # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
-            # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
-            return execute(self, scheduler_output, *args, **kwargs)
+    def enter(st: _RunnerState, scheduler_output: Any) -> None:
+        # Both execute_model wrappers below, before vLLM's step: two calls a step (one here, one in leave) rather than
+        # two copies of the step's bookkeeping.
         if not plugin.started:
             plugin.start()  # the first step comes after vLLM's warm-up and captures
         if checks:
@@ -334,10 +330,8 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
         st.validated = False
         st.rose = False
         st.step = scheduler_output
-        try:
-            out = execute(self, scheduler_output, *args, **kwargs)
-        finally:
-            st.in_step = False
+
+    def leave(self: Any, st: _RunnerState, out: Any) -> Any:
         if st.rose and st.ring is not None:
             # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
             # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
@@ -349,6 +343,20 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             self.sample_tokens = types.MethodType(sample_tokens, self)
         return out
 
+    @functools.wraps(execute)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
+        if st is None or (kwargs and kwargs.get("dummy_run", False)):  # V1 passes no keywords: no dict lookup
+            # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
+            # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
+            return execute(self, scheduler_output, *args, **kwargs)
+        enter(st, scheduler_output)
+        try:
+            out = execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            st.in_step = False
+        return leave(self, st, out)
+
     if _same_parameters(execute, ("self", "scheduler_output", "intermediate_tensors")):
         # V1's exact signature (checked above): its positional call binds straight to these names, where a
         # *args/**kwargs wrapper builds a tuple and a dict on every step, and calls with both unpacked again.
@@ -356,33 +364,12 @@ def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type,
             st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
             if st is None:
                 return execute(self, scheduler_output, intermediate_tensors)
-            if not plugin.started:
-                plugin.start()  # the first step comes after vLLM's warm-up and captures
-            if checks:
-                tripped = monitor._tripped
-                if tripped is not None:  # an armed stop fails this step through vLLM's own error path
-                    raise tripped.with_traceback(None)  # as Monitor.check: no traceback grows over retries
-                act[0] = 1  # one byte store: the step is activity for the reader's idle detection
-            # One store each on a slotted object (a four-way tuple assignment would build a tuple): no allocation on the
-            # step path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
-            st.in_step = True
-            st.validated = False
-            st.rose = False
-            st.step = scheduler_output
+            enter(st, scheduler_output)
             try:
                 out = execute(self, scheduler_output, intermediate_tensors)
             finally:
                 st.in_step = False
-            if st.rose and st.ring is not None:
-                # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
-                # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
-                st.ticket = st.ring.enqueue()
-                if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
-                    return _take_verdict(plugin, st, out)
-                # The verdict goes with the sampled tokens: sample_tokens is wrapped on this runner only, for its next
-                # call (an instance attribute over the class's method), so a step without a verdict calls vLLM's own.
-                self.sample_tokens = types.MethodType(sample_tokens, self)
-            return out
+            return leave(self, st, out)
 
         execute_model_v1.__defaults__ = execute.__defaults__  # vLLM's own default, exactly
         execute_model = functools.wraps(execute)(execute_model_v1)
