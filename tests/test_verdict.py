@@ -231,3 +231,32 @@ def test_a_captured_verdict_reads_each_replay():
         g.replay()
         torch.cuda.synchronize()
         assert set(ring.take(t).tainted) == want
+
+
+def test_a_deferred_report_names_the_offenders_a_later_take_consumed():
+    """The reader can read a rise after the ring consumed its offenders from the device block and before the take
+    added them to the ledger. A report the window deferred goes out with the ledger as it is then: it names the
+    request. Control: a report released at that confirm (no window) cannot name it yet."""
+
+    def run(report_every):
+        mon = _monitor(contain=True, report_every=report_every)
+        events = []
+        mon.add_sink(events.append)
+        v, ring = _setup(mon, "cpu")
+        _step(v, mon, "cpu", [4])  # the site's first rise: its report leaves at once
+        ring.take(ring.enqueue())
+        for _ in range(3):
+            mon.poll()
+        _step(v, mon, "cpu", [6])
+        t = ring.enqueue()  # the block's offender consumed into the ring's slot
+        for _ in range(3):
+            mon.poll()  # the reader confirms the rise before the take
+        assert ring.take(t).tainted == {"c"}
+        mon.drain()
+        mon.stop()
+        return [{o.request for o in e.offenders} for e in events if e.kind == "guard"]
+
+    deferred = run(report_every=60.0)
+    assert len(deferred) == 2 and "c" in deferred[1], deferred
+    released = run(report_every=1e-6)  # control
+    assert len(released) == 2 and "c" not in released[1], released

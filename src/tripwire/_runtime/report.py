@@ -239,7 +239,13 @@ class GuardReporter:
         wording = self.wording
 
         def render(delta: int) -> Report:
-            return Report((guard_event(site, device, hit, delta),), wording(site, device, hit, delta=delta), site.name)
+            h = hit
+            if covered:
+                # The ledger read again when the report goes out, not only at this confirm: the ring may have consumed
+                # this rise's offenders from the block before the reader's read and added them to the ledger only at
+                # its take, after it. A report the window deferred (or the final drain's) then names them.
+                h = replace(hit, offenders=_merged(ledger.offenders(device, site.id), hit.offenders))
+            return Report((guard_event(site, device, h, delta),), wording(site, device, h, delta=delta), site.name)
 
         ctx.emit((device, site.id), hit.count, now, render)
         if covered and contain.enabled:
