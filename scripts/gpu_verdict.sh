@@ -5,7 +5,7 @@
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 RUNS=${RUNS:-250}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import sys,torch,triton,transformers;print(sys.version.split()[0],torch.__version__,triton.__version__,transformers.__version__)"; } | tee "$OUT/env.txt"
 rc=0

@@ -104,7 +104,9 @@ def _record_nonfinite(x_ptr, ctr_ptr, numel, ncols, base, SPAN: tl.constexpr, MA
         record_hits(ctr_ptr, ((fx & MASK) == MASK) & fm, row0 + wrap, col)
 
 
-@triton.jit
+# ncols not specialised: a 1-D tensor's ncols is 1, which Triton would make a constant (a Python int), and the fault
+# path reads its dtype to pick 32-bit arithmetic.
+@triton.jit(do_not_specialize=["ncols"])
 def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, ITERS: tl.constexpr, MASK: tl.constexpr):
     # ITERS blocks per program, unrolled (static_range) so that all their loads are in flight at once; the test is
     # OR-ed elementwise and reduced ONCE per program: a per-block reduction (shared memory + barrier) would stall
