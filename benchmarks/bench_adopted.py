@@ -117,28 +117,22 @@ def _caches(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]], Callable[[], list[tuple]]]:
     c = _cache_inputs(tokens)
-    # The check writes each variant's own caches (and compares them); the timed bodies all write one pair: the
-    # variants write the same bytes to the same slots, and caches of their own would time each variant against
-    # its own pages (where a 32 MiB cache lands in memory moved an A/A pair by over 1 %).
-    caches = {n: _caches(c) for n in ("original", "guarded", "original_b", "vote", "timed")}
     one = torch.ones(1, device="cuda", dtype=torch.float32)
+    make: Callable[[tuple[torch.Tensor, torch.Tensor], Any], Callable[[], None]]
     if cuda:
         from adopted_vllm import cuda_ext
 
         cuda_ext.build()
         ctr = _counters((cuda_ext.SITE,))
 
-        def make(name: str, guard: bool | str) -> Callable[[], None]:
-            kc, vc = caches[name]
+        def make(cache: tuple[torch.Tensor, torch.Tensor], guard: Any) -> Callable[[], None]:
+            kc, vc = cache
             return lambda: cuda_ext.reshape_and_cache_flash(
                 c["key"], c["value"], kc, vc, c["slots"], one, one, guard=guard, ctr=ctr
             )
 
         # vote: the profiler's control (adopted_vllm/vote_variant.cuh)
-        variants: dict[str, tuple[Callable[..., Callable[[], None]], tuple]] = {
-            n: (make, (g,))
-            for n, g in (("original", False), ("guarded", True), ("original_b", False), ("vote", "vote"))
-        }
+        specs: dict[str, Any] = {"original": False, "guarded": True, "original_b": False, "vote": "vote"}
     else:
         from adopted_vllm import load
 
@@ -146,19 +140,20 @@ def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]]
         guard = load("guarded", "triton_reshape_and_cache_flash")
         ctr = _counters((guard.SITE_SLOT,))
 
-        def tmake(name: str, mod: Any, kw: dict) -> Callable[[], None]:
-            kc, vc = caches[name]
+        def make(cache: tuple[torch.Tensor, torch.Tensor], spec: Any) -> Callable[[], None]:
+            (kc, vc), (mod, kw) = cache, spec
             return lambda: mod.triton_reshape_and_cache_flash(
                 c["key"], c["value"], kc, vc, c["slots"], "auto", one, one, **kw
             )
 
-        variants = {
-            "original": (tmake, (orig, {})),
-            "guarded": (tmake, (guard, {"ctr": ctr})),
-            "original_b": (tmake, (orig, {})),
-        }
-    own = {n: mk(n, *a) for n, (mk, a) in variants.items()}
-    bodies = {n: mk("timed", *a) for n, (mk, a) in variants.items()}
+        specs = {"original": (orig, {}), "guarded": (guard, {"ctr": ctr}), "original_b": (orig, {})}
+    # The check writes each variant's own caches (and compares them); the timed bodies all write one pair: the
+    # variants write the same bytes to the same slots, and caches of their own would time each variant against
+    # its own pages (where a 32 MiB cache lands in memory moved an A/A pair by over 1 %).
+    caches = {n: _caches(c) for n in specs}
+    timed = _caches(c)
+    own = {n: make(caches[n], spec) for n, spec in specs.items()}
+    bodies = {n: make(timed, spec) for n, spec in specs.items()}
 
     def check() -> list[tuple]:
         for b in own.values():
