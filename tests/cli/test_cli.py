@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tripwire
 from tripwire.cli import main
@@ -144,9 +145,52 @@ def test_a_misspelt_setting_name_stops_the_command(monkeypatch, capsys):
 
 
 def test_a_bad_setting_keyword_of_the_demo_is_one_line_too(capsys):
-    assert main(["demo", "--steps", "1", "--device", "cpu", "--interval", "-1"]) == 2
+    # The process's own device (--device cpu on a GPU machine is refused in-process: see below).
+    assert main(["demo", "--steps", "1", "--interval", "-1"]) == 2
     err = capsys.readouterr().err
     assert "tripwire demo: error: " in err and "expected a finite number of seconds > 0" in err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------------- Triton's mode
+@pytest.mark.parametrize("before", [None, "0"])
+def test_an_in_process_command_leaves_triton_interpret_as_it_was(monkeypatch, before):
+    """A command that wants the interpreter sets TRITON_INTERPRET for itself only: left set, every kernel module a
+    later test imports in this process would be interpreted. The demo here stops at its bad setting, after the
+    variable was set."""
+    import tripwire.cli as cli
+
+    if before is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", before)
+    seen = []
+    real = cli._command
+    monkeypatch.setattr(cli, "_command", lambda cmd, extra: seen.append(os.environ.get("TRITON_INTERPRET")) or 2)
+    assert main(["bench", "--quick"]) == 2 and main(["demo", "--interval", "-1"]) == 2
+    monkeypatch.setattr(cli, "_command", real)
+    assert os.environ.get("TRITON_INTERPRET") == before
+    want = "1" if not torch.cuda.is_available() else before
+    assert seen == [want if before is None else before] * 2  # setdefault: a value the user set is kept
+
+
+def test_control_setdefault_alone_leaks_the_variable(monkeypatch):
+    """The control: without the restore (what the command did before), the variable outlives the command."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # monkeypatch's teardown removes it again
+
+
+def test_a_command_needing_the_other_triton_mode_is_refused(capsys):
+    """Triton makes a kernel interpreted or compiled when its module is imported: once this process holds
+    tripwire's kernels in one mode, a command that needs the other one is refused with what to do, instead of
+    running compiled kernels on CPU tensors (or interpreted ones on GPU tensors)."""
+    import tripwire.triton as tt
+
+    other = "cuda" if tt._INTERP else "cpu"  # the device whose mode this process's kernels are not in
+    assert main(["demo", "--steps", "1", "--device", other]) == 2
+    err = capsys.readouterr().err
+    assert "already imported tripwire's Triton kernels" in err and "run it in a new process" in err, err
     assert "Traceback" not in err
 
 
@@ -241,6 +285,7 @@ def test_bench_into_head_writes_its_lines_and_ends_quietly(tmp_path):
     )
     assert cut.returncode == 0 and "Traceback" not in cut.stderr and "Broken pipe" not in cut.stderr, cut.stderr
     lines = cut.stdout.splitlines()
-    assert len(lines) == 3 and lines[0].startswith("tripwire bench: ") and lines[2].startswith("[q5] ")
+    # The header, then q5's own lines (how many header lines precede them differs between the CPU and the GPU).
+    assert len(lines) == 3 and lines[0].startswith("tripwire bench: ") and any(ln.startswith("[q5] ") for ln in lines)
     whole = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0 and len(whole.stdout.splitlines()) > 3

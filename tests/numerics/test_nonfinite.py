@@ -171,10 +171,15 @@ def first_sight(monitor, device) -> None:
     monitor.poll()
 
 
-def next_copy(monitor, device) -> None:
-    if device != "cpu":
-        torch.cuda.synchronize()
-    monitor.poll()
+def next_copy(monitor, device, until=lambda: True, copies: int = 1) -> None:
+    """One more reader copy processed; on CUDA up to ``copies`` of them, until ``until()`` holds (a GPU read lands
+    a poll after it starts, and confirmation takes a copy after the first sight)."""
+    for _ in range(copies if device != "cpu" else 1):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        monitor.poll()
+        if until():
+            return
 
 
 def warnings_of(caplog) -> list[str]:
@@ -189,7 +194,7 @@ def test_reported_with_its_own_wording_warn_mode_does_not_arm(monitor, kernel_de
     count_nonfinite(x, site, monitor=monitor)
     first_sight(monitor, kernel_device)
     assert warnings_of(caplog) == []  # confirmed one copy later
-    next_copy(monitor, kernel_device)
+    next_copy(monitor, kernel_device, lambda: warnings_of(caplog) != [], copies=4)
     (msg,) = warnings_of(caplog)
     assert "'logits'" in msg and "2 new, 2 total NaN/Inf" in msg and "First: row 2, column 7" in msg
     assert "max row 3, columns 1..7" in msg and "lm_head output" in msg
@@ -203,7 +208,7 @@ def test_raise_mode_and_fatal_site_arm(kernel_device):
     s = register_nonfinite_site("logits", monitor=m)
     count_nonfinite(torch.tensor([float("nan")], device=kernel_device), s, monitor=m)
     first_sight(m, kernel_device)
-    next_copy(m, kernel_device)
+    next_copy(m, kernel_device, lambda: m.armed is not None, copies=4)
     assert m.armed is not None and m.armed.site == "logits" and "NON-FINITE" in str(m.armed)
     assert m.armed.first_row == 0 and m.armed.first_value == 0
     reg2 = SiteRegistry(capacity=16)

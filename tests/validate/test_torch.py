@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -114,6 +115,14 @@ def _twin_call(k_offenders, seed, mask, calls):
     return out
 
 
+# The kernel's program order is the interpreter's (one after another); on a GPU its programs race for the first
+# pair and the offender entries, so only the interpreter gives words to compare one for one (CI runs these).
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="compares words with the kernel's sequential program order"
+)
+
+
+@needs_interpreter
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k_off=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10**6), mask=st.booleans(), calls=st.integers(1, 2))
 def test_torch_path_equals_the_kernel_word_for_word(k_off, seed, mask, calls):
@@ -130,6 +139,7 @@ def test_torch_path_equals_the_kernel_word_for_word(k_off, seed, mask, calls):
             assert torch.equal(a[name], b[name]), name
 
 
+@needs_interpreter
 def test_word_comparison_can_fail(monkeypatch):
     """Control for the comparison above: a torch path that claims offenders in another order (highest first), or
     counts one hit too many, is caught word for word."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .text import sites_table
 
@@ -91,7 +93,38 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
 
+@contextmanager
+def _interpreter(want: bool) -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` for the command when it wants the interpreter, and the variable as it was afterwards:
+    a command run in-process (a test, a notebook) must not leave later imports interpreted."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if want:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def _mode_conflict(cmd: str, want: bool) -> str | None:
+    """Why ``cmd`` cannot run in this process, or None: Triton fixes a kernel as interpreted or compiled when its
+    module is imported, so once tripwire's kernels are imported in the other mode the command would run them there
+    (interpreted kernels on GPU tensors, or compiled ones on CPU tensors)."""
+    tt = sys.modules.get("tripwire.triton")
+    if tt is None or bool(tt._INTERP) == want:
+        return None
+    now, need = ("interpreted", "compiled") if want is False else ("compiled", "interpreted")
+    return (
+        f"tripwire {cmd}: this process already imported tripwire's Triton kernels {now}, and this command needs "
+        f"them {need}; run it in a new process (`tripwire {cmd} ...` from a shell)"
+    )
+
+
 def _run(cmd: str, extra: list[str]) -> int:
+    want = None
     if cmd == "demo":
         device = None
         for i, a in enumerate(extra):
@@ -99,8 +132,25 @@ def _run(cmd: str, extra: list[str]) -> int:
                 device = extra[i + 1]
             elif a.startswith("--device="):
                 device = a.split("=", 1)[1]
-        if _want_interpreter(device):
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        want = _want_interpreter(device)
+    elif cmd in ("bench", "sites"):
+        want = _want_interpreter(None)
+    elif cmd == "resources":
+        # Compiling for the GPU target needs Triton's compiler, which the interpreter replaces: never interpret.
+        want = False
+    if want is not None and cmd != "sites":  # sites only imports the kernels to list their sites
+        why = _mode_conflict(cmd, want)
+        if why is not None:
+            print(why, file=sys.stderr)
+            return 2
+    with _interpreter(bool(want)):
+        if cmd == "resources":
+            os.environ.pop("TRITON_INTERPRET", None)
+        return _command(cmd, extra)
+
+
+def _command(cmd: str, extra: list[str]) -> int:
+    if cmd == "demo":
         engine = _engine_arg(extra)
         if engine == "vllm":
             from .demo_vllm import main as vllm_demo_main
@@ -114,14 +164,10 @@ def _run(cmd: str, extra: list[str]) -> int:
 
         return demo_main(extra)
     if cmd == "bench":
-        if _want_interpreter(None):
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         from .bench.run import main as bench_main
 
         return int(bench_main(extra) or 0)
     if cmd == "sites":
-        if _want_interpreter(None):
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         import tripwire
 
         for mod in ("tripwire.kernels", "tripwire.numerics"):
@@ -136,8 +182,6 @@ def _run(cmd: str, extra: list[str]) -> int:
 
         return doctor_main(extra)
     if cmd == "resources":
-        # Compiling for the GPU target needs Triton's compiler, which the interpreter replaces: never interpret.
-        os.environ.pop("TRITON_INTERPRET", None)
         from ..resources import main as resources_main
 
         return resources_main(extra)

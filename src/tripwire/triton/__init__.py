@@ -67,8 +67,20 @@ from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
 from ..layout import VALUE_MAX as _VALUE_MAX
 from ..layout import VALUE_MIN as _VALUE_MIN
+from ._callee import _INTERP as _INTERP
+from ._callee import _PTX as _PTX
+from ._callee import CALLEE_SMEM_SAFE as CALLEE_SMEM_SAFE
+from ._callee import _bound, _claim_walk_ptx, _cold, _cold_block, _first_pair_ptx
 
-__all__ = ["GUARD_BIAS", "any_outside", "guard_index", "record_hit", "record_hits", "record_tiles"]
+__all__ = [
+    "CALLEE_SMEM_SAFE",
+    "GUARD_BIAS",
+    "any_outside",
+    "guard_index",
+    "record_hit",
+    "record_hits",
+    "record_tiles",
+]
 
 # A constexpr, because a plain module-level int is not readable from a @triton.jit body.
 GUARD_BIAS = tl.constexpr(_GUARD_BIAS_INT)
@@ -123,7 +135,7 @@ def _offender_key(rb, vb, qb):
 # stay in the caller, after the vote, and everything from the atomics on is out of line.
 
 
-@triton.jit(noinline=True)
+@_cold
 def _record_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):
     """The slots of ``n`` (> 0) hits, from the biased words of their extremes and of their lowest (row, value)."""
     _write_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb)
@@ -137,13 +149,16 @@ def _write_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):
     tl.atomic_max(ctr_ptr + 1, max_rb)
     tl.atomic_max(ctr_ptr + 2, max_vb)
     tl.atomic_max(ctr_ptr + 3, neg_min)
-    # The comparand must be int64 like the slot (an int32 literal 0 is mis-typed by the interpreter).
-    old = tl.atomic_cas(ctr_ptr + 4, first_rb * 0, first_rb)
-    if old == 0:
-        tl.atomic_xchg(ctr_ptr + 5, first_vb)
+    if _PTX:
+        _first_pair_ptx((ctr_ptr + 4).to(tl.int64, bitcast=True), first_rb, first_vb)
+    else:
+        # The comparand must be int64 like the slot (an int32 literal 0 is mis-typed by the interpreter).
+        old = tl.atomic_cas(ctr_ptr + 4, first_rb * 0, first_rb)
+        if old == 0:
+            tl.atomic_xchg(ctr_ptr + 5, first_vb)
 
 
-@triton.jit(noinline=True)
+@_cold
 def _offender_block(ctr_ptr):
     """The address of the row's offender block (tripwire.layout) while it has room, else 0: slot 7 is 0 for a
     counter row that is not an arena's (a caller's own [8] tensor), and a full block (its last key set) is read
@@ -159,35 +174,40 @@ def _offender_block(ctr_ptr):
 
 
 @triton.jit
+def _claim_entry(blk, j, key, rb, vb, qb):
+    """Entry ``j`` of the block at ``blk`` claimed with ``key`` (the winner writes the offender's words); returns
+    whether the claim must go on (the entry holds another key)."""
+    slot = blk + _HEADER + j * _ENTRY
+    old = tl.atomic_cas(slot, key * 0, key)
+    if old == 0:
+        # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word
+        # ("not known"), so it cannot tell a reader that it landed; ROW (never 0) tells for all three.
+        tl.store(slot + _EREQ, qb)
+        tl.store(slot + _EVALUE, vb)
+        tl.atomic_xchg(slot + _EROW, rb, sem="release", scope="sys")
+    return (old != 0) & (old != key)
+
+
+@triton.jit
 def _claim(addr, rb, vb, qb):
     """Keep one offender (biased words) in the block at ``addr``: a scalar walk over its ``k`` entries, a
     compare-and-swap of its key into each; the entry it finds empty is its own, one holding its key means a
     repeat. Returns True when every entry holds another key (the block is full).
 
-    Inlined, not called: it runs inside the claim loop, where the block's words (rows, values, requests, the
-    lanes left) are live, and a call there keeps them in registers of their own beside everything the callee
-    needs (its key's 64-bit multiplies, its walk): on sm_90 that call raised kernels whose fault path records small
-    tiles by a register unit (the non-finite counter: 40 registers, 6 programs per SM, against 32 and 8 inlined).
-    Inline, the scalar walk reuses the registers the claim loop's reductions are done with."""
+    Inlined, not called: it runs inside the claim loop, where the block's words are live, and a call there keeps
+    them in registers of their own beside the callee's (a called walk cost the non-finite counter a register unit
+    on sm_90); inline, the walk reuses the registers the loop's reductions are done with."""
     blk = addr.to(tl.pointer_type(tl.int64))
     k = tl.load(blk + 1)
     key = _offender_key(rb, vb, qb)
     pending = k >= 0
-    for j in range(0, k):
+    for j in range(0, _bound(k)):
         if pending:
-            slot = blk + _HEADER + j * _ENTRY
-            old = tl.atomic_cas(slot, key * 0, key)
-            if old == 0:
-                # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word
-                # ("not known"), so it cannot tell a reader that it landed; ROW (never 0) tells for all three.
-                tl.store(slot + _EREQ, qb)
-                tl.store(slot + _EVALUE, vb)
-                tl.atomic_xchg(slot + _EROW, rb, sem="release", scope="sys")
-            pending = (old != 0) & (old != key)
+            pending = _claim_entry(blk, j, key, rb, vb, qb)
     return pending
 
 
-@triton.jit(noinline=True)
+@_cold
 def _offenders_done(ctr_ptr, n):
     """Last, after the claims and their words (an atomic: ordered after them): these ``n`` hits' offenders are in
     (the block's OFF_DONE count, the reader's sign)."""
@@ -196,7 +216,7 @@ def _offenders_done(ctr_ptr, n):
         tl.atomic_add(addr.to(tl.pointer_type(tl.int64)) + _DONE, n)
 
 
-@triton.jit(noinline=True)
+@_cold
 def _record_one(ctr_ptr, r, v, qb):
     """The whole fault path of one hit (``record_hit``): saturated row ``r`` and value ``v``, request word ``qb``."""
     rb = r + GUARD_BIAS
@@ -207,7 +227,13 @@ def _record_one(ctr_ptr, r, v, qb):
     )  # tensor first: constexpr - scalar is a list in the interpreter
     addr = _offender_block(ctr_ptr)
     if addr != 0:
-        _claim(addr, rb, vb, qb)
+        if _PTX:
+            blk = addr.to(tl.pointer_type(tl.int64))
+            first = (blk + _HEADER).to(tl.int64, bitcast=True)
+            end = (blk + _HEADER + tl.load(blk + 1) * _ENTRY).to(tl.int64, bitcast=True)
+            _claim_walk_ptx(first, end, _offender_key(rb, vb, qb), rb, vb, qb)
+        else:
+            _claim(addr, rb, vb, qb)
     _offenders_done(ctr_ptr, one)
 
 
@@ -224,7 +250,7 @@ def _claim_offenders(ctr_ptr, b, rb, vb, qb):
         k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1)
         active = b
         full = k * 0 != 0
-        for _ in range(0, 2 * k):
+        for _ in range(0, 2 * _bound(k)):
             if (tl.sum(active.to(tl.int32), axis=None) > 0) & (full == 0):
                 cr = tl.min(tl.where(active, rb, _NO_ROW), axis=None)
                 at_r = active & (rb == cr)
@@ -353,7 +379,7 @@ def _tile_lanes(TILE: tl.constexpr, C: tl.constexpr, args, t):
     return b, r, v, reqs
 
 
-@triton.jit(noinline=True)
+@_cold_block
 def _tile_first(TILE: tl.constexpr, C: tl.constexpr, args, t):
     """Tile ``t``'s count and its lowest (row, value): a real pair, narrowed (:func:`_narrow`). Out of line: the
     tile's lanes are formed and reduced here and nothing per lane outlives the call. The reductions run in the rows'
@@ -365,7 +391,7 @@ def _tile_first(TILE: tl.constexpr, C: tl.constexpr, args, t):
     return n, first_r, first_v
 
 
-@triton.jit(noinline=True)
+@_cold_block
 def _tile_record(TILE: tl.constexpr, C: tl.constexpr, args, t, ctr_ptr, n, first_r, first_v):
     """Tile ``t``'s ``n`` (> 0) hits recorded: its extremes reduced (the highest row and value, the lowest value)
     and the slots written with them and the first pair's words. A call of its own (the tile formed again): fewer
@@ -381,7 +407,7 @@ def _tile_record(TILE: tl.constexpr, C: tl.constexpr, args, t, ctr_ptr, n, first
     )  # fmt: skip
 
 
-@triton.jit(noinline=True)
+@_cold_block
 def _tile_next(TILE: tl.constexpr, C: tl.constexpr, args, t, pr, pv, pq, after):
     """The lowest (row, value, request) of tile ``t``'s bad lanes (``after``: above ``(pr, pv, pq)`` in that order,
     the claim order of :func:`_claim_offenders`), and whether there is one. The row and value come back in their
@@ -402,7 +428,7 @@ def _tile_next(TILE: tl.constexpr, C: tl.constexpr, args, t, pr, pv, pq, after):
 def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
     """The fault path of :func:`record_tiles`: per tile with a bad lane, the same words, claims and order as
     :func:`_fault`, each tile's lanes formed again by the out-of-line functions; only scalars here."""
-    for t in range(0, tiles):
+    for t in range(0, _bound(tiles)):
         n, first_r, first_v = _tile_first(TILE, C, args, t)
         if n > 0:
             _tile_record(TILE, C, args, t, ctr_ptr, n, first_r, first_v)
@@ -415,7 +441,7 @@ def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
                 pq = n.to(tl.int64) * 0
                 after = k < 0
                 more = k > 0
-                for _ in range(0, 2 * k):
+                for _ in range(0, 2 * _bound(k)):
                     if more:
                         found, cr, cv, cq = _tile_next(TILE, C, args, t, pr, pv, pq, after)
                         more = found

@@ -1,0 +1,100 @@
+"""The out-of-line fault path's calls across Triton versions and the interpreter: which helper functions can be
+called out of line (``noinline``) and which must be inlined, the PTX claims that use no shared memory, and loop
+bounds the interpreter takes. ``tripwire.triton`` imports what it needs from here; nothing here is public but
+:data:`CALLEE_SMEM_SAFE`, which ``tripwire.triton`` exports.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from ..layout import E_REQ as _E_REQ
+from ..layout import E_ROW as _E_ROW
+from ..layout import E_VALUE as _E_VALUE
+from ..layout import OFF_ENTRY as _OFF_ENTRY
+
+
+def _version(v: str) -> tuple[int, int]:
+    major, minor = [*v.split("+")[0].split("."), "0"][:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Before Triton 3.9 a noinline function's shared memory is the kernel's from offset 0, not the offset the caller's
+# allocator reserved for the call (triton-lang/triton#11267): whatever the caller keeps live in shared memory across
+# the call (a dot operand, a pipelined load's buffer) is overwritten by the callee's scratch. On those versions the
+# out-of-line functions must use no shared memory. Theirs is Triton's own: a scalar atomic whose result is used is
+# done by one thread and broadcast through shared memory, and a block reduction across warps goes through it too.
+# So there (compiled, not interpreted): the out-of-line claims are PTX done by thread 0 with nothing broadcast
+# (_first_pair_ptx, _claim_walk_ptx), and the tile functions, whose reductions span warps, are inlined.
+# tests/triton/test_callee_smem.py compiles the callees for sm_90 and checks that they touch no shared memory.
+CALLEE_SMEM_SAFE = _version(triton.__version__) >= (3, 9)
+_PTX = tl.constexpr(not CALLEE_SMEM_SAFE and not _interpreting())
+_INTERP = tl.constexpr(_interpreting())
+
+
+def _cold(fn):  # type: ignore[no-untyped-def]
+    """``@triton.jit(noinline=True)``: out of line (tripwire.triton's "cold fault path" says why)."""
+    return triton.jit(noinline=True)(fn)
+
+
+def _cold_block(fn):  # type: ignore[no-untyped-def]
+    """Out of line where a callee's shared memory is its own (the function reduces blocks across warps, through
+    shared memory); inlined before Triton 3.9 (see CALLEE_SMEM_SAFE)."""
+    return triton.jit(noinline=True)(fn) if CALLEE_SMEM_SAFE else triton.jit(fn)
+
+
+# The claims of the out-of-line functions as PTX (_PTX), done by thread 0 alone with nothing broadcast: Triton's
+# own atomics would hand their results to the other threads through shared memory. The winner's writes are in the
+# same block. ${:uid} makes the walk's labels unique per copy of the block.
+_FIRST_PAIR_PTX = tl.constexpr(
+    "{ .reg .pred p; .reg .b64 old; mov.u32 $0, %tid.x; setp.ne.u32 p, $0, 0; @p bra DONE${:uid}; "
+    "atom.global.acq_rel.gpu.cas.b64 old, [$1], 0, $2; setp.ne.s64 p, old, 0; @p bra DONE${:uid}; "
+    "atom.global.acq_rel.gpu.exch.b64 old, [$1+8], $3; DONE${:uid}: }"
+)
+# Registers are few on purpose: a kernel is given the registers of its hungriest callee too.
+_WALK_PTX = tl.constexpr(
+    "{ .reg .pred p; .reg .b64 e, old; mov.u32 $0, %tid.x; setp.ne.u32 p, $0, 0; @p bra DONE${:uid}; "
+    "mov.b64 e, $1; LOOP${:uid}: setp.ge.u64 p, e, $2; @p bra DONE${:uid}; "
+    "atom.global.acq_rel.gpu.cas.b64 old, [e], 0, $3; setp.eq.s64 p, old, 0; @p bra WIN${:uid}; "
+    "setp.eq.s64 p, old, $3; @p bra DONE${:uid}; "
+    f"add.s64 e, e, {8 * _OFF_ENTRY}; bra LOOP${{:uid}}; "
+    f"WIN${{:uid}}: st.global.b64 [e+{8 * _E_REQ}], $4; st.global.b64 [e+{8 * _E_VALUE}], $5; "
+    f"atom.global.sys.release.exch.b64 old, [e+{8 * _E_ROW}], $6; "
+    "DONE${:uid}: }"
+)
+
+
+@triton.jit
+def _first_pair_ptx(slot4, first_rb, first_vb):
+    """Slot 4 claimed from 0 with ``first_rb`` and, on a win, slot 5 set to ``first_vb`` (``slot4``: slot 4's
+    address, an int64); by thread 0, nothing returned."""
+    tl.inline_asm_elementwise(
+        _FIRST_PAIR_PTX, "=r,l,l,l", [slot4, first_rb, first_vb], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _claim_walk_ptx(first, end, key, rb, vb, qb):
+    """``tripwire.triton._claim``'s walk over the entries from ``first`` to ``end`` (addresses, int64), by thread 0: the first
+    empty entry taken (its words written, ROW last and released), a repeat of ``key`` ends it."""
+    tl.inline_asm_elementwise(
+        _WALK_PTX, "=r,l,l,l,l,l,l", [first, end, key, qb, vb, rb], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _bound(k):
+    """``k`` (a scalar computed in the kernel) as a ``range`` bound. Triton 3.6's interpreter holds such a scalar as
+    a 1-element array, which ``range`` cannot take (it calls ``int()`` on it): there the bound is the array as a
+    0-d one. Compiled, ``k`` itself: the loops stay the for loops they are (a while loop instead raised registers)."""
+    if _INTERP:
+        k = k.handle.data.reshape(())
+    return k
