@@ -9,6 +9,7 @@ import torch
 
 from tripwire import CaptureError, GuardTripped, Monitor, SiteRegistry
 from tripwire.validate import Validator
+from tripwire.verdict import Verdicts
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -233,10 +234,11 @@ def test_a_captured_verdict_reads_each_replay():
         assert set(ring.take(t).tainted) == want
 
 
-def test_a_deferred_report_names_the_offenders_a_later_take_consumed():
-    """The reader can read a rise after the ring consumed its offenders from the device block and before the take
-    added them to the ledger. A report the window deferred goes out with the ledger as it is then: it names the
-    request. Control: a report released at that confirm (no window) cannot name it yet."""
+def test_a_report_names_the_offenders_a_later_take_consumed(monkeypatch):
+    """The reader can read a rise after the ring consumed its offenders from the block and before the take. A report
+    the window deferred goes out with the ledger as it is then, and on the CPU the enqueue put them there before it
+    cleared the block: a report released at that confirm (no window) names the request too. Control: without the
+    enqueue's ledger entry, the released report cannot name it (the deferred one still does, from the take)."""
 
     def run(report_every):
         mon = _monitor(contain=True, report_every=report_every)
@@ -258,5 +260,9 @@ def test_a_deferred_report_names_the_offenders_a_later_take_consumed():
 
     deferred = run(report_every=60.0)
     assert len(deferred) == 2 and "c" in deferred[1], deferred
-    released = run(report_every=1e-6)  # control
+    released = run(report_every=1e-6)
+    assert len(released) == 2 and "c" in released[1], released
+    monkeypatch.setattr(Verdicts, "_to_ledger", lambda self, slot: None)  # the control: only the take adds them
+    assert "c" in run(report_every=60.0)[1]
+    released = run(report_every=1e-6)
     assert len(released) == 2 and "c" not in released[1], released

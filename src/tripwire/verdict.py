@@ -234,6 +234,8 @@ class Verdicts:
             rows, off = self._rows_t.numpy(), self._off_t.numpy()
             self._np[slot, :, :SLOTS] = rows[self._ids]
             self._np[slot, :, SLOTS:] = off[self._ids]
+            if self._np[slot, :, SLOTS + OFF_HEADER :].any():  # a clean step: one scan of a few zero words
+                self._to_ledger(self._np[slot])
             off[self._ids, OFF_HEADER:] = 0
             return self._issue(slot, captured=False)
         # The ring's construction initialised CUDA: the capture query alone (is_capturing's init check is for callers
@@ -316,6 +318,15 @@ class Verdicts:
         self._seq += 1
         self._open[slot] = t
         return t
+
+    def _to_ledger(self, slot: np.ndarray) -> None:
+        """The offenders this enqueue consumes, into the ledger before the block is cleared (CPU): the reader reads
+        the arena between this enqueue and its take, and a report rendered there would otherwise find them in
+        neither the block nor the ledger. The take adds them again (the ledger keeps each once)."""
+        ctx = self.context
+        for i in np.nonzero(slot[:, SLOTS + OFF_HEADER :].any(axis=1))[0].tolist():
+            offenders = _offenders(slot[i, SLOTS:], ctx.requests)
+            ctx.ledger.add(self.name, self.sites[i].id, int(slot[i, COUNT]), offenders)
 
     def _landed(self, slot: int) -> bool:
         drv = self._driver
