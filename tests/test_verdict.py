@@ -192,10 +192,15 @@ def test_a_copy_that_has_not_landed_is_refused_and_stays_takeable():
     slots[4] = 1004
     req = torch.tensor([mon.requests.number(i) for i in ("a", "b", "c")], device="cuda")
     cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32, device="cuda")
+    # A clean step first, taken: the validator's and the ring's kernels are compiled and loaded before the sleep (a
+    # first launch's compile inside the window, in a loaded test process, outlasted the sleep and the copy landed).
+    with torch.cuda.stream(side):
+        v(slots=torch.arange(8, device="cuda"), req=req, cu=cu)
+        assert ring.take(ring.enqueue(side), wait=True).tainted == frozenset()
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         # Only device work from here: the stream stays busy, so the verdict's copy cannot have landed at the take.
-        torch.cuda._sleep(500_000_000)
+        torch.cuda._sleep(2_000_000_000)
         v(slots=slots, req=req, cu=cu)
         t = ring.enqueue(side)
     with pytest.raises(RuntimeError, match="has not landed"):
