@@ -7,10 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 import tripwire
 from tripwire.cli import main
@@ -153,32 +153,47 @@ def test_a_bad_setting_keyword_of_the_demo_is_one_line_too(capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- Triton's mode
+def _seen_by_the_command(monkeypatch, before: str | None) -> list[str | None]:
+    """TRITON_INTERPRET as a command that wants the interpreter sees it (its work replaced by a record of it), on
+    any machine: the command's own mode check is told the process's kernels allow it."""
+    import tripwire.cli as cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "x")  # recorded first: monkeypatch's teardown puts back what was here
+    if before is None:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", before)
+    seen: list[str | None] = []
+    monkeypatch.setattr(cli, "_want_interpreter", lambda device: True)
+    monkeypatch.setattr(cli, "_mode_conflict", lambda cmd, want: None)
+    monkeypatch.setattr(cli, "_command", lambda cmd, extra: seen.append(os.environ.get("TRITON_INTERPRET")) or 2)
+    assert main(["bench", "--quick"]) == 2 and main(["demo", "--interval", "-1"]) == 2
+    return seen
+
+
 @pytest.mark.parametrize("before", [None, "0"])
 def test_an_in_process_command_leaves_triton_interpret_as_it_was(monkeypatch, before):
     """A command that wants the interpreter sets TRITON_INTERPRET for itself only: left set, every kernel module a
-    later test imports in this process would be interpreted. The demo here stops at its bad setting, after the
-    variable was set."""
+    later import brings into this process would be interpreted."""
+    seen = _seen_by_the_command(monkeypatch, before)
+    assert seen == ["1" if before is None else before] * 2  # setdefault: a value the user set is kept
+    assert os.environ.get("TRITON_INTERPRET") == before
+
+
+def test_control_without_the_restore_the_variable_leaks(monkeypatch):
+    """The control: the command's interpreter switch as it was (set, never put back) leaves the variable behind,
+    so the restore check above can fail."""
     import tripwire.cli as cli
 
-    if before is None:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", before)
-    seen = []
-    real = cli._command
-    monkeypatch.setattr(cli, "_command", lambda cmd, extra: seen.append(os.environ.get("TRITON_INTERPRET")) or 2)
-    assert main(["bench", "--quick"]) == 2 and main(["demo", "--interval", "-1"]) == 2
-    monkeypatch.setattr(cli, "_command", real)
-    assert os.environ.get("TRITON_INTERPRET") == before
-    want = "1" if not torch.cuda.is_available() else before
-    assert seen == [want if before is None else before] * 2  # setdefault: a value the user set is kept
+    @contextmanager
+    def set_only(want):  # type: ignore[no-untyped-def]
+        if want:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        yield
 
-
-def test_control_setdefault_alone_leaks_the_variable(monkeypatch):
-    """The control: without the restore (what the command did before), the variable outlives the command."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # monkeypatch's teardown removes it again
+    monkeypatch.setattr(cli, "_interpreter", set_only)
+    assert _seen_by_the_command(monkeypatch, None) == ["1", "1"]
+    assert os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def test_a_command_needing_the_other_triton_mode_is_refused(capsys):

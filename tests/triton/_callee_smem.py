@@ -1,4 +1,4 @@
-"""Kernels for the out-of-line functions' shared-memory test (tests/triton/test_triton.py): a dot whose operands sit
+"""Kernels for the out-of-line functions' shared-memory test (tests/triton/test_callee_smem.py): a dot whose operands sit
 in shared memory across a call of ``record_hit``'s out-of-line fault path, and the control, the same kernel whose
 call is a noinline function using Triton's own compare-and-swap (its result goes to the other threads through
 shared memory). Before Triton 3.9 a callee's shared memory starts at the kernel's offset 0, over the operands."""

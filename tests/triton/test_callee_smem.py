@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tripwire.layout import decode
 from tripwire.triton import CALLEE_SMEM_SAFE
 
 HERE = Path(__file__).parent
@@ -45,6 +46,42 @@ try:
 except CompilationError:
     raise  # a kernel that does not compile is a failure, never a skip
 except Exception as e:
+    if type(e).__name__ == "PTXASError":
+        raise  # ptxas ran and refused the PTX (the claims' inline assembly): a failure, never a skip
+    out = {{"error": f"{{type(e).__name__}}: {{str(e)[:300]}}"}}
+print(json.dumps(out))
+"""
+
+# Every kernel the library ships (the register rule's cases): whether it keeps a shared-memory buffer of its own
+# (a local allocation or an asynchronous copy, live across its code) and which of its called functions touch
+# shared memory.
+_KERNELS_PROBE = f"""
+import json, re, sys
+sys.path.insert(0, {str(HERE.parent)!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
+import _register_rule_probe as P
+rs = P.rs
+try:
+    out = {{}}
+    cases = dict(P.shipped(True))
+    cases.update(P.instruments())
+    for case, fn in cases.items():
+        for launch in rs.capture_launches(fn):
+            sig, consts, attrs = rs._signature(launch)
+            opts = {{k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}}
+            src = ASTSource(launch.fn, sig, constexprs=consts, attrs=attrs)
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            ttgir = c.asm["ttgir"]
+            buffers = "ttg.local_alloc" in ttgir or "async_copy" in ttgir
+            out[case + "/" + launch.name] = {{"buffers": buffers, "ptx": c.asm["ptx"]}}
+except CompilationError:
+    raise
+except Exception as e:
+    if type(e).__name__ == "PTXASError":
+        raise
     out = {{"error": f"{{type(e).__name__}}: {{str(e)[:300]}}"}}
 print(json.dumps(out))
 """
@@ -75,6 +112,21 @@ def test_out_of_line_functions_keep_the_callers_shared_memory(build_probe):
     assert control == {"_cas_callee": True}, control
 
 
+def test_no_shipped_kernel_keeps_shared_memory_across_a_call_that_uses_it(build_probe):
+    """Every kernel the library ships, built for sm_90: before Triton 3.9, none that keeps a shared-memory buffer
+    of its own (decode attention's dot operands and pipelined loads) calls a function that touches shared memory;
+    the kernels whose own noinline functions do (the non-finite counter's re-read, the validator's fault paths)
+    keep no buffer across them, only the scratch of single operations. The control: decode attention is seen to
+    keep buffers, and the non-finite counter's and the validator's callees are seen to touch shared memory."""
+    r = build_probe(_KERNELS_PROBE)
+    seen = {name: (k["buffers"], sorted(n for n, t in _callees(k["ptx"]).items() if t)) for name, k in r.items()}
+    assert seen["decode_attention/_decode_split"][0], seen
+    assert seen["nonfinite/_nonfinite_kernel"][1] and seen["validator/_validate"][1], seen
+    if not CALLEE_SMEM_SAFE:
+        exposed = {name: callees for name, (buffers, callees) in seen.items() if buffers and callees}
+        assert not exposed, f"kernels keeping shared memory across a callee that uses it: {exposed}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 def test_gpu_a_recorded_hit_leaves_the_dot_operands_alone():
@@ -95,6 +147,10 @@ def test_gpu_a_recorded_hit_leaves_the_dot_operands_alone():
         dot_across_a_record[(1,)](a, b, out, ctr, flag, n, CONTROL=control, num_warps=4)
         torch.cuda.synchronize()
         assert int(ctr[0]) == 1, ctr  # the hit was recorded (the branch with the call ran)
+        if not control:
+            # The first pair, claimed by the first-pair claim (PTX before Triton 3.9). The offender walk needs an
+            # arena row: decode attention's GPU tests (offenders with their requests) run it.
+            assert (decode(int(ctr[4])), decode(int(ctr[5]))) == (7, 7), ctr
         results[control] = (out - ref).abs().max().item()
     assert results[False] < 1e-2, results
     # The control corrupts the operands exactly where Triton does not hand the callee its base.
