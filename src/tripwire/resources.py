@@ -264,18 +264,24 @@ def _spills(ptx: str, arch: int) -> int | None:
     return int(m.group(1)) + int(m.group(2)) if m else None
 
 
-def triton_usage(launch: Launch, *, arch: int = 90) -> Usage:
-    """Compile ``launch`` for ``sm_<arch>`` (no GPU needed) and read back what it occupies. A kernel that does not
-    compile raises Triton's CompilationError."""
+def _compile(launch: Launch, *, arch: int = 90) -> Any:
+    """``launch`` compiled for ``sm_<arch>`` (no GPU needed): Triton's compiled kernel, its ``asm`` stages with it.
+    A kernel that does not compile raises Triton's CompilationError."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig, consts, attrs = _signature(launch)
     opts = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "num_ctas", "maxnreg") if k in launch.kwargs}
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(launch.fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32), options=opts
     )
+
+
+def triton_usage(launch: Launch, *, arch: int = 90) -> Usage:
+    """Compile ``launch`` for ``sm_<arch>`` (no GPU needed) and read back what it occupies. A kernel that does not
+    compile raises Triton's CompilationError."""
+    compiled = _compile(launch, arch=arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:

@@ -58,9 +58,6 @@ print(json.dumps(out))
 _KERNELS_PROBE = f"""
 import json, re, sys
 sys.path.insert(0, {str(HERE.parent)!r})
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 import _register_rule_probe as P
 rs = P.rs
@@ -70,10 +67,7 @@ try:
     cases.update(P.instruments())
     for case, fn in cases.items():
         for launch in rs.capture_launches(fn):
-            sig, consts, attrs = rs._signature(launch)
-            opts = {{k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}}
-            src = ASTSource(launch.fn, sig, constexprs=consts, attrs=attrs)
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            c = rs._compile(launch)  # as tripwire.resources.triton_usage compiles it
             ttgir = c.asm["ttgir"]
             buffers = "ttg.local_alloc" in ttgir or "async_copy" in ttgir
             out[case + "/" + launch.name] = {{"buffers": buffers, "ptx": c.asm["ptx"]}}

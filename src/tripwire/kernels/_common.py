@@ -7,7 +7,6 @@ illegal memory access (or, worse, a silently wrong read) inside the kernel.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -19,6 +18,7 @@ from .._runtime.default import default_monitor
 from ..layout import SLOTS
 from ..monitor import Monitor
 from ..sites import Site
+from ..triton._callee import interpreting as interpreting
 
 # Metadata (ids, rows, columns, positions) may be int32 (what engines store) or int64 (what torch indexing makes).
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -88,12 +88,6 @@ def recorded_launches() -> Iterator[None]:
         yield
     finally:
         _recording -= 1
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``) rather than compiling them."""
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
-    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_ctr(name: str, ctr: object, device: torch.device, n_sites: int = 1) -> torch.Tensor:

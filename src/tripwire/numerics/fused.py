@@ -36,14 +36,13 @@ differ from torch's (count them with :func:`tripwire.numerics.count_nonfinite`).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..sites import register_site
+from ..triton._callee import interpreting
 from ._fused_kernel import _fp8_kv_cache_kernel
 from ._fused_ptx import _cvt_asm, _limit_asm, _tail_asm
 from .clip import FP8_MAX, SLOT_SITE_DESCRIPTION, SLOT_SITE_NAME, ClipCounter
@@ -182,9 +181,7 @@ def _thread_tail_ok(
 def _inline_ptx(device: torch.device) -> bool:
     """Whether the kernel may use inline PTX: an NVIDIA GPU, compiled (the interpreter cannot run PTX; ROCm has
     none)."""
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
-    interpreting = knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cuda" and torch.version.hip is None and not interpreting
+    return device.type == "cuda" and torch.version.hip is None and not interpreting()
 
 
 def _launch(

@@ -1,7 +1,7 @@
 """The out-of-line fault path's calls across Triton versions and the interpreter: which helper functions can be
 called out of line (``noinline``) and which must be inlined, the PTX claims that use no shared memory, and loop
 bounds the interpreter takes. ``tripwire.triton`` imports what it needs from here; nothing here is public but
-:data:`CALLEE_SMEM_SAFE`, which ``tripwire.triton`` exports.
+:data:`CALLEE_SMEM_SAFE`, which ``tripwire.triton`` exports (and ``interpreting``, which the launchers share).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def _version(v: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``) rather than compiling them (the one
+    test of it: the kernels' launchers and the fused FP8 counter call this too)."""
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
     return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -36,8 +38,8 @@ def _interpreting() -> bool:
 # (_first_pair_ptx, _claim_walk_ptx), and the tile functions, whose reductions span warps, are inlined.
 # tests/triton/test_callee_smem.py compiles the callees for sm_90 and checks that they touch no shared memory.
 CALLEE_SMEM_SAFE = _version(triton.__version__) >= (3, 9)
-_PTX = tl.constexpr(not CALLEE_SMEM_SAFE and not _interpreting())
-_INTERP = tl.constexpr(_interpreting())
+_PTX = tl.constexpr(not CALLEE_SMEM_SAFE and not interpreting())
+_INTERP = tl.constexpr(interpreting())
 
 
 def _cold(fn):  # type: ignore[no-untyped-def]
