@@ -336,6 +336,8 @@ def test_gpu_random_data_bit_exact(dtype, fmt, kind):
         "portable": {"inline_ptx": False},
         "portable-bulk": {"inline_ptx": False, "config": (4, 4)},
         "block-tail": {"thread_tail": False},  # what other GPUs and dtypes run
+        "tail-first": {"tail_last": False},  # the per-thread tail before the stores (a large batch's placement)
+        "tail-last": {"tail_last": True},  # after them (a small batch's)
         "block-tail-lean": {"thread_tail": False, "config": (2, 1)},
         "grid-rounding": {"rne_cast": False},  # the clamp and float32 grid rounding before the cast (pre-sm_89)
         "grid-rounding-lean": {"rne_cast": False, "config": (2, 1)},
@@ -462,7 +464,12 @@ def test_gpu_thread_tail_equals_reference(monitor, shape, dtype, kind):
     assert want["k"] > 0 and want["v"] > 0 and want["k_max"] == float("inf") and want["v_max"] == float("inf")
     twice = {"k": 2 * want["k"], "v": 2 * want["v"], "k_max": want["k_max"], "v_max": want["v_max"]}
     results = {}
-    for name, kw in (("tail", {"thread_tail": True}), ("block", {"thread_tail": False})):
+    for name, kw in (
+        ("tail", {"thread_tail": True}),
+        ("tail-first", {"thread_tail": True, "tail_last": False}),  # before the stores (a large batch's placement)
+        ("tail-last", {"thread_tail": True, "tail_last": True}),  # after them (a small batch's)
+        ("block", {"thread_tail": False}),
+    ):
         kc, vc, rows, bad = _run_tail_case(monitor, name, key, value, slots, nslots, ks, vs, fmt, config=config, **kw)
         assert rows == [want, twice], name
         assert bad == 2, name
@@ -472,7 +479,8 @@ def test_gpu_thread_tail_equals_reference(monitor, shape, dtype, kind):
             got = cache.view(torch.uint8)[slots[live]]
             fin = x[live].isfinite() | x[live].isinf()  # NaN bytes may differ from torch's (module docstring)
             assert torch.equal(got[fin], ref[live][fin]), name
-    assert torch.equal(results["tail"][0], results["block"][0]) and torch.equal(results["tail"][1], results["block"][1])
+    for name in ("tail", "tail-first", "tail-last"):
+        assert torch.equal(results[name][0], results["block"][0]) and torch.equal(results[name][1], results["block"][1])
 
 
 @pytest.mark.gpu
@@ -1006,6 +1014,9 @@ def test_launch_config_rules(monkeypatch):
     assert cfg(10, 8192, dev) == (8, 1)
     assert cfg(63, 1024, torch.device("cpu")) == (4, 1)
     assert cfg(64, 1024, torch.device("cpu")) == (4, 4)
+    # The per-thread tail's placement follows the same line: after the stores below it, before them from it.
+    assert fused._small_batch(32 * 132 - 1, dev) and not fused._small_batch(32 * 132, dev)
+    assert not fused._small_batch(16, torch.device("cpu"))  # the interpreter runs no per-thread tail
 
 
 def test_launch_config_override_is_checked(monitor, kernel_device):

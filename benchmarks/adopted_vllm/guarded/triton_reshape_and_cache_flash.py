@@ -45,6 +45,15 @@ def _is_supported_kv_cache_dtype(kv_cache_dtype: str) -> bool:
 
 
 @triton.jit
+def _record_slot(Ctr, Req, token_idx, slot_idx, HAS_REQ: tl.constexpr):
+    """tripwire: the bad slot's record, the token's request read here only (the fault path)."""
+    req = None
+    if HAS_REQ:
+        req = tl.load(Req + token_idx)
+    record_hit(Ctr, token_idx, slot_idx, req)
+
+
+@triton.jit
 def reshape_and_cache_kernel_flash(
     key_ptr,  # [num_tokens, num_heads, head_size]
     value_ptr,  # [num_tokens, num_heads, head_size]
@@ -78,18 +87,17 @@ def reshape_and_cache_kernel_flash(
 ):
     token_idx = tl.program_id(axis=0)
     slot_idx = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
-    # tripwire: vLLM's padding test widened to the cache's end, one branch for padding (-1) and bad slots alike. A
-    # bad slot writes nothing and is recorded by the token's first tile program; padding returns as in vLLM. Signed
-    # compares, not one unsigned one: past this branch the compiler knows the slot is not negative and divides it
-    # by the page size with shifts (an unsigned compare lost that and cost the copy signed division).
-    if (slot_idx < 0) | (slot_idx >= num_slots):
+    if slot_idx < 0:
+        # tripwire: a negative slot other than padding (-1) is recorded by the token's first tile program (once).
         if (slot_idx != -1) & (tl.program_id(axis=1) == 0):
-            req = None
-            if HAS_REQ:
-                req = tl.load(Req + token_idx)
-            record_hit(Ctr, token_idx, slot_idx, req)
+            _record_slot(Ctr, Req, token_idx, slot_idx, HAS_REQ)
         # Padding token that should be ignored.
         return
+    # tripwire: a slot past the cache masks the stores (vLLM's test and branch stay as they are; this is a compare
+    # and a scalar select of the stores' bound, not a branch around the copy) and is recorded after them, the fault
+    # path last in the program.
+    slot_ok = slot_idx < num_slots
+    n_live = tl.where(slot_ok, num_heads * head_size, 0)
 
     block_idx = slot_idx // block_size
     block_offset = slot_idx % block_size
@@ -158,13 +166,15 @@ def reshape_and_cache_kernel_flash(
     tl.store(
         key_cache_ptr + tgt_idx_k,
         key_tile,
-        mask=tile_pos < (num_heads * head_size),
+        mask=tile_pos < n_live,
     )
     tl.store(
         value_cache_ptr + tgt_idx_v,
         value_tile,
-        mask=tile_pos < (num_heads * head_size),
+        mask=tile_pos < n_live,
     )
+    if (not slot_ok) & (tl.program_id(axis=1) == 0):
+        _record_slot(Ctr, Req, token_idx, slot_idx, HAS_REQ)
     return
 
 

@@ -203,3 +203,13 @@ def _over(mx, m, thr, MODE: tl.constexpr):
     else:
         res = m > thr  # one threshold: the program's max says it all
     return res
+
+
+@triton.jit
+def _thread_tail(xk, xv, lim_k, lim_v, ks, vs, row, seen_k, seen_v, ASM: tl.constexpr, CON: tl.constexpr,
+                 PACK: tl.constexpr):  # fmt: skip
+    """The per-thread counting tail (tripwire.numerics._fused_ptx._tail_asm) over one token's K and V registers:
+    kept for its side effects (its barrier, the rare path's atomics)."""
+    tl.inline_asm_elementwise(
+        ASM, CON, [xk, xv, lim_k, lim_v, ks, vs, row, seen_k, seen_v], dtype=tl.int32, is_pure=False, pack=PACK
+    )

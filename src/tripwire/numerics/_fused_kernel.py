@@ -16,6 +16,7 @@ from ._fused_jit import (
     _max_update,
     _over,
     _quantize_store,
+    _thread_tail,
     _threshold,
     _token_lane,
 )
@@ -55,6 +56,7 @@ def _fp8_kv_cache_kernel(
     TAIL_PACK: tl.constexpr,
     TAIL_ASM: tl.constexpr,
     TAIL_CON: tl.constexpr,
+    TAIL_LAST: tl.constexpr,
     LIMIT_ASM: tl.constexpr,
     CVT_ASM: tl.constexpr,
 ):
@@ -116,19 +118,13 @@ def _fp8_kv_cache_kernel(
             # NaN is left out, as in ClipCounter.count.
             mx_k = _max_update(mx_k, xk_in, ok, BLOCK_H, BLOCK_D, VEC, K_PACKED)
             mx_v = _max_update(mx_v, xv_in, ok, BLOCK_H, BLOCK_D, VEC, V_PACKED)
-        if COUNT and THREAD_TAIL:
+        if COUNT and THREAD_TAIL and not TAIL_LAST:
             # Before the quantisation, right after the loads: the warps of the CTA reach its barrier together there
             # (at the end of the program they arrive apart, and the barrier waits for the slowest). A token left out
             # (padding, a bad slot) skips it: one program-uniform branch, so every thread meets the same barriers.
             if ok:
-                tl.inline_asm_elementwise(
-                    TAIL_ASM,
-                    TAIL_CON,
-                    [xk_in, xv_in, lim_k, lim_v, tail_ks, tail_vs, row, seen_k, seen_v],
-                    dtype=tl.int32,
-                    is_pure=False,
-                    pack=TAIL_PACK,
-                )
+                _thread_tail(xk_in, xv_in, lim_k, lim_v, tail_ks, tail_vs, row, seen_k, seen_v, TAIL_ASM, TAIL_CON,
+                             TAIL_PACK)  # fmt: skip
         if GUARD:
             # A token whose slot is past the cache: masked in _token_lane, recorded here (once) with the raw slot.
             record_hits(slot_ctr_ptr, raw >= num_slots, tok, raw)
@@ -139,6 +135,12 @@ def _fp8_kv_cache_kernel(
         _quantize_store(
             xv_in.to(tl.float32), v_cache_ptr + dst, lane, vs, FP8_MAX, FP8_TYPE, MANT, MIN_EXP, SUB_SCALE, CVT_ASM
         )
+        if COUNT and THREAD_TAIL and TAIL_LAST:
+            # After the stores (TAIL_LAST, a batch that fits the GPU in one wave): there the barrier is off the
+            # critical path of a program whose stores are in flight, instead of between its loads and its stores.
+            if ok:
+                _thread_tail(xk_in, xv_in, lim_k, lim_v, tail_ks, tail_vs, row, seen_k, seen_v, TAIL_ASM, TAIL_CON,
+                             TAIL_PACK)  # fmt: skip
     if COUNT and not THREAD_TAIL:
         # The program's tail. The healthy path is ONE block reduction (a flag), then nothing: a program acts only
         # when some element exceeds its threshold (it clipped) or the stored maximum (a new maximum). Both tests

@@ -162,10 +162,18 @@ def _launch_config(tokens: int, tile: int, device: torch.device) -> tuple[int, i
     small_warps = max(1, min(8, tile // _SMALL_TILE_PER_WARP))
     if device.type != "cuda":
         return small_warps, (1 if tokens < 64 else 4)
-    sms, _ = _device_props(device)
-    if tokens < _SMALL_BATCH_TOKENS_PER_SM * sms:
+    if _small_batch(tokens, device):
         return small_warps, 1
     return max(1, min(8, tile // _LEAN_TILE_PER_WARP)), 1
+
+
+def _small_batch(tokens: int, device: torch.device) -> bool:
+    """Whether a batch of ``tokens`` tokens is small for ``device`` (fewer than _SMALL_BATCH_TOKENS_PER_SM per SM): its
+    programs run in about one wave. There the per-thread tail runs after the token's stores (TAIL_LAST): a
+    program's barrier between its loads and its stores lengthens the one wave by its latency, while after the
+    stores it waits beside them; in a batch of many waves, where a program's end is what the next one waits for,
+    the barrier before the stores costs less (benchmarks/sweep_fused.py measures both)."""
+    return device.type == "cuda" and tokens < _SMALL_BATCH_TOKENS_PER_SM * _device_props(device)[0]
 
 
 def _thread_tail_ok(
@@ -200,6 +208,7 @@ def _launch(
     config: tuple[int, int] | None = None,
     inline_ptx: bool | None = None,
     thread_tail: bool | None = None,
+    tail_last: bool | None = None,
     tail_override: tuple[str, str, int] | None = None,
     rne_cast: bool | None = None,
 ) -> None:
@@ -208,10 +217,11 @@ def _launch(
     of two up to head_dim's block gives the same counts); ``config`` overrides ``(num_warps, tokens_per_program)``
     (the benchmark's same-shape twin); ``inline_ptx=False`` forces the portable code on an NVIDIA GPU (tests: both
     paths give the same bits and counts); ``thread_tail`` forces the per-thread counting tail on (an error where it
-    cannot run) or off (the block-level tail, what other GPUs and shapes run); ``tail_override`` = ``(asm,
-    constraints, pack)`` replaces the generated tail (tests' controls only); ``rne_cast=False`` forces the clamp and
-    the float32 grid rounding before the cast on sm_89+ (what older GPUs and the interpreter run; ``True`` raises
-    where the cast is not the hardware's direct round-to-nearest-even)."""
+    cannot run) or off (the block-level tail, what other GPUs and shapes run); ``tail_last`` places the per-thread tail
+    after the token's stores (True) or before them (False) instead of by the batch's size (``_small_batch``); ``tail_override`` = ``(asm, constraints,
+    pack)`` replaces the generated tail (tests' controls only); ``rne_cast=False`` forces the clamp and the float32
+    grid rounding before the cast on sm_89+ (what older GPUs and the interpreter run; ``True`` raises where the cast
+    is not the hardware's direct round-to-nearest-even)."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
@@ -296,6 +306,7 @@ def _launch(
         TAIL_PACK=tail_pack,
         TAIL_ASM=tail_asm,
         TAIL_CON=tail_con,
+        TAIL_LAST=use_tail and (_small_batch(tokens, counter.device) if tail_last is None else bool(tail_last)),
         LIMIT_ASM=limit_asm,
         CVT_ASM=_cvt_asm(counter.fmt) if use_cvt else "",
         num_warps=num_warps,

@@ -385,18 +385,19 @@ class Validator:
             ordered = [tensors[n] for n in plan.names]
         except KeyError:
             return None
-        on = self._on_device
+        # Locals, not module globals, and shape[0], not size(0): per-call host time (the loops run every call).
+        on, tensor_type, dtypes = self._on_device, torch.Tensor, _INDEX_DTYPE_SET
         for t, nd in zip(ordered, plan.ndims, strict=True):
             # type(), not isinstance: a subclass (a FakeTensor while torch.compile traces) takes the full checks.
-            if type(t) is not torch.Tensor or t.dtype not in _INDEX_DTYPE_SET or not on(t) or t.dim() not in nd:
+            if type(t) is not tensor_type or t.dtype not in dtypes or not on(t) or t.dim() not in nd:
                 return None
             if not t.is_contiguous():
                 return None
         for table, lengths in plan.with_lengths:
-            if tensors[lengths].size(0) != tensors[table].size(0):
+            if tensors[lengths].shape[0] != tensors[table].shape[0]:
                 return None
         for n in plan.indptrs:
-            if tensors[n].size(0) == 0:
+            if tensors[n].shape[0] == 0:
                 return None
         return ordered
 

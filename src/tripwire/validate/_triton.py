@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton._callee import _version
 from ._rules import ABLOCK, BLOCK, Rules
 from ._triton_fault import _entries_fault, _indptr_bad, _indptr_fault, _lengths_fault
 
@@ -373,24 +374,18 @@ class Launcher:
         self._direct: bool | None = None
 
     def _args(self, tensors: Sequence[torch.Tensor]) -> tuple[int, tuple]:
-        main, aux, rq, sg = (p(tensors) for p in self._pick)
-        n = tuple(t.numel() for t in main)
+        # Every tensor's numel read once and picked with the tensors (a tensor can serve several rules); list
+        # comprehensions and itemgetters, not generator expressions: this is the eager call's host time.
+        pm, pa, pr, ps = self._pick
+        numels = [t.numel() for t in tensors]
+        n = pm(numels)
         total = self._n_aux
         for x in n:
             total += -(-x // BLOCK)
-        args = (
-            self.arena,
-            main,
-            aux,
-            rq,
-            sg,
-            n,
-            tuple(t.shape[1] if t.dim() == 2 else 1 for t in main),
-            tuple(t.numel() for t in aux),
-            tuple(t.numel() for t in rq),
-            tuple(t.numel() for t in sg),
-        )
-        return total, args
+        main = pm(tensors)
+        widths = tuple([t.shape[1] if t.dim() == 2 else 1 for t in main])
+        return total, (self.arena, main, pa(tensors), pr(tensors), ps(tensors), n, widths, pa(numels), pr(numels),
+                       ps(numels))  # fmt: skip
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
         if not self.rules.kind:
@@ -405,28 +400,58 @@ class Launcher:
         if not self._direct or _hooked():
             _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
             return
-        key = tuple(t.dtype for t in tensors)
-        k = self._bound.get(key)
-        if k is None:
+        key = tuple([t.dtype for t in tensors])
+        bound = self._bound.get(key)
+        if bound is None:
             k = _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
             # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
             if hasattr(k, "packed_metadata"):
-                self._bound[key] = k
+                self._bound[key] = (k, _c_launch(k))
             return
-        # The compiled kernel's own launcher, with no launch metadata and no hooks (_hooked() said none is set):
-        # the stream straight from torch (what Triton's driver asks too), on the arena's device.
-        k.run(
-            total, 1, 1, torch._C._cuda_getCurrentRawStream(self._dev), k.function, k.packed_metadata, None, None,
-            None, *args, *self._consts,
-        )  # fmt: skip
+        k, c = bound
+        # The stream straight from torch (what Triton's driver asks too), on the arena's device; no launch metadata
+        # and no hooks (_hooked() said none is set).
+        stream = torch._C._cuda_getCurrentRawStream(self._dev)
+        if c is not None:
+            # The launcher's C function itself (see _c_launch): no scratch buffers to allocate first.
+            c[0](total, 1, 1, stream, k.function, c[1], c[2], None, None, k.packed_metadata, None, None, None, *args,
+                 *self._consts)  # fmt: skip
+            return
+        k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *self._consts)
 
 
 _CONST_NAMES = ("KIND", "HAS_PAD", "HAS_LEN", "OWN_AUX", "REQ", "LO", "HI", "PAD", "SAFE", "C", "AC", "MASK", "BLOCK",
                 "ABLOCK")  # fmt: skip
 
 
-def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]]:
-    """``tensors -> tuple(tensors[i] for i in ix)``, always a tuple (itemgetter of one index returns the item)."""
+# The Triton releases whose CUDA launcher (CudaLauncher in backends/nvidia/driver.py) does nothing in Python but
+# allocate the kernel's global and profile scratch and then call its C ``launch(gridX, gridY, gridZ, stream, function,
+# cooperative, pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)``
+# (read in the release's source; the GPU tests run it). Triton 3.7 to 3.9 call a shared launcher with the arguments
+# annotated in one tuple: there, and on any release not read and run here, the bound launch calls the CudaLauncher.
+_C_LAUNCH_RELEASES = ((3, 6),)
+
+
+def _c_launch(k: Any) -> tuple[Callable[..., Any], Any, Any] | None:
+    """``(launch, cooperative, pdl)``: the C launch function of compiled kernel ``k`` and the two flags its Python
+    wrapper passes, when calling it directly skips nothing (a release above, no scratch buffers); else None.
+
+    Why: the wrapper's frame, closures and scratch checks are a few microseconds of every eager call's host time
+    (``benchmarks/bench_validate.py`` measures the call both ways)."""
+    run = k.run
+    if _version(triton.__version__) not in _C_LAUNCH_RELEASES or type(run).__name__ != "CudaLauncher":
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    launch = getattr(run, "launch", None)
+    flags = ("launch_cooperative_grid", "launch_pdl")
+    if launch is None or hasattr(run, "arg_annotations") or not all(hasattr(run, f) for f in flags):
+        return None
+    return launch, run.launch_cooperative_grid, run.launch_pdl
+
+
+def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``seq -> tuple(seq[i] for i in ix)``, always a tuple (itemgetter of one index returns the item)."""
     if not ix:
         return lambda ts: ()
     if len(ix) == 1:
