@@ -14,7 +14,8 @@ clips nor counts as a maximum; skipped and masked tokens count nothing).
 Hot-path cost of counting, on NVIDIA sm_90+ with bf16/fp16 K and V (what the launcher picks there; see the
 comment above ``_limit_asm``): per thread, a packed tree of maxima (one ``max.xorsign.abs`` per two elements), one
 packed compare per tensor against a 16-bit limit (the largest value not above min(threshold, stored maximum)), and
-ONE barrier that ORs the flags of the CTA (``bar.red.or``), in inline PTX. Only a CTA where some element clipped or
+ONE barrier that ORs the flags of the CTA (``bar.red.or``), in inline PTX: after the token's stores in a batch of
+about one wave, before them in a larger one (``_small_batch``). Only a CTA where some element clipped or
 exceeded the stored maximum counts exactly (in registers, float32) and records, with one set of atomics per CTA.
 Elsewhere (other GPUs, fp32 or mixed inputs, tiles of fewer than 8 elements per thread, the interpreter) the
 block-level tail: a running max of ``|x|`` per thread, two thresholds, one block reduction of a flag, and a second
