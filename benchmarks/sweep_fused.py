@@ -1,7 +1,8 @@
 """Fused FP8 quantize-and-count: counted vs bare over launch shapes (warps x tokens per program).
 
-Each pair is the same kernel on both sides. The data is healthy bf16, 8 heads x 128, e4m3, at 2048/16384/32768
-tokens. It is the sweep behind the fused kernel's launch shape (``_launch_config`` in
+Each pair is the same kernel on both sides; a third column times the counted kernel with its per-thread tail after
+the token's stores (``tail_last=True``; the counted column runs it before them). The data is healthy bf16, 8 heads x
+128, e4m3, at 2048/16384/32768 tokens. It is the sweep behind the fused kernel's launch shape (``_launch_config`` in
 ``tripwire/numerics/fused.py``), not a question of the suite. Run ``python benchmarks/sweep_fused.py
 [OUT_JSON [TOKENS,...]]`` on a GPU: it prints one line per configuration.
 
