@@ -123,16 +123,18 @@ def test_many_programs_accumulate(monitor, kernel_device, iters):
     assert got["first"] in ref["pairs"]  # a real offender (which program wins the race is not specified)
 
 
-def test_the_twin_reads_and_records_nothing(monitor, kernel_device):
-    """``_launch(guard=False)``, the benchmark's twin, records nothing on data the counter counts (the control: the
-    same launch guarded counts every planted element)."""
+def test_the_twin_counts_programs_not_elements(monitor, kernel_device):
+    """``_launch(guard=False)``, the benchmark's twin, adds 1 per program that saw a non-finite value and records
+    nothing else; the same launch guarded counts every planted element (the control)."""
     site = register_nonfinite_site("twin", monitor=monitor)
     x, idx = plant((20, 50), torch.float32, kernel_device, seed=5)
     ctr = monitor.counter(site, kernel_device)
     _launch(x, ctr, block=64, num_warps=4, iters=2, guard=False)
-    assert decoded(monitor, site, kernel_device)["count"] == 0
+    twin = decoded(monitor, site, kernel_device)
+    programs = len({i // 128 for i in idx})  # 64 x 2 elements per program
+    assert twin["count"] == programs < len(idx) and twin["first"] == (None, None)
     _launch(x, ctr, block=64, num_warps=4, iters=2)
-    assert decoded(monitor, site, kernel_device)["count"] == expected(idx, 50)["count"] > 0
+    assert decoded(monitor, site, kernel_device)["count"] == programs + expected(idx, 50)["count"]
 
 
 def test_site_by_name_and_ctr(monitor, kernel_device):

@@ -152,8 +152,8 @@ def _nonfinite(
         sweep_cfgs = sweep_cfgs[2:5]
     for b, it, w in sweep_cfgs:
         fns[f"block{b}_i{it}_w{w}"] = functools.partial(nonfinite_mod._launch, x, ctr, b, w, it)
-        # The twin at the same shape (the same loads, no fault path): whether a shape short of the target is the
-        # guard's doing or the shape's.
+        # The twin at the same shape (the same loads and vote, the fault path reduced to one atomic): whether a
+        # shape short of the target is the guard's doing or the shape's.
         fns[f"twin{b}_i{it}_w{w}"] = functools.partial(nonfinite_mod._launch, x, ctr, b, w, it, guard=False)
     for fn in fns.values():
         fn()
