@@ -749,7 +749,7 @@ def regs(fn, types, consts, warps):
 KERNELS = {
     # int32 sizes: the launcher's signature below 2**31 elements (Triton passes such ints as i32).
     "nonfinite": (nf._nonfinite_kernel, {"x_ptr": "*i16", "numel": "i32", "ncols": "i32"},
-                  dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80), nf._NUM_WARPS),
+                  dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80, GUARD=True), nf._NUM_WARPS),
     "wide": (wide, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"}, dict(BLOCK=2048), 8),
     "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},
                      dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), sm._NUM_WARPS),
