@@ -219,10 +219,10 @@ def _launch(
     (the benchmark's same-shape twin); ``inline_ptx=False`` forces the portable code on an NVIDIA GPU (tests: both
     paths give the same bits and counts); ``thread_tail`` forces the per-thread counting tail on (an error where it
     cannot run) or off (the block-level tail, what other GPUs and shapes run); ``tail_last`` places the per-thread tail
-    after the token's stores (True) or before them (False) instead of by the batch's size (``_small_batch``); ``tail_override`` = ``(asm, constraints,
-    pack)`` replaces the generated tail (tests' controls only); ``rne_cast=False`` forces the clamp and the float32
-    grid rounding before the cast on sm_89+ (what older GPUs and the interpreter run; ``True`` raises where the cast
-    is not the hardware's direct round-to-nearest-even)."""
+    after the token's stores (True) or before them (False) instead of by the batch's size (``_small_batch``);
+    ``tail_override`` = ``(asm, constraints, pack)`` replaces the generated tail (tests' controls only);
+    ``rne_cast=False`` forces the clamp and the float32 grid rounding before the cast on sm_89+ (what older GPUs and
+    the interpreter run; ``True`` raises where the cast is not the hardware's direct round-to-nearest-even)."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
