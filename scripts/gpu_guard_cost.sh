@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27 on the H200, in one device call (about 6 minutes): the GPU tests of the cold fault path and of vLLM's
+# Issue 27 on the H200, in one device call (about 7 minutes): the GPU tests of the cold fault path and of vLLM's
 # adopted kernels, the adopted-kernel benchmark, ncu on the CUDA reshape_and_cache (registers, occupancy: the cause of
 # the guard's cost), compute-sanitizer over the adopted kernels, the validator's host cost, the numeric kernels.
 # Usage: bash scripts/gpu_guard_cost.sh; everything goes to $OUT (or ./gpu-out): one log per step, JSON results,
@@ -31,6 +31,10 @@ step build_ext 240 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); fro
 #    interleaved rounds, the A/A noise floor, registers and programs per SM of each.
 step bench_adopted 200 python3 benchmarks/bench_adopted.py --rounds 41 --rep-ms 30 --out "$OUT/adopted.json"
 grep -E "cost|ERROR" "$OUT/bench_adopted.log" >>"$SUM"
+
+# 2b. tripwire's slot_mapping at engine batch sizes (256 / 4096 / 32768 tokens): guarded against its twin.
+step bench_slot_mapping 90 python3 benchmarks/bench_slot_mapping.py --out "$OUT/slot_mapping.json"
+grep -E "cost" "$OUT/bench_slot_mapping.log" >>"$SUM"
 
 # 3. ncu on the CUDA reshape_and_cache at 4096 tokens: the original, the guarded copy, the vote control; launch
 #    registers, the occupancy limit and achieved occupancy, the time. Clocks not locked (--clock-control none).
@@ -75,7 +79,8 @@ grep -E "^tokens 2048" "$OUT/sweep_fused.log" >>"$SUM"
 # The GPU tests: the adopted kernels (counts, masking, graph replay, the CUDA extension), the helpers' cold path, the
 # register rule and the resource check (compiled for sm_90 here too), the validator's launch path.
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -rx tests/test_adopted_vllm.py tests/test_resources.py \
-  tests/test_register_rule.py tests/validate/test_validate.py tests/triton/test_triton.py -k "gpu or adopted or resources or register or validate" \
+  tests/test_register_rule.py tests/validate/test_validate.py tests/triton/test_triton.py tests/test_include.py \
+  tests/kernels/test_slot_mapping.py -k "gpu or adopted or resources or register or validate or one_call or slot" \
   >"$OUT/pytest.log" 2>&1 & tpid=$!
 # compute-sanitizer memcheck over the adopted kernels: 0 errors guarded, errors for vLLM's originals; the four in
 # parallel (each driver runs its guarded and original child one after the other).

@@ -46,7 +46,11 @@ def shipped(guard: bool) -> dict:
         "block_table": lambda: bt.block_table_gather(
             z(256, 64, dtype=i32), z(64, dtype=i32), z(256, dtype=i32), z(64, 64, dtype=i32),
             ctr=counters(bt.SITES, "cpu", mon), guard=guard),
+        # Both of the launcher's shapes: a bandwidth-sized launch and an engine step's (one warp per program).
         "slot_mapping": lambda: sm.slot_mapping(
+            z(1 << 17, dtype=i32), z(1 << 17, dtype=i32), z(64, 64, dtype=i32), z(1 << 17, dtype=i64), 16,
+            num_kv_blocks=8, ctr=counters(sm.SITES, "cpu", mon), guard=guard),
+        "slot_mapping_step": lambda: sm.slot_mapping(
             z(4096, dtype=i32), z(4096, dtype=i32), z(64, 64, dtype=i32), z(4096, dtype=i64), 16, num_kv_blocks=8,
             ctr=counters(sm.SITES, "cpu", mon), guard=guard),
         "kv_zero": lambda: kz.kv_zero(z(64, 2, 16 * 128), z(32, dtype=i32), ctr=counters(kz.SITES, "cpu", mon),

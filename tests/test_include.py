@@ -20,6 +20,7 @@ replay N x counting N x and keeping the distinct offenders once, the unguarded t
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,50 @@ def test_header_compiles_with_nvcc(tmp_path):
         pytest.skip("no cuobjdump to read the SASS")
     assert "VOTE" in sass and "ATOMG.E.ADD.64" in sass and "ATOMG.E.CAS.64" in sass and "SHFL.IDX" in sass
     assert "MEMBAR" in sass and "WARPSYNC" in sass  # the offenders' fence and the wait for the leader's atomics
+
+
+_ONE_PER_BLOCK = r"""
+#include <tripwire/guard.cuh>
+__global__ void copy_row(const long long* slots, const int4* src, int4* dst, long long n_slots, int64_t* ctr,
+                         const long long* requests) {
+  const long long slot = slots[blockIdx.x];
+  if (static_cast<unsigned long long>(slot) >= static_cast<unsigned long long>(n_slots)) {
+    if (threadIdx.x == 0) tripwire::record_hit(ctr, blockIdx.x, slot, requests[blockIdx.x]);
+    return;
+  }
+  dst[slot * blockDim.x + threadIdx.x] = src[blockIdx.x * blockDim.x + threadIdx.x];
+}
+"""
+
+
+def _inline_part(tmp_path: Path, *defines: str) -> str:
+    """The SASS of _ONE_PER_BLOCK's kernel up to its first CALL (all of it when there is none): what the kernel
+    itself holds of the fault path, beside the copy."""
+    nvcc = _cuda_tool("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    tool = _cuda_tool("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    src, cubin = tmp_path / "one.cu", tmp_path / f"one{len(defines)}.cubin"
+    src.write_text(_ONE_PER_BLOCK)
+    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-cubin", *defines, "-I", tripwire.include_dir()]
+    p = subprocess.run([*cmd, str(src), "-o", str(cubin)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+    if not sass:
+        pytest.skip("no cuobjdump to read the SASS")
+    code = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return "\n".join(code[: next((k for k, x in enumerate(code) if "CALL" in x), len(code))])
+
+
+def test_record_hit_is_one_call_under_its_if(tmp_path):
+    """record_hit's whole record (the ballot, the saturation, the request's word) is out of line: nvcc lays the
+    early-return fault block out before the copy, so whatever of it is inline the clean path jumps over. The kernel
+    itself holds no vote, no atomic and no shuffle of it. The control: the fault path inlined
+    (TRIPWIRE_FAULT_INLINE) puts them back in the kernel's own code."""
+    inline = _inline_part(tmp_path)
+    assert not re.search(r"VOTE|ATOM|SHFL|RED\.", inline), inline
+    control = _inline_part(tmp_path, "-DTRIPWIRE_FAULT_INLINE")
+    assert "VOTE" in control and "ATOMG" in control
 
 
 @pytest.fixture(scope="module")

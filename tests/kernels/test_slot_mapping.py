@@ -76,3 +76,29 @@ def test_control_truncating_division_would_hide_negative_positions(kernel_device
     assert 0 <= truncated_col < 2  # would have passed the column guard
     assert slots.cpu().tolist() == [-1]
     assert_hits(ctr[1], [(0, -1)])
+
+
+# Both launch shapes: an engine step's (one warp per program, 32 tokens each) and past it (1024 tokens per program
+# over 8 warps); bad tokens in several programs, the last one partial.
+@pytest.mark.parametrize("tokens", [200, sm._SMALL_T + 1000])
+@pytest.mark.parametrize("pos_dtype", [I32, I64])
+def test_slot_mapping_both_launch_shapes(kernel_device, monitor, tokens, pos_dtype):
+    R, W, bs = 8, 16, 16
+    g = torch.Generator().manual_seed(tokens)
+    table = torch.randperm(R * W * 2, generator=g)[: R * W].reshape(R, W).to(I32)
+    rows = torch.randint(0, R, (tokens,), generator=g, dtype=I32)
+    pos = torch.randint(0, W * bs, (tokens,), generator=g).to(pos_dtype)
+    last = tokens - 1
+    rows[[3, 40, last]] = torch.tensor([R, -1, INT32_MIN], dtype=I32)  # row site
+    pos[[5, 70, last - 1]] = torch.tensor([W * bs, -1, INT32_MAX], dtype=pos_dtype)  # column site
+    table[rows[100], pos[100] // bs] = R * W * 2  # block site: a block id past the pool (other tokens may share it)
+    slots = torch.zeros(tokens, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    args = [x.to(kernel_device) for x in (pos, rows, table)]
+    sm.slot_mapping(*args, slots, bs, num_kv_blocks=R * W * 2, ctr=ctr)
+    ref, hits = sm.slot_mapping_reference(pos, rows, table, bs, R * W * 2)
+    assert len(hits["row"]) == 3 and len(hits["column"]) == 3 and hits["block"]
+    assert torch.equal(slots.cpu(), ref)
+    assert_hits(ctr[0], hits["row"])
+    assert_hits(ctr[1], hits["column"])
+    assert_hits(ctr[2], hits["block"])

@@ -14,6 +14,15 @@ using vllm::CopyWithScaleOp;
 using vllm::Fp8KVCacheDataType;
 using vllm::vectorize_with_alignment;
 
+// tripwire: the fault block, whole, out of line (docs/guarding.md, "an index that is one per block"): the padding
+// test, the thread that records and the request's load are one call in the kernel, which the clean path jumps over.
+inline __device__ __noinline__ void tw_bad_slot(int64_t* tw_ctr, const int64_t* tw_requests, int64_t token_idx,
+                                                int64_t slot_idx) {
+  if (slot_idx != -1 && threadIdx.x == 0) {
+    tripwire::record_hit(tw_ctr, token_idx, slot_idx, tw_requests != nullptr ? tw_requests[token_idx] : -1);
+  }
+}
+
 // tripwire: the twin's occupancy, pinned (`tripwire resources` reads it: 3 blocks of 512 threads per SM on sm_90).
 // The fault path's call needs two registers more than the twin's 40, which would round the allocation up and fit
 // one block fewer; bounded, ptxas fits the call in the twin's registers without a spill.
@@ -36,13 +45,10 @@ __global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
   const int64_t slot_idx = slot_mapping[token_idx];
   // NOTE: slot_idx can be -1 if the token is padded
   // tripwire: one compare (unsigned: a negative slot is huge) for padding and bad slots alike. A bad slot writes
-  // nothing; thread 0 records it (the request is read only then) and the block returns right after, so nothing of
-  // the copy below is live across the fault path's call.
+  // nothing; thread 0 records it (the request is read only then, in tw_bad_slot) and the block returns right after,
+  // so nothing of the copy below is live across the call.
   if (static_cast<uint64_t>(slot_idx) >= static_cast<uint64_t>(num_slots)) {
-    if (slot_idx != -1 && threadIdx.x == 0) {
-      tripwire::record_hit(tw_ctr, token_idx, slot_idx,
-                           tw_requests != nullptr ? tw_requests[token_idx] : -1);
-    }
+    tw_bad_slot(tw_ctr, tw_requests, token_idx, slot_idx);
     return;
   }
   const int64_t block_idx = slot_idx / block_size;

@@ -32,7 +32,6 @@ from ._common import (
     check_requests,
     check_same_device,
     check_tensor,
-    pow2,
     resolve_ctr,
 )
 
@@ -60,20 +59,27 @@ SITE_BLOCK = register_site(
 )
 # Counter rows in kernel order: ``ctr[k]`` is SITES[k]'s row.
 SITES = (SITE_ROW, SITE_COLUMN, SITE_BLOCK)
-# Tokens per program (the largest block): one guard reduction per program, so fewer, larger programs amortise it.
+# The launch shapes (tripwire.kernels.slot_mapping._launch_shape). Up to _SMALL_T tokens (an engine's batch: the
+# kernel is one program's latency, not bandwidth), programs of one warp and one token per thread: the guard's vote is
+# then one warp reduction (redux.sync) with no shared memory and no barrier, and the tokens spread over every SM. Past
+# it, _BLOCK_T tokens per program over _NUM_WARPS warps: one reduction per 1024 tokens, amortised (bandwidth); four
+# tokens per thread, as at eight (4 warps) the guard's int64 checks needed more registers than the twin's.
+_SMALL_T = 1 << 16
 _BLOCK_T = 1024
 _NUM_WARPS = 8
 
 
-# The fault path's tile (one token per thread at the launch's 8 warps): it reads its program's tokens again in tiles
-# this small, so that what it keeps per lane (rows, columns, blocks, values: int64) does not raise the kernel's
-# registers over the hot path's (a kernel is allocated registers for its hungriest path, taken or not).
-_FAULT_T = tl.constexpr(256)
+def _launch_shape(T: int) -> tuple[int, int]:
+    """``(tokens per program, warps)`` for ``T`` tokens (see the comment above)."""
+    if T <= _SMALL_T:
+        return 32, 1
+    return _BLOCK_T, _NUM_WARPS
 
 
 @triton.jit
 def _column(pos, block_size, LOG2_BS: tl.constexpr):
-    """``(column, offset within the block)`` of int64 positions: floor division, also for negative positions."""
+    """``(column, offset within the block)`` of positions (int32 or int64, kept in their dtype): floor division,
+    also for negative positions."""
     if LOG2_BS >= 0:
         # A power-of-two block size (every engine's): the arithmetic shift IS floor division for signed integers
         # and the mask is the matching remainder. A runtime int64 division is a long emulated sequence that made
@@ -89,19 +95,33 @@ def _column(pos, block_size, LOG2_BS: tl.constexpr):
 
 
 @triton.jit
+def _below(x, n):
+    """``0 <= x < n`` for a signed integer block ``x`` and a size ``n >= 0`` (the launcher's check), in ONE unsigned
+    compare: a negative ``x`` read as unsigned is larger than any such ``n``. Half the compares of the two-sided test,
+    on the path between the index loads and the table load that depends on them; 32 bits for a 32-bit ``x``."""
+    n64 = tl.cast(n, tl.int64)  # n may be a constexpr (Triton specialises a size of 1) or an int32/int64 scalar
+    if x.dtype.primitive_bitwidth == 64:
+        return x.to(tl.uint64, bitcast=True) < n64.to(tl.uint64, bitcast=True)
+    else:
+        # Every non-negative int32 is below an n past 2**31 - 1: n saturated into 32 bits (a scalar, once).
+        return x.to(tl.uint32, bitcast=True) < tl.minimum(n64, 0x7FFFFFFF).to(tl.uint32)
+
+
+@triton.jit
 def _token_tile(C, args, t):
     """Tile ``t`` of a program's tokens read again for one site: ``(bad, rows, values, requests)`` for
-    tripwire.triton.record_tiles. ``C = (SITE, LOG2_BS, HAS_REQ)`` (SITE: 0 row, 1 column, 2 block), constexprs, so
-    each site's fault path forms only its own words from only the arguments it reads (the out-of-line functions
-    receive them in registers): ``args`` is ``(start, limit, <the site's>..., requests)``, the requests read with
-    HAS_REQ only. The row and column sites are checked independently (a token with both wrong counts at both); the
-    block site only where the row and column are in range."""
+    tripwire.triton.record_tiles. ``C = (SITE, LOG2_BS, HAS_REQ, FAULT_T)`` (SITE: 0 row, 1 column, 2 block; FAULT_T:
+    the tile, one token per thread), constexprs, so each site's fault path forms only its own words from only the
+    arguments it reads (the out-of-line functions receive them in registers): ``args`` is ``(start, limit, <the
+    site's>..., requests)``, the requests read with HAS_REQ only. The row and column sites are checked independently
+    (a token with both wrong counts at both); the block site only where the row and column are in range."""
     SITE: tl.constexpr = C[0]
     LOG2_BS: tl.constexpr = C[1]
     HAS_REQ: tl.constexpr = C[2]
+    FAULT_T: tl.constexpr = C[3]
     start = args[0]
     limit = args[1]
-    offs = start + t * _FAULT_T + tl.arange(0, _FAULT_T)
+    offs = start + t * FAULT_T + tl.arange(0, FAULT_T)
     m = offs < limit  # the program's own tokens (limit: the end of its range or of the tokens)
     if SITE == 0:
         rows_ptr, R = args[2], args[3]
@@ -123,7 +143,7 @@ def _token_tile(C, args, t):
         ok = m & (r >= 0) & (r < R) & (col >= 0) & (col < W)
         value = tl.load(table_ptr + tl.where(ok, r * W + col, 0), mask=ok, other=0).to(tl.int64)
         bad = ok & ((value < 0) | (value >= num_blocks))
-    reqs = tl.full([_FAULT_T], -1, tl.int64)  # -1: not known
+    reqs = tl.full([FAULT_T], -1, tl.int64)  # -1: not known
     if HAS_REQ:
         reqs = tl.load(args[len(args) - 1] + offs, mask=bad, other=0).to(tl.int64)  # read here only
     return bad, offs, value, reqs
@@ -143,6 +163,7 @@ def _slot_mapping(
     block_size,
     num_blocks,
     BLOCK_T: tl.constexpr,
+    FAULT_T: tl.constexpr,
     LOG2_BS: tl.constexpr,
     HAS_BLOCK_LIMIT: tl.constexpr,
     GUARD: tl.constexpr,
@@ -150,42 +171,45 @@ def _slot_mapping(
 ):
     offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = offs < T
-    pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int64)
-    r = tl.load(rows_ptr + offs, mask=m, other=0).to(tl.int64)
+    # Indices in their own dtype (int32 rows and positions compare in 32 bits); the table's offset in int64 (R * W
+    # may pass 2**31), twin and guarded alike.
+    pos = tl.load(pos_ptr + offs, mask=m, other=0)
+    r = tl.load(rows_ptr + offs, mask=m, other=0)
     col, within = _column(pos, block_size, LOG2_BS)
     if GUARD:
-        row_ok = (r >= 0) & (r < R)
-        col_ok = (col >= 0) & (col < W)
+        row_ok = _below(r, R)
+        col_ok = _below(col, W)
         ok = m & row_ok & col_ok
-        blk = tl.load(table_ptr + tl.where(ok, r * W + col, 0), mask=ok, other=0).to(tl.int64)
-        bad_row = m & (row_ok == 0)
-        bad_col = m & (col_ok == 0)
-        any_bad = bad_row | bad_col
+        # A masked lane reads nothing, so the clamp is not for safety: with it, the compiler keeps less of four
+        # tokens' int64 offsets live at _BLOCK_T (the twin's registers on Triton 3.9, where without it the guarded
+        # build needed one allocation unit more and fit fewer programs per SM).
+        blk = tl.load(table_ptr + tl.where(ok, r.to(tl.int64) * W + col, 0), mask=ok, other=0)
+        any_bad = m & ((row_ok & col_ok) == 0)
         if HAS_BLOCK_LIMIT:
-            blk_ok = (blk >= 0) & (blk < num_blocks)
-            bad_blk = ok & (blk_ok == 0)
-            any_bad = any_bad | bad_blk
+            blk_ok = _below(blk, num_blocks)
+            any_bad = any_bad | (ok & (blk_ok == 0))
             ok = ok & blk_ok
-        slot = tl.where(ok, blk * block_size + within, -1)
+        slot = tl.where(ok, blk.to(tl.int64) * block_size + within, -1)
         tl.store(slots_ptr + offs, slot, mask=m)
-        # Record AFTER the store, behind one reduction: a reduction (shared memory + barrier) placed between the
-        # index loads and the dependent table load delays that load; clean programs pay one reduction and no atomics.
+        # Record AFTER the store, behind one reduction: a reduction placed between the index loads and the dependent
+        # table load delays that load; clean programs pay one reduction and no atomics. At one warp per program
+        # (_launch_shape) the reduction is a warp's (no shared memory, no barrier).
         if tl.sum(any_bad.to(tl.int32), axis=None) > 0:
             # The fault path: the program's tokens formed again, a tile at a time, by out-of-line functions
             # (record_tiles), site after site; nothing of it is live beside the hot path's words.
             start = tl.program_id(0) * BLOCK_T
             limit = tl.minimum(start + BLOCK_T, T)
-            tiles = tl.cdiv(BLOCK_T, _FAULT_T)
+            tiles = tl.cdiv(BLOCK_T, FAULT_T)
             a0 = (start, limit, rows_ptr, R, req_ptr)
             a1 = (start, limit, pos_ptr, W, block_size, req_ptr)
             a2 = (start, limit, pos_ptr, rows_ptr, table_ptr, R, W, block_size, num_blocks, req_ptr)
-            record_tiles(ctr_ptr, _token_tile, (0, LOG2_BS, HAS_REQ), a0, tiles)
-            record_tiles(ctr_ptr + 8, _token_tile, (1, LOG2_BS, HAS_REQ), a1, tiles)
+            record_tiles(ctr_ptr, _token_tile, (0, LOG2_BS, HAS_REQ, FAULT_T), a0, tiles)
+            record_tiles(ctr_ptr + 8, _token_tile, (1, LOG2_BS, HAS_REQ, FAULT_T), a1, tiles)
             if HAS_BLOCK_LIMIT:
-                record_tiles(ctr_ptr + 16, _token_tile, (2, LOG2_BS, HAS_REQ), a2, tiles)
+                record_tiles(ctr_ptr + 16, _token_tile, (2, LOG2_BS, HAS_REQ, FAULT_T), a2, tiles)
     else:
-        blk = tl.load(table_ptr + r * W + col, mask=m, other=0).to(tl.int64)
-        slot = blk * block_size + within
+        blk = tl.load(table_ptr + (r.to(tl.int64) * W + col), mask=m, other=0)
+        slot = blk.to(tl.int64) * block_size + within
         tl.store(slots_ptr + offs, slot, mask=m)
 
 
@@ -231,7 +255,7 @@ def slot_mapping(
     R, W = block_table.shape
     if T == 0:
         return slots
-    block_t = pow2(T, lo=16, hi=_BLOCK_T)
+    block_t, warps = _launch_shape(T)
     _slot_mapping[(triton.cdiv(T, block_t),)](
         positions,
         token_rows,
@@ -245,14 +269,15 @@ def slot_mapping(
         block_size,
         0 if num_kv_blocks is None else num_kv_blocks,
         BLOCK_T=block_t,
+        # The fault path's tile: one token per thread, so that what it keeps per lane (int64 rows, columns, blocks,
+        # values) does not raise the kernel's registers over the hot path's.
+        FAULT_T=32 * warps,
         # A constexpr: one compiled variant per block size an engine uses (a handful), -1 for the general path.
         LOG2_BS=block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
         HAS_BLOCK_LIMIT=num_kv_blocks is not None,
         GUARD=bool(guard),
         HAS_REQ=req is not None,
-        # Four tokens per thread: with eight (4 warps), the guard's int64 checks needed more registers than the
-        # twin's and fit fewer programs per SM.
-        num_warps=_NUM_WARPS,
+        num_warps=warps,
     )
     return slots
 

@@ -38,10 +38,10 @@
 // warp's hits to the block's OFF_DONE word: a reader that sees it reach the row's count has every offender of those
 // hits. offender_key() is the Triton helpers' key bit for bit.
 //
-// Cost: the fault path (detail::fault) is __noinline__, a call the clean path jumps over; the hot path is one
-// compare and one ballot. A call still keeps the caller's live values across it: for an index that is one per
-// block, branch on it and record from one thread right before returning (docs/guarding.md), and check the kernel
-// with `tripwire resources --cuda` beside its twin.
+// Cost: the fault path (detail::fault; record_hit whole) is __noinline__, a call the clean path jumps over; the
+// hot path is one compare and one ballot. A call still keeps the caller's live values across it: for an index
+// that is one per block, branch on it and make the whole fault block one call of your own, right before returning
+// (docs/guarding.md), and check the kernel with `tripwire resources --cuda` beside its twin.
 //
 // Build: add `tripwire.include_dir()` to the include path (torch.utils.cpp_extension's extra_include_paths) and
 // `#include <tripwire/guard.cuh>`. Needs sm_50+ (64-bit atomicMax) and CUDA 9+ (the *_sync warp intrinsics).
@@ -231,10 +231,17 @@ TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long lon
 
 // Record one hit at (row, value) (and its request). Call it under the kernel's `if (bad)`: every calling thread
 // counts once (the threads of a warp that call it together share one set of atomics). When several threads or
-// blocks see the same bad entry, put the condition that picks one of them into the `if`.
-TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value) { record_hits(ctr, true, row, value); }
+// blocks see the same bad entry, put the condition that picks one of them into the `if`. The whole record (the
+// ballot, the saturation, the request's word) is one out-of-line call: under the `if`, the kernel holds the call's
+// arguments and nothing else of it.
+namespace detail {
+TRIPWIRE_COLD void hit(int64_t* ctr, long long row, long long value, long long request) {
+  record(ctr, true, row, value, request_word(request));
+}
+}  // namespace detail
+TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value) { detail::hit(ctr, row, value, -1); }
 TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value, long long request) {
-  record_hits(ctr, true, row, value, request);
+  detail::hit(ctr, row, value, request);
 }
 
 namespace detail {
