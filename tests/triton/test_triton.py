@@ -752,7 +752,8 @@ KERNELS = {
                   dict(BLOCK=nf._BLOCK_BYTES // 2, ITERS=nf._ITERS, MASK=0x7F80, GUARD=True), nf._NUM_WARPS),
     "wide": (wide, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"}, dict(BLOCK=2048), 8),
     "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},
-                     dict(BLOCK_T=sm._BLOCK_T, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True, HAS_REQ=False), sm._NUM_WARPS),
+                     dict(BLOCK_T=sm._BLOCK_T, FAULT_T=32 * sm._NUM_WARPS, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True,
+                          HAS_REQ=False), sm._NUM_WARPS),
 }
 try:
     shipped = tt._claim_offenders
