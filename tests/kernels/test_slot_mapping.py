@@ -102,3 +102,19 @@ def test_slot_mapping_both_launch_shapes(kernel_device, monitor, tokens, pos_dty
     assert_hits(ctr[0], hits["row"])
     assert_hits(ctr[1], hits["column"])
     assert_hits(ctr[2], hits["block"])
+
+
+def test_slot_mapping_block_limit_past_int32(kernel_device, monitor):
+    """An int32 table checked against a pool of 2**31 blocks or more: every non-negative id is in range, INT32_MAX
+    included (the 32-bit compare saturates the pool size at 2**31, not below it). The control: a pool of INT32_MAX
+    blocks, where INT32_MAX is one past the end and counts."""
+    table = ids([[INT32_MAX, 3]], kernel_device)
+    slots = torch.zeros(2, dtype=I64, device=kernel_device)
+    args = (ids([0, 4], kernel_device), ids([0, 0], kernel_device), table, slots, 4)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    sm.slot_mapping(*args, num_kv_blocks=2**32, ctr=ctr)
+    assert slots.cpu().tolist() == [INT32_MAX * 4, 12]
+    assert_hits(ctr[2], [])
+    sm.slot_mapping(*args, num_kv_blocks=INT32_MAX, ctr=ctr)
+    assert slots.cpu().tolist() == [-1, 12]
+    assert_hits(ctr[2], [(0, INT32_MAX)])

@@ -103,8 +103,9 @@ def _below(x, n):
     if x.dtype.primitive_bitwidth == 64:
         return x.to(tl.uint64, bitcast=True) < n64.to(tl.uint64, bitcast=True)
     else:
-        # Every non-negative int32 is below an n past 2**31 - 1: n saturated into 32 bits (a scalar, once).
-        return x.to(tl.uint32, bitcast=True) < tl.minimum(n64, 0x7FFFFFFF).to(tl.uint32)
+        # Every non-negative int32 is below an n of 2**31 or more: n saturated at 2**31 (a scalar, once), where the
+        # unsigned compare is exactly "x >= 0", INT32_MAX included.
+        return x.to(tl.uint32, bitcast=True) < tl.minimum(n64, 0x80000000).to(tl.uint32)
 
 
 @triton.jit
