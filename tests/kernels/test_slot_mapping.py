@@ -118,3 +118,35 @@ def test_slot_mapping_block_limit_past_int32(kernel_device, monitor):
     sm.slot_mapping(*args, num_kv_blocks=INT32_MAX, ctr=ctr)
     assert slots.cpu().tolist() == [-1, 12]
     assert_hits(ctr[2], [(0, INT32_MAX)])
+
+
+@pytest.mark.parametrize("table_dtype", [I32, I64])
+@pytest.mark.parametrize("pos_dtype", [I32, I64])
+def test_slot_mapping_sizes_past_32_bits(kernel_device, monitor, table_dtype, pos_dtype):
+    """A block of 2**32 tokens (a shift past an int32 position's width: the column is formed in 64 bits) and a pool
+    of 2**31 + 5 blocks (past int32: compared in 64 bits against an int64 table, saturated against an int32 one):
+    the slots and the counts are the reference's."""
+    table = ids([[1, 2]], kernel_device, table_dtype)
+    pos, rows = ids([0, 5, -1], kernel_device, pos_dtype), ids([0, 0, 0], kernel_device)
+    slots = torch.zeros(3, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    sm.slot_mapping(pos, rows, table, slots, 2**32, num_kv_blocks=2**31 + 5, ctr=ctr)
+    ref, hits = sm.slot_mapping_reference(pos, rows, table, 2**32, 2**31 + 5)
+    assert slots.cpu().tolist() == ref.tolist() == [2**32, 2**32 + 5, -1]
+    assert hits["column"] == [(2, -1)]
+    assert_hits(ctr[1], hits["column"])
+    assert_hits(ctr[2], [])
+
+
+def test_slot_mapping_refuses_sizes_past_int64(kernel_device, monitor):
+    """A size Triton would pass as uint64 (2**63 or more) is refused by name; the control: 2**63 - 1 is taken."""
+    table = ids([[1, 2]], kernel_device)
+    args = (ids([0, 5], kernel_device), ids([0, 0], kernel_device), table, torch.zeros(2, dtype=I64, device=kernel_device))
+    ctr = counters(sm.SITES, kernel_device, monitor)
+    with pytest.raises(ValueError, match="num_kv_blocks must fit in an int64"):
+        sm.slot_mapping(*args, 16, num_kv_blocks=2**63, ctr=ctr)
+    with pytest.raises(ValueError, match="block_size must fit in an int64"):
+        sm.slot_mapping(*args, 2**64, ctr=ctr)
+    sm.slot_mapping(*args, 16, num_kv_blocks=2**63 - 1, ctr=ctr)
+    assert args[3].cpu().tolist() == [16, 21]
+    assert_hits(ctr[2], [])

@@ -169,11 +169,19 @@ def check_requests(requests: object, n: int, unit: str, device: torch.device) ->
     return requests
 
 
+# The largest int a kernel argument may hold: Triton passes an int of 2**63 or more as uint64, and the kernels'
+# signed compares (and their int64 counters) would read it wrong.
+INT64_MAX = (1 << 63) - 1
+
+
 def check_int_arg(name: str, v: object, *, lo: int = 0) -> int:
+    """``v`` as a kernel's int argument: an int (not a bool) in ``[lo, 2**63 - 1]``."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if v < lo:
         raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if v > INT64_MAX:
+        raise ValueError(f"{name} must fit in an int64 (<= 2**63 - 1), got {v}")
     return v
 
 

@@ -80,6 +80,9 @@ def _launch_shape(T: int) -> tuple[int, int]:
 def _column(pos, block_size, LOG2_BS: tl.constexpr):
     """``(column, offset within the block)`` of positions (int32 or int64, kept in their dtype): floor division,
     also for negative positions."""
+    if LOG2_BS >= 31:
+        # A block of 2**31 tokens or more: a shift of 31 or more needs 64 bits (a constexpr branch: free otherwise).
+        pos = pos.to(tl.int64)
     if LOG2_BS >= 0:
         # A power-of-two block size (every engine's): the arithmetic shift IS floor division for signed integers
         # and the mask is the matching remainder. A runtime int64 division is a long emulated sequence that made
@@ -101,7 +104,7 @@ def _below(x, n):
     on the path between the index loads and the table load that depends on them; 32 bits for a 32-bit ``x``."""
     n64 = tl.cast(n, tl.int64)  # n may be a constexpr (Triton specialises a size of 1) or an int32/int64 scalar
     if x.dtype.primitive_bitwidth == 64:
-        return x.to(tl.uint64, bitcast=True) < n64.to(tl.uint64, bitcast=True)
+        return x.to(tl.uint64, bitcast=True) < n64.to(tl.uint64)  # n >= 0: the value cast keeps its bits
     else:
         # Every non-negative int32 is below an n of 2**31 or more: n saturated at 2**31 (a scalar, once), where the
         # unsigned compare is exactly "x >= 0", INT32_MAX included.
