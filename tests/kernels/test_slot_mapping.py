@@ -141,7 +141,12 @@ def test_slot_mapping_sizes_past_32_bits(kernel_device, monitor, table_dtype, po
 def test_slot_mapping_refuses_sizes_past_int64(kernel_device, monitor):
     """A size Triton would pass as uint64 (2**63 or more) is refused by name; the control: 2**63 - 1 is taken."""
     table = ids([[1, 2]], kernel_device)
-    args = (ids([0, 5], kernel_device), ids([0, 0], kernel_device), table, torch.zeros(2, dtype=I64, device=kernel_device))
+    args = (
+        ids([0, 5], kernel_device),
+        ids([0, 0], kernel_device),
+        table,
+        torch.zeros(2, dtype=I64, device=kernel_device),
+    )
     ctr = counters(sm.SITES, kernel_device, monitor)
     with pytest.raises(ValueError, match="num_kv_blocks must fit in an int64"):
         sm.slot_mapping(*args, 16, num_kv_blocks=2**63, ctr=ctr)
