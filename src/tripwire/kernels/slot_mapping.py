@@ -237,7 +237,8 @@ def slot_mapping(
         block_table: int32/int64 ``[R, W]``.
         slots: int64 ``[T]`` output.
         block_size: tokens per KV block (> 0), a host int.
-        num_kv_blocks: the KV pool's block count; given, block ids read from the table are guarded too.
+        num_kv_blocks: the KV pool's block count; given, block ids read from the table are guarded too. Both host
+            ints at most 2**63 - 1 (ValueError past it: Triton would pass them as uint64).
         guard: False launches the unguarded twin (benchmarks and the sanitizer control only).
         ctr: int64 ``[3, 8]``, the counter rows of :data:`SITES` (default: the default monitor's).
         requests: int32/int64 ``[T]``, the request id of each token (row ``t``), kept with its offenders; None:
