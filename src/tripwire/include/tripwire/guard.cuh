@@ -216,6 +216,11 @@ TRIPWIRE_DEVICE void record(int64_t* ctr, bool bad, long long row, long long val
   detail::fault(reinterpret_cast<long long*>(ctr), active, ballot, saturate(row), saturate(value), qb);
 }
 
+// record_hit's whole record, out of line (see record_hit).
+TRIPWIRE_COLD void hit(int64_t* ctr, long long row, long long value, long long request) {
+  record(ctr, true, row, value, request_word(request));
+}
+
 }  // namespace detail
 
 // Record every thread of the warp's current code path whose `bad` is true, at (row, value), with the request it
@@ -234,11 +239,6 @@ TRIPWIRE_DEVICE void record_hits(int64_t* ctr, bool bad, long long row, long lon
 // blocks see the same bad entry, put the condition that picks one of them into the `if`. The whole record (the
 // ballot, the saturation, the request's word) is one out-of-line call: under the `if`, the kernel holds the call's
 // arguments and nothing else of it.
-namespace detail {
-TRIPWIRE_COLD void hit(int64_t* ctr, long long row, long long value, long long request) {
-  record(ctr, true, row, value, request_word(request));
-}
-}  // namespace detail
 TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value) { detail::hit(ctr, row, value, -1); }
 TRIPWIRE_DEVICE void record_hit(int64_t* ctr, long long row, long long value, long long request) {
   detail::hit(ctr, row, value, request);
