@@ -121,6 +121,28 @@ def adopted(guarded: bool) -> dict:
     return {"vllm_decode_gqa": decode(8), "vllm_decode_mha": decode(32), "vllm_reshape": reshape(256)}
 
 
+def step_reductions() -> dict:
+    """slot_mapping at an engine step's size, guarded: the reductions in its SASS (REDUX, or a barrier), as launched
+    (bad tokens record themselves: tripwire.triton.record_lanes) and, the control, with the vote and record_tiles
+    (LANES off)."""
+    import dataclasses
+    import re
+    import subprocess
+    import tempfile
+
+    launch = rs.capture_launches(shipped(True)["slot_mapping_step"])[0]
+    out = {}
+    for name, lanes in (("lanes", True), ("vote", False)):
+        assert launch.kwargs["LANES"] is True
+        one = dataclasses.replace(launch, kwargs={**launch.kwargs, "LANES": lanes})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(rs._compile(one).asm["cubin"])
+            f.flush()
+            sass = subprocess.run([rs._tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        out[name] = len(re.findall(r"\b(REDUX|BAR\.SYNC)", sass))
+    return out
+
+
 def usage(fn) -> list:  # type: ignore[no-untyped-def]
     return [[u.kernel, u.regs, u.spill_bytes, u.programs_per_sm] for u in map(rs.triton_usage, rs.capture_launches(fn))]
 
@@ -145,6 +167,7 @@ def main() -> None:
             out[name]["inline"] = usage(fn)
     for name, fn in adopted(False).items():
         out[name]["twin"] = usage(fn)
+    out["step_reductions"] = step_reductions()
     print(json.dumps(out))
 
 

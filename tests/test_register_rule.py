@@ -122,3 +122,12 @@ def test_control_the_rule_flags_a_costly_guard(usage):
     g, t = _rows(usage, case, kernel, "inline"), _rows(usage, case, kernel, "twin")
     assert not _free(g, t) and g[3] < t[3], (g, t)
     assert _free(t, t)
+
+
+def test_slot_mapping_step_has_no_vote(usage: dict) -> None:
+    """slot_mapping at an engine step's size has no reduction at all: each bad token records itself
+    (tripwire.triton.record_lanes), so a clean program waits for nothing after its table load. The control, the same
+    launch with the vote and record_tiles (what a bandwidth launch runs): reductions."""
+    n = usage["step_reductions"]
+    assert n["lanes"] == 0, n
+    assert n["vote"] > 0, n

@@ -155,3 +155,53 @@ def test_slot_mapping_refuses_sizes_past_int64(kernel_device, monitor):
     sm.slot_mapping(*args, 16, num_kv_blocks=2**63 - 1, ctr=ctr)
     assert args[3].cpu().tolist() == [16, 21]
     assert_hits(ctr[2], [])
+
+
+@pytest.mark.parametrize("with_requests", [True, False])
+def test_slot_mapping_step_records_every_bad_token(kernel_device, monitor, hit_of, with_requests):
+    """An engine step's launch (one token per thread, where each bad token records itself on the GPU:
+    tripwire.triton.record_lanes) with many bad tokens per program, at every site and in the last, partial program:
+    counts and extremes exact, the first pair and every kept offender real ones (with the token's request), as many
+    offenders kept as the block holds, and all of them done. The control: the same launch with the row site's
+    bad tokens made good counts none there."""
+    R, W, bs, tokens = 6, 8, 16, 100
+    g = torch.Generator().manual_seed(7)
+    table = torch.randperm(R * W, generator=g).reshape(R, W).to(I32)
+    rows = torch.randint(0, R, (tokens,), generator=g, dtype=I32)
+    pos = torch.randint(0, W * bs, (tokens,), generator=g, dtype=I64)
+    bad_rows = list(range(0, tokens, 7))  # 15 tokens, in every program, the last included
+    bad_cols = list(range(3, tokens, 11))
+    rows[bad_rows] = torch.tensor([R + (t % 3) if t % 2 else -1 - t for t in bad_rows], dtype=I32)
+    pos[bad_cols] = torch.tensor([W * bs + t if t % 2 else -t - 1 for t in bad_cols], dtype=I64)
+    table[1, 2] = R * W + 5  # a block id past the pool: every token that reads (1, 2)
+    rows[[50, 61, 99]] = 1
+    pos[[50, 61, 99]] = 2 * bs + 3
+    requests = torch.arange(tokens, dtype=I64) * 10 - 5 if with_requests else None
+    slots = torch.zeros(tokens, dtype=I64, device=kernel_device)
+    ctr = counters(sm.SITES, kernel_device, monitor)
+
+    def run(rows):
+        args = [x.to(kernel_device) for x in (pos, rows, table)]
+        req = None if requests is None else requests.to(kernel_device)
+        sm.slot_mapping(*args, slots, bs, num_kv_blocks=R * W, ctr=ctr, requests=req)
+
+    run(rows)
+    ref, hits = sm.slot_mapping_reference(pos, rows, table, bs, R * W)
+    assert torch.equal(slots.cpu(), ref)
+    k = monitor.offenders
+    for i, site in enumerate(sm.SITES):
+        name = site.name.rsplit(".", 1)[1]
+        want = hits[name]
+        assert want, name
+        assert_hits(ctr[i], want)
+        hit = hit_of(monitor, site.name)
+        req = {t: (None if requests is None or requests[t] < 0 else int(requests[t])) for t, _ in want}
+        kept = [tuple(o) for o in hit.offenders]
+        assert len(kept) == min(k, len(want)), (name, kept)
+        assert set(kept) <= {(t, v, req[t]) for t, v in want}, (name, kept)
+    # The control: the row site's bad tokens made good count nothing more there.
+    before = ctr[0, 0].item()
+    fixed = rows.clone()
+    fixed[bad_rows] = 0
+    run(fixed)
+    assert ctr[0, 0].item() == before

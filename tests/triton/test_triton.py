@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tripwire.layout import VALUE_MAX, VALUE_MIN, decode, decode_neg
-from tripwire.triton import GUARD_BIAS, any_outside, guard_index, record_hit, record_hits
+from tripwire.triton import GUARD_BIAS, any_outside, guard_index, record_hit, record_hits, record_lanes
 
 
 @triton.jit
@@ -465,6 +465,77 @@ def test_offenders_first_k_distinct(make_monitor, hit_of, lanes, block, k, has_r
         assert hit is None
         return
     _check_kept(hit, hits, k)
+
+
+@triton.jit
+def _lanes_kernel(c0, c1, c2, bad_ptr, rows_ptr, vals_ptr, reqs_ptr, n, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr):
+    """record_lanes over three sites: lane bits 1, 2 and 4 flag sites 0, 1 and 2; their values v, v + 1 and 2v."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    bits = tl.load(bad_ptr + offs, mask=m, other=0)
+    rows = tl.load(rows_ptr + offs, mask=m, other=0)
+    vals = tl.load(vals_ptr + offs, mask=m, other=0)
+    reqs = None
+    if HAS_REQ:
+        reqs = tl.load(reqs_ptr + offs, mask=m, other=0)
+    bads = (m & ((bits & 1) != 0), m & ((bits & 2) != 0), m & ((bits & 4) != 0))
+    record_lanes((c0, c1, c2), bads, rows, (vals, vals + 1, vals * 2), reqs)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lanes=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5), st.integers(-4, 4), _req_pool), min_size=1,
+                   max_size=70),
+    block=st.sampled_from([32, 128]),
+    k=st.sampled_from([1, 3, 8]),
+    has_req=st.booleans(),
+)  # fmt: skip
+def test_record_lanes_against_reference(make_monitor, hit_of, lanes, block, k, has_req):
+    """record_lanes (each lane records itself, no vote: compiled, PTX) over three sites of random bad lanes, repeats
+    common: per site the count and extremes exact, the first pair one real hit, the first K distinct offenders kept
+    (in claim order under the interpreter; on the GPU, where lanes race, some K of them, all when they fit). A site
+    with no bad lane records nothing."""
+    mon = make_monitor(offenders=k)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    names = [f"t.lanes{i}" for i in range(3)]
+    ctrs = [mon.counter(mon.registry.register(name), dev) for name in names]
+    bits, rows, vals, reqs = (torch.tensor(c, dtype=torch.int64, device=dev) for c in zip(*lanes, strict=True))
+    n = len(lanes)
+    # One thread per lane (the helper's precondition): a block of 32 lanes per warp.
+    _lanes_kernel[(triton.cdiv(n, block),)](
+        *ctrs, bits, rows, vals, reqs, n, HAS_REQ=has_req, BLOCK=block, num_warps=block // 32
+    )
+    sat = lambda q: max(VALUE_MIN, min(VALUE_MAX, q))  # noqa: E731
+    for i, (name, ctr) in enumerate(zip(names, ctrs, strict=True)):
+        value = [lambda v: v, lambda v: v + 1, lambda v: 2 * v][i]
+        mine = [(r, value(v), sat(q) if has_req and q >= 0 else None) if b >> i & 1 else None for b, r, v, q in lanes]
+        hits = _claim_order(mine, block)
+        hit = hit_of(mon, name)
+        if not hits:
+            assert hit is None and ctr.cpu()[:6].abs().sum() == 0
+            continue
+        d = decoded(ctr)
+        assert d["count"] == len(hits)
+        assert d["max_row"] == max(h[0] for h in hits)
+        assert (d["max_value"], d["min_value"]) == (max(h[1] for h in hits), min(h[1] for h in hits))
+        assert (d["first_row"], d["first_value"]) in {(h[0], h[1]) for h in hits}
+        _check_kept(hit, hits, k)
+
+
+def test_record_lanes_needs_a_thread_per_lane(make_monitor, kernel_device):
+    """record_lanes' precondition: each lane held by one thread. A block of 32 lanes over one warp records its one bad
+    lane once; the control, the same block over 4 warps (every lane held by 4 threads), records it once per copy
+    when compiled (the PTX runs in every thread that holds the lane). The interpreter has no threads: once."""
+    bits = torch.zeros(32, dtype=torch.int64, device=kernel_device)
+    bits[5] = 1
+    z = torch.zeros(32, dtype=torch.int64, device=kernel_device)
+    counts = []
+    for warps in (1, 4):
+        mon = make_monitor(offenders=4)
+        ctrs = [mon.counter(mon.registry.register(f"t.replica{i}"), kernel_device) for i in range(3)]
+        _lanes_kernel[(1,)](*ctrs, bits, z, z, z, 32, HAS_REQ=False, BLOCK=32, num_warps=warps)
+        counts.append(int(ctrs[0][0]))
+    assert counts == ([1, 1] if INTERPRET else [1, 4])
 
 
 def test_offenders_in_one_program_and_across_programs(make_monitor, hit_of, kernel_device):

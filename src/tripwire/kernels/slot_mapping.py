@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton import record_tiles
+from ..triton import record_lanes, record_tiles
 from ._common import (
     INDEX_DTYPES,
     check_fake_ctr,
@@ -172,6 +172,7 @@ def _slot_mapping(
     HAS_BLOCK_LIMIT: tl.constexpr,
     GUARD: tl.constexpr,
     HAS_REQ: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = offs < T
@@ -190,17 +191,32 @@ def _slot_mapping(
         blk = tl.load(table_ptr + tl.where(ok, r.to(tl.int64) * W + col, 0), mask=ok, other=0)
         any_bad = m & ((row_ok & col_ok) == 0)
         if HAS_BLOCK_LIMIT:
+            ok_rc = ok
             blk_ok = _below(blk, num_blocks)
             any_bad = any_bad | (ok & (blk_ok == 0))
             ok = ok & blk_ok
         slot = tl.where(ok, blk.to(tl.int64) * block_size + within, -1)
         tl.store(slots_ptr + offs, slot, mask=m)
-        # Record AFTER the store, behind one reduction: a reduction placed between the index loads and the dependent
-        # table load delays that load; clean programs pay one reduction and no atomics. At one warp per program
-        # (_launch_shape) the reduction is a warp's (no shared memory, no barrier).
-        if tl.sum(any_bad.to(tl.int32), axis=None) > 0:
-            # The fault path: the program's tokens formed again, a tile at a time, by out-of-line functions
-            # (record_tiles), site after site; nothing of it is live beside the hot path's words.
+        if LANES:
+            # An engine step's launch (one token per thread): each bad token records itself (record_lanes), with no
+            # vote. A vote over the block check waits for the table load, and the program for the vote: at a few
+            # programs per launch that wait was the guard's whole cost. The sites as the tiles record them: row and
+            # column independently, the block id only where both are in range.
+            req = offs.to(tl.int64) * 0 - 1  # not known
+            if HAS_REQ:
+                req = tl.load(req_ptr + offs, mask=any_bad, other=-1).to(tl.int64)  # a bad token's only
+            row_bad = m & (row_ok == 0)
+            col_bad = m & (col_ok == 0)
+            if HAS_BLOCK_LIMIT:
+                record_lanes((ctr_ptr, ctr_ptr + 8, ctr_ptr + 16), (row_bad, col_bad, ok_rc & (blk_ok == 0)), offs,
+                             (r, col, blk), req)  # fmt: skip
+            else:
+                record_lanes((ctr_ptr, ctr_ptr + 8), (row_bad, col_bad), offs, (r, col), req)
+        elif tl.sum(any_bad.to(tl.int32), axis=None) > 0:
+            # A bandwidth launch: record AFTER the store, behind one reduction per 1024 tokens (a reduction placed
+            # between the index loads and the dependent table load would delay that load); clean programs pay the
+            # reduction and no atomics. The fault path: the program's tokens formed again, a tile at a time, by
+            # out-of-line functions (record_tiles), site after site; nothing of it is live beside the hot path's.
             start = tl.program_id(0) * BLOCK_T
             limit = tl.minimum(start + BLOCK_T, T)
             tiles = tl.cdiv(BLOCK_T, FAULT_T)
@@ -282,6 +298,9 @@ def slot_mapping(
         HAS_BLOCK_LIMIT=num_kv_blocks is not None,
         GUARD=bool(guard),
         HAS_REQ=req is not None,
+        # At one warp per program (an engine step's launch), bad tokens record themselves: no vote (record_lanes,
+        # whose precondition holds there: 32 tokens over 32 threads, each token held by one).
+        LANES=warps == 1,
         num_warps=warps,
     )
     return slots

@@ -10,6 +10,10 @@ calls one of:
 * :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None)`` -> ``(safe_idx, ok)``: the index
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
+* :func:`record_lanes` ``(ctr_ptrs, bads, rows, values, reqs=None)`` -- for one to three sites (tuples), every true
+  lane, each lane by itself (compiled: PTX behind one branch per lane): no vote, so a clean program waits for nothing. For a kernel of
+  a few programs whose checks read a dependent load (an engine step's slot mapping), where a vote's latency is the
+  guard's cost.
 * :func:`record_tiles` ``(ctr_ptr, TILE, C, args, tiles)`` -- the fault path of a kernel whose hot path keeps only a
   vote: ``TILE(C, args, t)`` (a ``@triton.jit`` function; ``C`` constexprs, ``args`` a tuple of scalars) forms tile
   ``t``'s ``(bad, rows, values, reqs)`` again from memory, inside out-of-line functions, and each tile is recorded as
@@ -59,18 +63,17 @@ import triton.language as tl
 from ..layout import E_REQ as _E_REQ
 from ..layout import E_ROW as _E_ROW
 from ..layout import E_VALUE as _E_VALUE
-from ..layout import GUARD_BIAS as _GUARD_BIAS_INT
-from ..layout import KEY_MIX as _KEY_MIX
 from ..layout import OFF_DONE as _OFF_DONE
 from ..layout import OFF_ENTRY as _OFF_ENTRY
 from ..layout import OFF_HEADER as _OFF_HEADER
 from ..layout import OFFENDERS as _OFFENDERS
-from ..layout import VALUE_MAX as _VALUE_MAX
-from ..layout import VALUE_MIN as _VALUE_MIN
 from ._callee import _INTERP as _INTERP
 from ._callee import _PTX as _PTX
 from ._callee import CALLEE_SMEM_SAFE as CALLEE_SMEM_SAFE
 from ._callee import _bound, _claim_walk_ptx, _cold, _cold_block, _first_pair_ptx
+from ._lanes import _lane_records
+from ._words import _VMAX, _VMIN, _offender_key, _req_words, _saturate
+from ._words import GUARD_BIAS as GUARD_BIAS
 
 __all__ = [
     "CALLEE_SMEM_SAFE",
@@ -79,17 +82,12 @@ __all__ = [
     "guard_index",
     "record_hit",
     "record_hits",
+    "record_lanes",
     "record_tiles",
 ]
 
-# A constexpr, because a plain module-level int is not readable from a @triton.jit body.
-GUARD_BIAS = tl.constexpr(_GUARD_BIAS_INT)
 # Larger than any encoded word: the neutral element of the "lowest row" reduction.
 _NO_ROW = tl.constexpr((1 << 63) - 1)
-# Values are saturated into the encodable range before biasing: corrupted int64 metadata (uninitialised memory,
-# a pointer-sized junk value) must not wrap around the bias and be reported as something else, or as nothing.
-_VMIN = tl.constexpr(_VALUE_MIN)
-_VMAX = tl.constexpr(_VALUE_MAX)
 # The offender block (tripwire.layout): where slot 7 points, its header and entry shape.
 _OFF_SLOT = tl.constexpr(_OFFENDERS)
 _HEADER = tl.constexpr(_OFF_HEADER)
@@ -98,34 +96,6 @@ _ENTRY = tl.constexpr(_OFF_ENTRY)
 _EROW = tl.constexpr(_E_ROW)
 _EVALUE = tl.constexpr(_E_VALUE)
 _EREQ = tl.constexpr(_E_REQ)
-# The offender key's finalizer multipliers (tripwire.layout.offender_key; include/tripwire/guard.cuh computes the same
-# key), as the int64 numbers with their bits: int64 multiplication wraps like the unsigned one.
-_M1 = tl.constexpr(_KEY_MIX[0] - (1 << 64))
-_M2 = tl.constexpr(_KEY_MIX[1] - (1 << 64))
-
-
-@triton.jit
-def _saturate(x):
-    return tl.minimum(tl.maximum(x, _VMIN), _VMAX)
-
-
-@triton.jit
-def _fmix(h):
-    # `>>` is arithmetic on int64: masking the 31 bits that remain makes it the logical shift.
-    h = h ^ ((h >> 33) & 0x7FFFFFFF)
-    h = h * _M1
-    h = h ^ ((h >> 33) & 0x7FFFFFFF)
-    h = h * _M2
-    return h ^ ((h >> 33) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _offender_key(rb, vb, qb):
-    """A non-zero 64-bit key of an offender's biased row, value and request words (tripwire.layout.offender_key:
-    chained finalizers in wrapping int64 arithmetic, not a linear mix, whose collisions the bias would hit)."""
-    return _fmix(_fmix(_fmix(rb) ^ vb) ^ qb) | 1
-
-
 # ------------------------------------------------------------------------------------------- the cold fault path
 # Out of line (noinline): a call, not code inlined into the caller. Inlined, the fault path's atomics, loops and
 # 64-bit scalars are scheduled and register-allocated with the caller's hot code, and a kernel is allocated
@@ -277,20 +247,6 @@ def _fault(ctr_ptr, n, b, r, v, qb):
     _record_words(ctr_ptr, n, max_r, max_v, neg_min, first_r, first_v)
     _claim_offenders(ctr_ptr, b, rb, vb, qb)
     _offenders_done(ctr_ptr, n)
-
-
-@triton.jit
-def _req_words(reqs, like):
-    """Biased request words of ``reqs`` broadcast to ``like``'s shape; 0 (not known) when ``reqs`` is None and for
-    negative request ids (the convention for "this lane has no request": padding, a lookup that found none)."""
-    # if/else, not an early return: the compiler (unlike the interpreter) goes on past a `return` inside a static
-    # `if` and would then call .to() on None.
-    if reqs is None:
-        q = like * 0
-    else:
-        r = reqs.to(tl.int64) + like * 0
-        q = tl.where(r < 0, 0, _saturate(r) + GUARD_BIAS)
-    return q
 
 
 @triton.jit
@@ -471,6 +427,30 @@ def record_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
     run in 32 bits for int32 rows and values (the words are the same). Make a tile one element per thread
     (``32 * num_warps`` lanes) and ``args`` small: the out-of-line functions receive them in registers."""
     _fault_tiles(ctr_ptr, TILE, C, args, tiles)
+
+
+@triton.jit
+def record_lanes(ctr_ptrs, bads, rows, values, reqs=None):
+    """Record, for each of one to three sites, every true lane of its block, each lane by itself: the same words as
+    :func:`record_hits` (counts and extremes exact), with no reduction. ``ctr_ptrs``, ``bads`` and ``values`` are
+    tuples, one entry per site (counter rows, block masks, the values recorded); ``rows`` the lanes' rows and
+    ``reqs`` their requests (negative where not known), shared by the sites. All blocks of one shape, and each lane
+    held by ONE thread: a 1-D block of at least ``32 * num_warps`` lanes. A smaller block is replicated across
+    threads, and compiled, every copy records (the PTX runs per thread; Triton masks the copies of its own stores and
+    atomics, not of inline PTX), so a bad lane would count once per copy.
+
+    Compiled, each lane runs one compare and one branch over its whole record (PTX, tripwire.triton._lanes): a
+    clean program waits on nothing, where a vote makes it wait for the reduction and with it for the loads its
+    input depends on (a block id read through a table row). For a kernel of a few programs that wait is the guard's
+    cost. The first pair is one real hit (whichever lane lands first, not the program's lowest); the offenders are
+    distinct, in the order they land. A bad lane costs its own atomics: for many bad lanes per program
+    :func:`record_hits` (one set of atomics) is cheaper. Under the interpreter it is :func:`record_hits`, per site.
+    """
+    if _INTERP:
+        for i in tl.static_range(len(bads)):
+            record_hits(ctr_ptrs[i], bads[i], rows, values[i], reqs)
+    else:
+        _lane_records(ctr_ptrs, bads, rows, values, reqs)
 
 
 @triton.jit
