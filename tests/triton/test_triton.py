@@ -538,6 +538,28 @@ def test_record_lanes_needs_a_thread_per_lane(make_monitor, kernel_device):
     assert counts == ([1, 1] if INTERPRET else [1, 4])
 
 
+@triton.jit
+def _sites_kernel(c0, c1, c2, c3, x_ptr, N: tl.constexpr):
+    offs = tl.arange(0, 32)
+    x = tl.load(x_ptr + offs)
+    if N == 4:
+        record_lanes((c0, c1, c2, c3), (x > 0, x > 1, x > 2, x > 3), offs, (x, x, x, x))
+    else:
+        record_lanes((c0, c1), (x > 0, x > 1), offs, (x, x))
+
+
+def test_record_lanes_refuses_four_sites(kernel_device):
+    """record_lanes takes one to three sites: four are refused when the kernel is built (compiled, they would
+    otherwise leave the fourth unrecorded). The control, two sites, records both."""
+    ctrs = [torch.zeros(8, dtype=torch.int64, device=kernel_device) for _ in range(4)]
+    x = torch.arange(32, dtype=torch.int64, device=kernel_device)
+    with pytest.raises(Exception) as err:  # the interpreter's AssertionError, or the compiler's error around one
+        _sites_kernel[(1,)](*ctrs, x, N=4, num_warps=1)
+    assert "1 to 3 sites" in str(err.value) + repr(err.value.__cause__)
+    _sites_kernel[(1,)](*ctrs, x, N=2, num_warps=1)
+    assert [int(c[0]) for c in ctrs] == [31, 30, 0, 0]
+
+
 def test_offenders_in_one_program_and_across_programs(make_monitor, hit_of, kernel_device):
     """5 distinct offenders in one program, then a program with 2 repeats and 2 new ones: 7 kept of K = 8, in
     arrival order; the count is the 10 bad lanes. Control: the same bad lanes in one program each, with the repeats'

@@ -26,7 +26,9 @@ Cost: the fault path is out of line (called ``noinline`` functions, not code inl
 launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
 Triton's ``noinline`` functions take scalars only: ``record_hit`` is out of line as a whole; ``record_hits`` and
 ``guard_index`` reduce their block in the caller (after the vote, which is the whole hot path) and call out for
-the rest. ``tripwire resources`` shows what a guarded kernel occupies beside its twin (docs/guarding.md).
+the rest. ``record_lanes`` is the exception: its record is per-lane PTX inline in the kernel, behind one branch
+per lane (no vote, no call), so it does cost registers of its own. ``tripwire resources`` shows what a guarded
+kernel occupies beside its twin (docs/guarding.md).
 
 Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
 ``record_hits`` counts LANES. A count should mean bad ENTRIES: where one entry is held by several lanes (a page id
@@ -38,7 +40,7 @@ Write order: the count is bumped first and the extremes after it, so a reader co
 the extremes; the reader therefore reports from the *next* copy. The first offender is claimed with a
 compare-and-swap of slot 4 from 0 and only the winner writes slot 5, so (slot 4, slot 5) is one real hit.
 "First" within a program means the lowest row, then the lowest value in that row; across programs, whichever
-program wins the CAS.
+program wins the CAS (with ``record_lanes``, whichever lane does).
 
 Offenders: the fault path also keeps the row's first K distinct (row, value, request) offenders in the row's
 offender block (:mod:`tripwire.layout`): programs in the order they arrive, a program's own lowest (row, value,
@@ -46,7 +48,8 @@ request) first. ``req``/``reqs`` name the request of each hit (a row-to-request 
 kernel has none; a negative id means not known). Distinct means a distinct 64-bit key of the three: a repeat of an
 offender already kept claims nothing. A kept offender, like the first pair, is written after the count, so the
 reader waits for it the same way. The claims run one offender at a time (scalar code), so the compiled fault path
-adds no per-lane state to a kernel's register budget, taken or not.
+adds no per-lane state to a kernel's register budget, taken or not. ``record_lanes`` claims lane by lane, in the
+order the lanes land, and adds each lane's hit to the block's done count after its own claim.
 
 Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs. Values
 beyond the encodable range (|v| >= 2**62, e.g. junk int64 metadata) are recorded saturated at +-(2**62 - 1);
@@ -443,9 +446,12 @@ def record_lanes(ctr_ptrs, bads, rows, values, reqs=None):
     clean program waits on nothing, where a vote makes it wait for the reduction and with it for the loads its
     input depends on (a block id read through a table row). For a kernel of a few programs that wait is the guard's
     cost. The first pair is one real hit (whichever lane lands first, not the program's lowest); the offenders are
-    distinct, in the order they land. A bad lane costs its own atomics: for many bad lanes per program
+    distinct, in the order they land, and each lane adds its one hit to the block's done count after its claim.
+    One to three sites, the three tuples of one length (checked when compiling). A bad lane costs its own atomics: for many bad lanes per program
     :func:`record_hits` (one set of atomics) is cheaper. Under the interpreter it is :func:`record_hits`, per site.
     """
+    tl.static_assert(len(bads) >= 1 and len(bads) <= 3, "record_lanes takes 1 to 3 sites")
+    tl.static_assert(len(ctr_ptrs) == len(bads) and len(values) == len(bads), "one counter row and values per site")
     if _INTERP:
         for i in tl.static_range(len(bads)):
             record_hits(ctr_ptrs[i], bads[i], rows, values[i], reqs)

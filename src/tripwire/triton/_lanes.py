@@ -75,8 +75,8 @@ def _lanes_ptx(n: int) -> str:
     """The record of ``n`` sites for one lane. Operands: $0 (unused output), $1..$n the sites' flags (b32), then
     their counter rows' addresses, the lane's row, the sites' values and the lane's request (s64; negative: not
     known). One branch skips it all for a clean lane, so a clean program runs a compare and a branch and waits for
-    nothing. Every atomic is acq_rel at gpu scope, as Triton's default atomics in the block helpers: a later word is
-    ordered after the count. ${:uid} makes the labels unique per copy of the block."""
+    nothing. Every atomic is acq_rel at gpu scope, as Triton's default atomics in the block helpers (a later word is
+    ordered after the count), but an offender's ROW, exchanged last with release at system scope as in _WALK_PTX. ${:uid} makes the labels unique per copy of the block."""
     bad = [f"${1 + i}" for i in range(n)]
     ctr = [f"${1 + n + i}" for i in range(n)]
     row = f"${1 + 2 * n}"
@@ -118,7 +118,6 @@ def _lane_records_ptx(bads, ctrs, row, values, req):
         tl.inline_asm_elementwise(_PTX2, _C2, [bads[0], bads[1], ctrs[0], ctrs[1], row, values[0], values[1], req],
                                   dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
     else:
-        tl.static_assert(len(bads) == 3, "record_lanes takes 1 to 3 sites")
         tl.inline_asm_elementwise(
             _PTX3, _C3,
             [bads[0], bads[1], bads[2], ctrs[0], ctrs[1], ctrs[2], row, values[0], values[1], values[2], req],
