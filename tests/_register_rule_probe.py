@@ -131,9 +131,9 @@ def step_reductions() -> dict:
     import tempfile
 
     launch = rs.capture_launches(shipped(True)["slot_mapping_step"])[0]
+    assert launch.kwargs["LANES"] is True
     out = {}
     for name, lanes in (("lanes", True), ("vote", False)):
-        assert launch.kwargs["LANES"] is True
         one = dataclasses.replace(launch, kwargs={**launch.kwargs, "LANES": lanes})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(rs._compile(one).asm["cubin"])

@@ -29,8 +29,8 @@ the owner then writes ``REQ`` (the request id biased, 0 = not known) and ``VALUE
 ``ROW`` (biased) LAST, with release ordering: ``REQ`` may legally be 0, so only ``ROW`` (never 0 once written) can
 tell a reader that the entry is complete. So the block holds the first ``K`` DISTINCT offenders in claim order
 (programs, or warps in ``guard.cuh``, as they arrive; a Triton program claims its own lowest (row, value, request)
-first; with ``record_lanes``, lanes as they arrive), and a reader that sees a claimed key waits (like for the first pair) until its ``ROW`` and ``VALUE`` have
-landed.
+first; with ``record_lanes``, lanes as they arrive), and a reader that sees a claimed key waits (like for the first
+pair) until its ``ROW`` and ``VALUE`` have landed.
 The key (:func:`offender_key`; the Triton helpers and ``guard.cuh`` compute it bit for bit the same) chains
 MurmurHash3's 64-bit finalizer ``fmix`` (a bijection: xor-shifts by 33, multiplies by ``KEY_MIX``, mod 2**64) over
 the biased row, value and request words::

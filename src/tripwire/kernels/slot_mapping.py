@@ -202,9 +202,9 @@ def _slot_mapping(
             # vote. A vote over the block check waits for the table load, and the program for the vote: at a few
             # programs per launch that wait was the guard's whole cost. The sites as the tiles record them: row and
             # column independently, the block id only where both are in range.
-            req = offs.to(tl.int64) * 0 - 1  # not known
+            req = None  # not known
             if HAS_REQ:
-                req = tl.load(req_ptr + offs, mask=any_bad, other=-1).to(tl.int64)  # a bad token's only
+                req = tl.load(req_ptr + offs, mask=any_bad, other=-1)  # a bad token's only
             row_bad = m & (row_ok == 0)
             col_bad = m & (col_ok == 0)
             if HAS_BLOCK_LIMIT:

@@ -11,9 +11,9 @@ calls one of:
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
 * :func:`record_lanes` ``(ctr_ptrs, bads, rows, values, reqs=None)`` -- for one to three sites (tuples), every true
-  lane, each lane by itself (compiled: PTX behind one branch per lane): no vote, so a clean program waits for nothing. For a kernel of
-  a few programs whose checks read a dependent load (an engine step's slot mapping), where a vote's latency is the
-  guard's cost.
+  lane, each lane by itself (compiled: PTX behind one branch per lane): no vote, so a clean program waits for
+  nothing. For a kernel of a few programs whose checks read a dependent load (an engine step's slot mapping), where
+  a vote's latency is the guard's cost.
 * :func:`record_tiles` ``(ctr_ptr, TILE, C, args, tiles)`` -- the fault path of a kernel whose hot path keeps only a
   vote: ``TILE(C, args, t)`` (a ``@triton.jit`` function; ``C`` constexprs, ``args`` a tuple of scalars) forms tile
   ``t``'s ``(bad, rows, values, reqs)`` again from memory, inside out-of-line functions, and each tile is recorded as
@@ -447,8 +447,9 @@ def record_lanes(ctr_ptrs, bads, rows, values, reqs=None):
     input depends on (a block id read through a table row). For a kernel of a few programs that wait is the guard's
     cost. The first pair is one real hit (whichever lane lands first, not the program's lowest); the offenders are
     distinct, in the order they land, and each lane adds its one hit to the block's done count after its claim.
-    One to three sites, the three tuples of one length (checked when compiling). A bad lane costs its own atomics: for many bad lanes per program
-    :func:`record_hits` (one set of atomics) is cheaper. Under the interpreter it is :func:`record_hits`, per site.
+    One to three sites, the three tuples of one length (checked when compiling). A bad lane costs its own atomics:
+    for many bad lanes per program :func:`record_hits` (one set of atomics) is cheaper. Under the interpreter it is
+    :func:`record_hits`, per site.
     """
     tl.static_assert(len(bads) >= 1 and len(bads) <= 3, "record_lanes takes 1 to 3 sites")
     tl.static_assert(len(ctr_ptrs) == len(bads) and len(values) == len(bads), "one counter row and values per site")

@@ -61,16 +61,27 @@ _FIRST_PAIR_PTX = tl.constexpr(
     "atom.global.acq_rel.gpu.cas.b64 old, [$1], 0, $2; setp.ne.s64 p, old, 0; @p bra DONE${:uid}; "
     "atom.global.acq_rel.gpu.exch.b64 old, [$1+8], $3; DONE${:uid}: }"
 )
+
+
+def walk_ptx(end: str, key: str, qb: str, vb: str, rb: str, done: str, tag: str = "") -> str:
+    """The offender claim as PTX, from the entry at register ``e`` up to ``end``: ``key`` compare-and-swapped into
+    each entry's KEY from 0; the entry found empty is taken (REQ ``qb``, VALUE ``vb``, then ROW ``rb`` last, released
+    at system scope), one holding ``key`` means a repeat; either way, or past ``end``, on to label ``done``. The
+    caller declares ``p``, ``e`` and ``old``; ``tag`` keeps the labels apart where one block walks more than once."""
+    return (
+        f"{tag}LOOP${{:uid}}: setp.ge.u64 p, e, {end}; @p bra {done}; "
+        f"atom.global.acq_rel.gpu.cas.b64 old, [e], 0, {key}; setp.eq.s64 p, old, 0; @p bra {tag}WIN${{:uid}}; "
+        f"setp.eq.s64 p, old, {key}; @p bra {done}; "
+        f"add.s64 e, e, {8 * _OFF_ENTRY}; bra {tag}LOOP${{:uid}}; "
+        f"{tag}WIN${{:uid}}: st.global.b64 [e+{8 * _E_REQ}], {qb}; st.global.b64 [e+{8 * _E_VALUE}], {vb}; "
+        f"atom.global.sys.release.exch.b64 old, [e+{8 * _E_ROW}], {rb}; "
+    )
+
+
 # Registers are few on purpose: a kernel is given the registers of its hungriest callee too.
 _WALK_PTX = tl.constexpr(
     "{ .reg .pred p; .reg .b64 e, old; mov.u32 $0, %tid.x; setp.ne.u32 p, $0, 0; @p bra DONE${:uid}; "
-    "mov.b64 e, $1; LOOP${:uid}: setp.ge.u64 p, e, $2; @p bra DONE${:uid}; "
-    "atom.global.acq_rel.gpu.cas.b64 old, [e], 0, $3; setp.eq.s64 p, old, 0; @p bra WIN${:uid}; "
-    "setp.eq.s64 p, old, $3; @p bra DONE${:uid}; "
-    f"add.s64 e, e, {8 * _OFF_ENTRY}; bra LOOP${{:uid}}; "
-    f"WIN${{:uid}}: st.global.b64 [e+{8 * _E_REQ}], $4; st.global.b64 [e+{8 * _E_VALUE}], $5; "
-    f"atom.global.sys.release.exch.b64 old, [e+{8 * _E_ROW}], $6; "
-    "DONE${:uid}: }"
+    "mov.b64 e, $1; " + walk_ptx("$2", "$3", "$4", "$5", "$6", "DONE${:uid}") + "DONE${:uid}: }"
 )
 
 

@@ -8,8 +8,9 @@ step's) that is the guard's whole cost. Lanes that record themselves need no vot
 
 The words, their order and the claims are the block helpers' (tripwire.triton's module docstring): the count first,
 then the extremes, the first pair (a compare-and-swap of slot 4 from 0, the winner writing slot 5: one real hit,
-here whichever lane lands first), then the offender claim (the walk of :data:`tripwire.triton._callee._WALK_PTX`,
-per lane) and the offender block's done count. Values are saturated and biased as the block helpers do it.
+here whichever lane lands first), then the offender claim (:func:`tripwire.triton._callee.walk_ptx`, the walk
+of the block helpers' claims, per lane) and the offender block's done count. Values are saturated and biased as the
+block helpers do it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..layout import E_REQ, E_ROW, E_VALUE, GUARD_BIAS, KEY_MIX, OFF_DONE, OFF_ENTRY, OFF_HEADER, OFFENDERS
+from ..layout import GUARD_BIAS, KEY_MIX, OFF_DONE, OFF_ENTRY, OFF_HEADER, OFFENDERS
 from ..layout import VALUE_MAX as VMAX
 from ..layout import VALUE_MIN as VMIN
+from ._callee import walk_ptx
 
 _B = GUARD_BIAS
 
@@ -60,13 +62,8 @@ def _site(i: int, bad: str, ctr: str, value: str) -> str:
         + _fmix("h", "s")
         + "or.b64 h, h, 1; "
         f"add.s64 e, addr, {8 * OFF_HEADER}; "
-        f"S{i}L${{:uid}}: setp.ge.u64 p, e, end; @p bra S{i}D${{:uid}}; "
-        f"atom.global.acq_rel.gpu.cas.b64 old, [e], 0, h; setp.eq.s64 p, old, 0; @p bra S{i}W${{:uid}}; "
-        f"setp.eq.s64 p, old, h; @p bra S{i}D${{:uid}}; "
-        f"add.s64 e, e, {8 * OFF_ENTRY}; bra S{i}L${{:uid}}; "
-        f"S{i}W${{:uid}}: st.global.b64 [e+{8 * E_REQ}], qb; st.global.b64 [e+{8 * E_VALUE}], vb; "
-        f"atom.global.sys.release.exch.b64 old, [e+{8 * E_ROW}], rb; "
-        f"S{i}D${{:uid}}: atom.global.acq_rel.gpu.add.u64 old, [addr+{8 * OFF_DONE}], 1; "
+        + walk_ptx("end", "h", "qb", "vb", "rb", f"S{i}D${{:uid}}", tag=f"S{i}")
+        + f"S{i}D${{:uid}}: atom.global.acq_rel.gpu.add.u64 old, [addr+{8 * OFF_DONE}], 1; "
         f"{end_label}: "
     )
 
@@ -76,7 +73,8 @@ def _lanes_ptx(n: int) -> str:
     their counter rows' addresses, the lane's row, the sites' values and the lane's request (s64; negative: not
     known). One branch skips it all for a clean lane, so a clean program runs a compare and a branch and waits for
     nothing. Every atomic is acq_rel at gpu scope, as Triton's default atomics in the block helpers (a later word is
-    ordered after the count), but an offender's ROW, exchanged last with release at system scope as in _WALK_PTX. ${:uid} makes the labels unique per copy of the block."""
+    ordered after the count), but an offender's ROW, exchanged last with release at system scope as in the walk.
+    ${:uid} makes the labels unique per copy of the block."""
     bad = [f"${1 + i}" for i in range(n)]
     ctr = [f"${1 + n + i}" for i in range(n)]
     row = f"${1 + 2 * n}"
@@ -108,44 +106,39 @@ _C3 = tl.constexpr(_constraints(3))
 
 
 @triton.jit
-def _lane_records_ptx(bads, ctrs, row, values, req):
-    """The PTX record over the lanes of the blocks, for 1 to 3 sites (tuples ``bads`` (int32 blocks), ``ctrs`` (the
-    rows' addresses, int64 scalars) and ``values`` (int64 blocks)); ``row`` and ``req`` int64 blocks."""
-    if len(bads) == 1:
-        tl.inline_asm_elementwise(_PTX1, _C1, [bads[0], ctrs[0], row, values[0], req], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-    elif len(bads) == 2:
-        tl.inline_asm_elementwise(_PTX2, _C2, [bads[0], bads[1], ctrs[0], ctrs[1], row, values[0], values[1], req],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-    else:
-        tl.inline_asm_elementwise(
-            _PTX3, _C3,
-            [bads[0], bads[1], bads[2], ctrs[0], ctrs[1], ctrs[2], row, values[0], values[1], values[2], req],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+def _flag(bad):
+    return (bad != 0).to(tl.int32)
+
+
+@triton.jit
+def _addr(ctr_ptr):
+    return ctr_ptr.to(tl.int64, bitcast=True)
 
 
 @triton.jit
 def _lane_records(ctr_ptrs, bads, rows, values, reqs):
-    """tripwire.triton.record_lanes, compiled: the blocks in the PTX record's dtypes, a request of -1 (not known)
-    without ``reqs``."""
+    """tripwire.triton.record_lanes, compiled: the PTX record of 1 to 3 sites over the lanes of the blocks (flags as
+    int32, the rows' addresses, rows, values and requests as int64; a request of -1, not known, without ``reqs``)."""
     r = rows.to(tl.int64)
     q = r * 0 - 1
     if reqs is not None:
         q = reqs.to(tl.int64) + r * 0
     if len(bads) == 1:
-        _lane_records_ptx(((bads[0] != 0).to(tl.int32),), (ctr_ptrs[0].to(tl.int64, bitcast=True),), r,
-                          (values[0].to(tl.int64),), q)  # fmt: skip
+        tl.inline_asm_elementwise(
+            _PTX1, _C1, [_flag(bads[0]), _addr(ctr_ptrs[0]), r, values[0].to(tl.int64), q],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
     elif len(bads) == 2:
-        _lane_records_ptx(
-            ((bads[0] != 0).to(tl.int32), (bads[1] != 0).to(tl.int32)),
-            (ctr_ptrs[0].to(tl.int64, bitcast=True), ctr_ptrs[1].to(tl.int64, bitcast=True)),
-            r, (values[0].to(tl.int64), values[1].to(tl.int64)), q,
+        tl.inline_asm_elementwise(
+            _PTX2, _C2,
+            [_flag(bads[0]), _flag(bads[1]), _addr(ctr_ptrs[0]), _addr(ctr_ptrs[1]), r, values[0].to(tl.int64),
+             values[1].to(tl.int64), q],
+            dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
     else:
-        _lane_records_ptx(
-            ((bads[0] != 0).to(tl.int32), (bads[1] != 0).to(tl.int32), (bads[2] != 0).to(tl.int32)),
-            (ctr_ptrs[0].to(tl.int64, bitcast=True), ctr_ptrs[1].to(tl.int64, bitcast=True),
-             ctr_ptrs[2].to(tl.int64, bitcast=True)),
-            r, (values[0].to(tl.int64), values[1].to(tl.int64), values[2].to(tl.int64)), q,
+        tl.inline_asm_elementwise(
+            _PTX3, _C3,
+            [_flag(bads[0]), _flag(bads[1]), _flag(bads[2]), _addr(ctr_ptrs[0]), _addr(ctr_ptrs[1]),
+             _addr(ctr_ptrs[2]), r, values[0].to(tl.int64), values[1].to(tl.int64), values[2].to(tl.int64), q],
+            dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
