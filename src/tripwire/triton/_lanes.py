@@ -35,6 +35,11 @@ def _fmix(h: str, s: str) -> str:
     )
 
 
+def _biased(dst: str, src: str) -> str:
+    """``dst`` = the word of register ``src``: saturated into [VALUE_MIN, VALUE_MAX] (kept in ``t``), then biased."""
+    return f"max.s64 t, {src}, {VMIN}; min.s64 t, t, {VMAX}; add.s64 {dst}, t, {_B}; "
+
+
 def _site(i: int, bad: str, ctr: str, value: str) -> str:
     """One site's record for the lane, when its flag ``bad`` is set: the words from ``value`` (the row's and the
     request's, ``rb`` and ``qb``, are the lane's, formed once), the count first, then the extremes, the first pair,
@@ -42,7 +47,8 @@ def _site(i: int, bad: str, ctr: str, value: str) -> str:
     end_label = f"S{i}E${{:uid}}"
     return (
         f"setp.eq.s32 p, {bad}, 0; @p bra {end_label}; "
-        f"max.s64 t, {value}, {VMIN}; min.s64 t, t, {VMAX}; add.s64 vb, t, {_B}; neg.s64 nb, t; add.s64 nb, nb, {_B}; "
+        + _biased("vb", value)
+        + f"neg.s64 nb, t; add.s64 nb, nb, {_B}; "
         f"atom.global.acq_rel.gpu.add.u64 old, [{ctr}], 1; "
         f"atom.global.acq_rel.gpu.max.s64 old, [{ctr}+8], rb; "
         f"atom.global.acq_rel.gpu.max.s64 old, [{ctr}+16], vb; "
@@ -85,9 +91,9 @@ def _lanes_ptx(n: int) -> str:
         "{ .reg .pred p; .reg .b32 w; .reg .b64 t, rb, vb, nb, qb, h, s, addr, e, end, old; "
         + any_bad
         + "setp.eq.s32 p, w, 0; @p bra DONE${:uid}; "
-        f"max.s64 t, {row}, {VMIN}; min.s64 t, t, {VMAX}; add.s64 rb, t, {_B}; "
-        f"max.s64 t, {req}, {VMIN}; min.s64 t, t, {VMAX}; add.s64 qb, t, {_B}; "
-        f"setp.lt.s64 p, {req}, 0; selp.b64 qb, 0, qb, p; "
+        + _biased("rb", row)
+        + _biased("qb", req)
+        + f"setp.lt.s64 p, {req}, 0; selp.b64 qb, 0, qb, p; "
         + "".join(_site(i, bad[i], ctr[i], val[i]) for i in range(n))
         + "DONE${:uid}: mov.u32 $0, 0; }"
     )
