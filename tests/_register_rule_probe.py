@@ -5,6 +5,7 @@ programs_per_sm], ...]}}."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -143,8 +144,34 @@ def step_reductions() -> dict:
     return out
 
 
+def nonfinite_budget() -> dict:
+    """The non-finite counter at three launch shapes of its sweep (the default first): as launched (within its
+    twin's register allocation: tripwire.triton._budget), the control (the same launch without its ``maxnreg``:
+    the compiler's own allocation) and the twin (its GUARD=False build). {shape: {variant: [kernel, regs, spills,
+    programs_per_sm, maxnreg]}}."""
+    import dataclasses
+
+    logits = z(256, 152064, dtype=bf)
+    ctr = mon.counter(nf.register_nonfinite_site("probe.budget", monitor=mon), "cpu")
+    out = {}
+    for b, it, w in ((2048, 4, 8), (2048, 2, 8), (4096, 4, 8)):
+        launched = rs.capture_launches(functools.partial(nf._launch, logits, ctr, b, w, it))[0]
+        bare = dataclasses.replace(launched, kwargs={k: v for k, v in launched.kwargs.items() if k != "maxnreg"})
+        twin = rs.capture_launches(functools.partial(nf._launch, logits, ctr, b, w, it, guard=False))[0]
+        out[f"{b}x{it}/w{w}"] = {
+            name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
+            for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))
+        }
+    return out
+
+
+def usage_of(launch) -> list:  # type: ignore[no-untyped-def]
+    u = rs.triton_usage(launch)
+    return [u.kernel, u.regs, u.spill_bytes, u.programs_per_sm]
+
+
 def usage(fn) -> list:  # type: ignore[no-untyped-def]
-    return [[u.kernel, u.regs, u.spill_bytes, u.programs_per_sm] for u in map(rs.triton_usage, rs.capture_launches(fn))]
+    return [usage_of(launch) for launch in rs.capture_launches(fn)]
 
 
 def main() -> None:
@@ -168,6 +195,7 @@ def main() -> None:
     for name, fn in adopted(False).items():
         out[name]["twin"] = usage(fn)
     out["step_reductions"] = step_reductions()
+    out["nonfinite_budget"] = nonfinite_budget()
     print(json.dumps(out))
 
 

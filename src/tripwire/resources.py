@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -120,7 +119,9 @@ def _recording(out: list[Launch]) -> Iterator[None]:
 
     JITFunction.run = record  # type: ignore[method-assign]
     try:
-        with recorded_launches():  # the reference launchers take CPU tensors then (nothing is launched)
+        # The reference launchers take CPU tensors then (nothing is launched); one that compiles before it launches
+        # (a register cap: tripwire.triton._budget) compiles as the tools here do, for sm_90.
+        with recorded_launches(lambda fn, args, kwargs: _compile(Launch(fn, args, kwargs))):
             yield
     finally:
         JITFunction.run = saved  # type: ignore[method-assign]
@@ -211,15 +212,9 @@ def _arg_type(launch: Launch, p: Any, v: Any, path: tuple[int, ...], spec: bool,
 
 
 def _tool(name: str) -> str:
-    import triton
+    from .triton._budget import tool_path
 
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if os.path.isfile(bundled):
-        return bundled
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"no {name}: neither Triton's bundled one ({bundled}) nor one on PATH")
-    return found
+    return tool_path(name)
 
 
 def _res_usage(binary: str) -> dict[str, dict[str, int]]:
@@ -238,30 +233,15 @@ def _res_usage(binary: str) -> dict[str, dict[str, int]]:
     return res
 
 
-def _ptxas(arch: int) -> str:
-    """The ptxas Triton itself compiles ``sm_<arch>`` with (Triton 3.9 picks its newer bundled one for sm_90 too)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        return str(get_ptxas(arch).path)
-    except (ImportError, AttributeError):
-        return _tool("ptxas")
-
-
 def _spills(ptx: str, arch: int) -> int | None:
-    """Spill stores plus loads per thread of the kernel in ``ptx``, from ``ptxas -v`` (None if it says nothing)."""
-    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        p = subprocess.run(
-            [_ptxas(arch), "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)
-    return int(m.group(1)) + int(m.group(2)) if m else None
+    """Spill stores plus loads per thread of the kernel's entry function in ``ptx``, from ``ptxas -v`` (its
+    out-of-line callees' spills are on their own paths, not counted; None if ptxas says nothing)."""
+    from .triton._budget import ptxas_report
+
+    try:
+        return ptxas_report(ptx).spill_bytes
+    except RuntimeError:
+        return None
 
 
 def _compile(launch: Launch, *, arch: int = 90) -> Any:
@@ -321,12 +301,14 @@ def fault_path(mode: str) -> Iterator[None]:
       path saves.
 
     For tests and tools, never for kernels that run: compiles inside the block go to a private cache and always
-    recompile (a kernel's cache key does not see the helpers swapped), and the helpers are restored after it.
+    recompile (a kernel's cache key does not see the helpers swapped), the launchers' register caps
+    (tripwire.triton._budget) are found again for the swapped helpers, and both are restored after it.
     """
     import triton
     import triton.language as tl
 
     from . import triton as tt
+    from .triton import _budget
 
     if mode == "stub":
         # The count alone (one atomic): the vote and the data it reads stay live, as in a kernel that counts and
@@ -351,6 +333,8 @@ def fault_path(mode: str) -> Iterator[None]:
     else:
         raise ValueError(f"fault_path mode must be 'stub' or 'inline', got {mode!r}")
     saved = {name: getattr(tt, name) for name in swap}
+    caps = dict(_budget._caps)
+    _budget._caps.clear()
     env = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")}
     with tempfile.TemporaryDirectory(prefix="tripwire-fault-path-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
@@ -362,6 +346,8 @@ def fault_path(mode: str) -> Iterator[None]:
         finally:
             for name, fn in saved.items():
                 setattr(tt, name, fn)
+            _budget._caps.clear()
+            _budget._caps.update(caps)
             for k, v in env.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -255,6 +255,28 @@ def test_gpu_logits_sized(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block,iters,warps", [(2048, 4, 8), (2048, 2, 8), (4096, 4, 8), (2048, 4, 4)])
+def test_gpu_capped_fault_path_counts_exactly(block, iters, warps):
+    """At shapes of the sweep where the launch is compiled within its twin's registers (its fault path, out of
+    line, spilling on its own path: tripwire.triton._budget), the fault path still counts every element, the
+    extremes and the first element exactly, over a dense stretch (a whole program's range and more) and scattered
+    elements; the launch then leaves the clean data counted as before."""
+    reg = SiteRegistry(capacity=16)
+    m = Monitor(registry=reg, capacity=16)
+    site = register_nonfinite_site("logits", monitor=m)
+    ncols = 152064
+    x, idx = plant((64, ncols), torch.bfloat16, "cuda", seed=5)
+    x.view(-1)[3 * ncols + 17 : 3 * ncols + 17 + 3 * block * iters] = float("nan")
+    ref = expected(sorted({*idx, *range(3 * ncols + 17, 3 * ncols + 17 + 3 * block * iters)}), ncols)
+    assert int((~torch.isfinite(x)).sum()) == ref["count"]
+    _launch(x, m.counter(site, "cuda"), block, warps, iters)
+    got = decoded(m, site, "cuda")
+    assert got["count"] == ref["count"]
+    assert (got["max_row"], got["max_col"], got["min_col"]) == (ref["max_row"], ref["max_col"], ref["min_col"])
+    assert got["first"] in ref["pairs"]
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replay_counts_n_times(caplog):
     caplog.set_level(logging.INFO, logger="tripwire")
     reg = SiteRegistry(capacity=16)

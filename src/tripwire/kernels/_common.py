@@ -7,8 +7,9 @@ illegal memory access (or, worse, a silently wrong read) inside the kernel.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import triton
@@ -76,18 +77,25 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 
 # Open recorded_launches() blocks: launches are recorded instead of run (tripwire.resources.capture_launches).
 _recording = 0
+# The innermost block's compiler: (jit function, args, kwargs) -> Triton's compiled kernel, for the GPU target the
+# recorder compiles for (a launcher that compiles before it launches asks it: tripwire.triton._budget).
+_recorded_compile: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 @contextmanager
-def recorded_launches() -> Iterator[None]:
+def recorded_launches(compile: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> Iterator[None]:
     """Within it the launchers take CPU tensors without Triton's interpreter: their launches are being recorded
-    instead of run (nothing reaches a driver), to be compiled for a GPU target from the recorded arguments."""
-    global _recording
+    instead of run (nothing reaches a driver), to be compiled for a GPU target from the recorded arguments
+    (``compile``, the recorder's own compiler)."""
+    global _recording, _recorded_compile
+    saved = _recorded_compile
     _recording += 1
+    _recorded_compile = compile
     try:
         yield
     finally:
         _recording -= 1
+        _recorded_compile = saved
 
 
 def check_ctr(name: str, ctr: object, device: torch.device, n_sites: int = 1) -> torch.Tensor:

@@ -19,6 +19,7 @@ from .._runtime.report import GuardReporter, Wording, register_reporter, short_n
 from ..monitor import Monitor
 from ..sites import Site
 from ..triton import record_hits
+from ..triton._budget import register_cap
 
 __all__ = [
     "NonFiniteReporter",
@@ -190,16 +191,27 @@ def _launch(
 ) -> None:
     """The counter's launch at a given shape; ``guard=False`` compiles the twin the benchmark's sweep compares each
     shape with: the counter's loads and vote, its fault path reduced to adding 1 to slot 0 per program that saw a
-    non-finite value (no exact count, no offenders)."""
+    non-finite value (no exact count, no offenders). The guarded launch is compiled within the twin's register
+    allocation where its own would be larger (:func:`tripwire.triton._budget.register_cap`: the first launch of a
+    shape compiles both)."""
     ncols = tensor.shape[1] if tensor.dim() == 2 else 1
     if ncols == 0:
         return
     numel = tensor.numel()
     int_dtype, mask = _BITS[tensor.dtype]
-    _nonfinite_kernel[(triton.cdiv(numel, block * iters),)](
-        tensor.view(int_dtype), ctr, numel, ncols, BLOCK=block, ITERS=iters, MASK=mask, GUARD=guard,
-        num_warps=num_warps,
-    )  # fmt: skip
+    grid = (triton.cdiv(numel, block * iters),)
+    args = (tensor.view(int_dtype), ctr, numel, ncols)
+    kw: dict = dict(BLOCK=block, ITERS=iters, MASK=mask, GUARD=guard, num_warps=num_warps)
+    if guard:
+        # Within the twin's registers (tripwire.triton._budget): the fault path, out of line, spills on its own
+        # path rather than cost the hot loop programs per SM. The key is the compiled variant: Triton
+        # specialises the data's 16-byte alignment, numel's type and divisibility and ncols' type.
+        key = (tensor.dtype, block, iters, num_warps, tensor.device, tensor.data_ptr() % 16 == 0, numel % 16 == 0,
+               numel == 1, numel < 2**31, ncols < 2**31)  # fmt: skip
+        cap = register_cap(key, _nonfinite_kernel, grid, args, kw, {"GUARD": False})
+        if cap is not None:
+            kw["maxnreg"] = cap
+    _nonfinite_kernel[grid](*args, **kw)
 
 
 def _fmt(v: int | None) -> str:

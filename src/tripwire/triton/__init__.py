@@ -48,8 +48,10 @@ request) first. ``req``/``reqs`` name the request of each hit (a row-to-request 
 kernel has none; a negative id means not known). Distinct means a distinct 64-bit key of the three: a repeat of an
 offender already kept claims nothing. A kept offender, like the first pair, is written after the count, so the
 reader waits for it the same way. The claims run one offender at a time (scalar code), so the compiled fault path
-adds no per-lane state to a kernel's register budget, taken or not. ``record_lanes`` claims lane by lane, in the
-order the lanes land, and adds each lane's hit to the block's done count after its own claim.
+adds no per-lane state to a kernel's register budget, taken or not. Whether the block has room (its last key
+still 0) is read by one thread and handed to the program's others: the claims are collective, and other programs
+fill the block while this one reads. ``record_lanes`` claims lane by lane, in the order the lanes land, and adds
+each lane's hit to the block's done count after its own claim.
 
 Rows and values must be integer tensors (program ids, loaded indices), not Python ints or constexprs. Values
 beyond the encodable range (|v| >= 2**62, e.g. junk int64 metadata) are recorded saturated at +-(2**62 - 1);
@@ -63,18 +65,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..layout import E_REQ as _E_REQ
-from ..layout import E_ROW as _E_ROW
-from ..layout import E_VALUE as _E_VALUE
-from ..layout import OFF_DONE as _OFF_DONE
-from ..layout import OFF_ENTRY as _OFF_ENTRY
-from ..layout import OFF_HEADER as _OFF_HEADER
-from ..layout import OFFENDERS as _OFFENDERS
 from ._callee import _INTERP as _INTERP
 from ._callee import _PTX as _PTX
 from ._callee import CALLEE_SMEM_SAFE as CALLEE_SMEM_SAFE
 from ._callee import _bound, _claim_walk_ptx, _cold, _cold_block, _first_pair_ptx
 from ._lanes import _lane_records
+from ._offenders import _ENTRY, _HEADER, _claim, _offender_block, _offenders_done, _room
 from ._words import _VMAX, _VMIN, _offender_key, _req_words, _saturate
 from ._words import GUARD_BIAS as GUARD_BIAS
 
@@ -91,14 +87,6 @@ __all__ = [
 
 # Larger than any encoded word: the neutral element of the "lowest row" reduction.
 _NO_ROW = tl.constexpr((1 << 63) - 1)
-# The offender block (tripwire.layout): where slot 7 points, its header and entry shape.
-_OFF_SLOT = tl.constexpr(_OFFENDERS)
-_HEADER = tl.constexpr(_OFF_HEADER)
-_DONE = tl.constexpr(_OFF_DONE)
-_ENTRY = tl.constexpr(_OFF_ENTRY)
-_EROW = tl.constexpr(_E_ROW)
-_EVALUE = tl.constexpr(_E_VALUE)
-_EREQ = tl.constexpr(_E_REQ)
 # ------------------------------------------------------------------------------------------- the cold fault path
 # Out of line (noinline): a call, not code inlined into the caller. Inlined, the fault path's atomics, loops and
 # 64-bit scalars are scheduled and register-allocated with the caller's hot code, and a kernel is allocated
@@ -132,64 +120,6 @@ def _write_words(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):
 
 
 @_cold
-def _offender_block(ctr_ptr):
-    """The address of the row's offender block (tripwire.layout) while it has room, else 0: slot 7 is 0 for a
-    counter row that is not an arena's (a caller's own [8] tensor), and a full block (its last key set) is read
-    once and left alone, so a fault storm costs one load."""
-    addr = tl.load(ctr_ptr + _OFF_SLOT)
-    room = addr * 0
-    if addr != 0:
-        blk = addr.to(tl.pointer_type(tl.int64))
-        k = tl.load(blk + 1)
-        if tl.load(blk + _HEADER + (k - 1) * _ENTRY) == 0:
-            room = addr
-    return room
-
-
-@triton.jit
-def _claim_entry(blk, j, key, rb, vb, qb):
-    """Entry ``j`` of the block at ``blk`` claimed with ``key`` (the winner writes the offender's words); returns
-    whether the claim must go on (the entry holds another key)."""
-    slot = blk + _HEADER + j * _ENTRY
-    old = tl.atomic_cas(slot, key * 0, key)
-    if old == 0:
-        # ROW last, released: a reader that sees it sees REQ and VALUE too. REQ 0 is a legal word
-        # ("not known"), so it cannot tell a reader that it landed; ROW (never 0) tells for all three.
-        tl.store(slot + _EREQ, qb)
-        tl.store(slot + _EVALUE, vb)
-        tl.atomic_xchg(slot + _EROW, rb, sem="release", scope="sys")
-    return (old != 0) & (old != key)
-
-
-@triton.jit
-def _claim(addr, rb, vb, qb):
-    """Keep one offender (biased words) in the block at ``addr``: a scalar walk over its ``k`` entries, a
-    compare-and-swap of its key into each; the entry it finds empty is its own, one holding its key means a
-    repeat. Returns True when every entry holds another key (the block is full).
-
-    Inlined, not called: it runs inside the claim loop, where the block's words are live, and a call there keeps
-    them in registers of their own beside the callee's (a called walk cost the non-finite counter a register unit
-    on sm_90); inline, the walk reuses the registers the loop's reductions are done with."""
-    blk = addr.to(tl.pointer_type(tl.int64))
-    k = tl.load(blk + 1)
-    key = _offender_key(rb, vb, qb)
-    pending = k >= 0
-    for j in range(0, _bound(k)):
-        if pending:
-            pending = _claim_entry(blk, j, key, rb, vb, qb)
-    return pending
-
-
-@_cold
-def _offenders_done(ctr_ptr, n):
-    """Last, after the claims and their words (an atomic: ordered after them): these ``n`` hits' offenders are in
-    (the block's OFF_DONE count, the reader's sign)."""
-    addr = tl.load(ctr_ptr + _OFF_SLOT)
-    if addr != 0:
-        tl.atomic_add(addr.to(tl.pointer_type(tl.int64)) + _DONE, n)
-
-
-@_cold
 def _record_one(ctr_ptr, r, v, qb):
     """The whole fault path of one hit (``record_hit``): saturated row ``r`` and value ``v``, request word ``qb``."""
     rb = r + GUARD_BIAS
@@ -201,11 +131,17 @@ def _record_one(ctr_ptr, r, v, qb):
     addr = _offender_block(ctr_ptr)
     if addr != 0:
         if _PTX:
+            # Thread 0 alone walks (PTX, nothing collective after it), so its own read of the last key is the one
+            # that counts, and a plain load will do: _room's broadcast would need shared memory, which an
+            # out-of-line function must not use before Triton 3.9.
             blk = addr.to(tl.pointer_type(tl.int64))
-            first = (blk + _HEADER).to(tl.int64, bitcast=True)
-            end = (blk + _HEADER + tl.load(blk + 1) * _ENTRY).to(tl.int64, bitcast=True)
-            _claim_walk_ptx(first, end, _offender_key(rb, vb, qb), rb, vb, qb)
-        else:
+            k = tl.load(blk + 1)
+            if k > 0:
+                if tl.load(blk + _HEADER + (k - 1) * _ENTRY) == 0:
+                    first = (blk + _HEADER).to(tl.int64, bitcast=True)
+                    end = (blk + _HEADER + k * _ENTRY).to(tl.int64, bitcast=True)
+                    _claim_walk_ptx(first, end, _offender_key(rb, vb, qb), rb, vb, qb)
+        elif _room(addr):
             _claim(addr, rb, vb, qb)
     _offenders_done(ctr_ptr, one)
 
@@ -220,18 +156,19 @@ def _claim_offenders(ctr_ptr, b, rb, vb, qb):
     the loop stops once the block is full or the lanes are used up."""
     addr = _offender_block(ctr_ptr)
     if addr != 0:
-        k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1)
-        active = b
-        full = k * 0 != 0
-        for _ in range(0, 2 * _bound(k)):
-            if (tl.sum(active.to(tl.int32), axis=None) > 0) & (full == 0):
-                cr = tl.min(tl.where(active, rb, _NO_ROW), axis=None)
-                at_r = active & (rb == cr)
-                cv = tl.min(tl.where(at_r, vb, _NO_ROW), axis=None)
-                at_v = at_r & (vb == cv)
-                cq = tl.min(tl.where(at_v, qb, _NO_ROW), axis=None)
-                active = active & ((at_v & (qb == cq)) == 0)  # every lane of this offender is handled by this claim
-                full = _claim(addr, cr, cv, cq)
+        if _room(addr):
+            k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1)
+            active = b
+            full = k * 0 != 0
+            for _ in range(0, 2 * _bound(k)):
+                if (tl.sum(active.to(tl.int32), axis=None) > 0) & (full == 0):
+                    cr = tl.min(tl.where(active, rb, _NO_ROW), axis=None)
+                    at_r = active & (rb == cr)
+                    cv = tl.min(tl.where(at_r, vb, _NO_ROW), axis=None)
+                    at_v = at_r & (vb == cv)
+                    cq = tl.min(tl.where(at_v, qb, _NO_ROW), axis=None)
+                    active = active & ((at_v & (qb == cq)) == 0)  # every lane of this offender is handled by this claim
+                    full = _claim(addr, cr, cv, cq)
 
 
 @triton.jit
@@ -392,6 +329,8 @@ def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
         if n > 0:
             _tile_record(TILE, C, args, t, ctr_ptr, n, first_r, first_v)
             addr = _offender_block(ctr_ptr)
+            if addr != 0:
+                addr = tl.where(_room(addr), addr, 0)
             if addr != 0:
                 k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1).to(tl.int32)
                 # The previous candidate (narrowed, as _tile_next returns it); `after` is False for the first.

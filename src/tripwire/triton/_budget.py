@@ -1,0 +1,165 @@
+"""The register budget of a guarded launch: compile the guarded kernel within its twin's register allocation.
+
+A kernel is allocated registers for its hungriest path, and a noinline function's registers count as its caller's:
+an out-of-line fault path that needs more registers than the hot loop raises the whole kernel's allocation and can
+cost every clean launch programs per SM (Triton 3.6 inlines the tile records' block reductions into the out-of-line
+function, which then needs more than a streaming loop). ``maxnreg`` (PTX ``.maxnreg``) caps the kernel and its
+callees together; at the twin's allocation the hot loop keeps what it had and the fault path spills on its own
+path instead, which runs only when something is wrong.
+
+:func:`register_cap` finds that cap for one launch: the twin (the kernel's own ``GUARD=False`` build, or whatever
+``twin`` overrides) and the guarded kernel are compiled, and ptxas's report of each is read (``ptxas -v``: the entry
+function's registers and spills, its callees' spills apart). The cap is the twin's registers rounded up to the
+allocation unit, raised a unit at a time while the capped entry function spills more than the twin's; none where
+the guarded kernel already fits the twin's allocation, or only fits uncapped. The cap is never a clean path that
+spills: spills in the out-of-line functions are allowed, the entry function's only as far as the twin's. A search
+that fails (no ptxas, a compile error) is logged as a warning on the ``tripwire`` logger and the launch goes
+uncapped: the cap is an optimisation, the count is the same either way.
+
+Where it compiles: on the current CUDA device (``JITFunction.warmup``: compiled, not loaded, not launched), or, while
+launches are being recorded (:func:`tripwire.resources.capture_launches`), for sm_90 as ``tripwire resources``
+compiles them, so that what the tools read is what a launch on an H100/H200 runs. Under Triton's interpreter there
+is nothing to compile: ``None``. The result is cached per key: the first launch of a shape pays the compiles (as
+Triton's first launch does); later ones a dict lookup. Do the first launch before any CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Any, NamedTuple
+
+log = logging.getLogger("tripwire")
+_REG_UNIT = 8  # registers per thread are allocated in units of 8
+_MAX_REGS = 255
+_caps: dict[Any, int | None] = {}
+
+
+class PtxasReport(NamedTuple):
+    """What ``ptxas -v`` said of one kernel: the entry function's registers (its callees' included: they run in
+    its allocation) and spill bytes (stores plus loads per thread), and the spill bytes of its callees together."""
+
+    regs: int
+    spill_bytes: int
+    callee_spill_bytes: int
+
+
+def tool_path(name: str) -> str:
+    """A CUDA tool (ptxas, cuobjdump): the one bundled with Triton, else the one on PATH."""
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if os.path.isfile(bundled):
+        return bundled
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"no {name}: neither Triton's bundled one ({bundled}) nor one on PATH")
+    return found
+
+
+def ptxas_path(arch: int) -> str:
+    """The ptxas Triton itself compiles ``sm_<arch>`` with (Triton 3.9 picks its newer bundled one for sm_90 too)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return str(get_ptxas(arch).path)
+    except (ImportError, AttributeError):
+        return tool_path("ptxas")
+
+
+def ptxas_report(ptx: str) -> PtxasReport:
+    """``ptxas -v`` over ``ptx`` (one kernel, as Triton emits it: its target and any ``.maxnreg`` are in the text),
+    parsed. Raises RuntimeError with ptxas's words if it fails or reports no entry function."""
+    m = re.search(r"^\s*\.target\s+sm_(\d+)(a?)", ptx, re.MULTILINE)
+    if m is None:
+        raise RuntimeError("ptxas_report: the PTX names no .target sm_NN")
+    arch = int(m.group(1))
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        gpu = f"sm_{arch}{m.group(2)}"
+        p = subprocess.run(
+            [ptxas_path(arch), "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
+    return parse_ptxas(p.stderr)
+
+
+def parse_ptxas(text: str) -> PtxasReport:
+    """``ptxas -v``'s report of one module with one entry function, parsed (see :func:`ptxas_report`)."""
+    entry = re.search(r"Compiling entry function '([^']+)'", text)
+    regs = re.search(r"Used (\d+) registers", text)
+    if entry is None or regs is None:
+        raise RuntimeError(f"ptxas reported no entry function: {text[-2000:]}")
+    spills = {
+        name: int(st) + int(ld)
+        for name, st, ld in re.findall(
+            r"Function properties for (\S+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
+            r"spill loads",
+            text,
+        )
+    }
+    own = spills.pop(entry.group(1), 0)
+    return PtxasReport(int(regs.group(1)), own, sum(spills.values()))
+
+
+def _units(regs: int) -> int:
+    return -(-regs // _REG_UNIT)
+
+
+def _compiled_ptx(fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    from ..kernels import _common
+
+    if _common._recording:
+        # Launches are being recorded (tripwire.resources): compile as the recorder does, for its target.
+        if _common._recorded_compile is None:
+            raise RuntimeError("launches are being recorded with no compiler to find a register cap with")
+        return str(_common._recorded_compile(fn, args, kwargs).asm["ptx"])
+    kernel = fn.warmup(*args, grid=grid, **kwargs)
+    if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
+        kernel = kernel.result()
+    return str(kernel.asm["ptx"])
+
+
+def register_cap(
+    key: Any, fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], twin: dict[str, Any]
+) -> int | None:
+    """The ``maxnreg`` to launch ``fn[grid](*args, **kwargs)`` with, or None for none (see the module docstring).
+    ``twin``: the keyword arguments that turn the launch into its twin (``{"GUARD": False}``). ``key`` names the
+    launch's compiled variant (its constexprs, dtypes, specialisation, device), for the cache: the caller builds it
+    from what it already has, so that a cached launch costs one dict lookup."""
+    if key in _caps:
+        return _caps[key]
+    from ._callee import interpreting
+
+    cap = None
+    if not interpreting():
+        try:
+            cap = _search(fn, grid, args, kwargs, twin)
+        except Exception as e:  # a cap is an optimisation: without one the launch is the compiler's own
+            log.warning(
+                "tripwire: no register cap for %s (%s: %s); it launches with the compiler's own allocation",
+                getattr(fn, "__name__", fn), type(e).__name__, str(e)[:300],
+            )  # fmt: skip
+    _caps[key] = cap
+    return cap
+
+
+def _search(fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], twin: dict[str, Any]) -> int | None:
+    t = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **twin}))
+    g = ptxas_report(_compiled_ptx(fn, grid, args, kwargs))
+    c = _units(t.regs) * _REG_UNIT
+    while _units(g.regs) > _units(c) and c <= _MAX_REGS:
+        capped = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, "maxnreg": c}))
+        if capped.spill_bytes <= t.spill_bytes and capped.regs <= c:
+            return c
+        c += _REG_UNIT
+    return None

@@ -1,0 +1,91 @@
+"""The register budget of a guarded launch (tripwire.triton._budget): ptxas's report read per function, and the cap
+left alone where there is nothing to compile. What the cap does to a real kernel (the non-finite counter, compiled
+for sm_90) is tests/test_register_rule.py's; that its fault path still counts exactly under the cap is
+tests/numerics/test_nonfinite.py's (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tripwire.triton import _budget
+
+# ptxas -v over the non-finite counter capped at 32 registers (sm_90a): the entry keeps its registers and spills
+# nothing; its out-of-line fault path spills on its own path.
+REPORT = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_nonfinite_kernel' for 'sm_90a'
+ptxas info    : Function properties for _nonfinite_kernel
+    24 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 1 barriers, 24 bytes cumulative stack size
+ptxas info    : Compile time = 162.896 ms
+ptxas info    : Function properties for tripwire_$_numerics_$_nonfinite_$__record_nonfinite__Pi16_Pi64_i32_i32_i64_
+    0 bytes stack frame, 24 bytes spill stores, 28 bytes spill loads
+ptxas info    : Function properties for tripwire_$_triton_$__record_words__Pi64_i64_i64_i64_i64_i64_i64__
+    0 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+"""
+
+
+def test_entry_spills_apart_from_its_callees():
+    r = _budget.parse_ptxas(REPORT)
+    assert r == _budget.PtxasReport(regs=32, spill_bytes=0, callee_spill_bytes=60)
+    # Control: the entry's own spills are read as its own, with a callee listed before it.
+    callee_first = """ptxas info    : Function properties for helper
+    0 bytes stack frame, 40 bytes spill stores, 40 bytes spill loads
+ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : Function properties for k
+    48 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 48 bytes cumulative stack size
+"""
+    assert _budget.parse_ptxas(callee_first) == _budget.PtxasReport(regs=40, spill_bytes=20, callee_spill_bytes=80)
+
+
+def test_a_report_without_an_entry_is_an_error():
+    with pytest.raises(RuntimeError, match="no entry function"):
+        _budget.parse_ptxas("ptxas fatal   : Unresolved extern function 'f'\n")
+
+
+def test_ptx_without_a_target_is_an_error():
+    with pytest.raises(RuntimeError, match="target"):
+        _budget.ptxas_report(".version 8.0\n.address_size 64\n")
+
+
+def test_nothing_compiled_under_the_interpreter(monkeypatch):
+    """Under Triton's interpreter the launch runs no compiled code: no cap, nothing compiled, and the answer is
+    cached. The control: the search itself compiles (here it reaches the function handed in)."""
+    from tripwire.triton import _callee
+
+    class Unbuildable:
+        def warmup(self, *a, **k):
+            raise AssertionError("compiled")
+
+    key = ("test_budget", object())
+    monkeypatch.setattr(_callee, "interpreting", lambda: True)
+    assert _budget.register_cap(key, Unbuildable(), (1,), (), {}, {"GUARD": False}) is None
+    assert key in _budget._caps
+    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    assert _budget.register_cap(key, Unbuildable(), (1,), (), {}, {"GUARD": False}) is None  # cached
+    with pytest.raises(AssertionError, match="compiled"):
+        _budget._search(Unbuildable(), (1,), (), {}, {"GUARD": False})
+    _budget._caps.pop(key)
+
+
+def test_a_failed_search_launches_uncapped_and_says_so(monkeypatch, caplog):
+    """Compiled (not interpreted) and the compile fails: no cap, a warning naming the kernel and the error, and the
+    answer cached (one warning, not one per launch). The control: the error reaches the caller without the guard."""
+    from tripwire.triton import _callee
+
+    class Broken:
+        __name__ = "broken_kernel"
+
+        def warmup(self, *a, **k):
+            raise ValueError("no target")
+
+    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    key = ("test_budget_broken", object())
+    with caplog.at_level("WARNING", logger="tripwire"):
+        assert _budget.register_cap(key, Broken(), (1,), (), {}, {"GUARD": False}) is None
+        assert _budget.register_cap(key, Broken(), (1,), (), {}, {"GUARD": False}) is None
+    warned = [r.getMessage() for r in caplog.records if "register cap" in r.getMessage()]
+    assert len(warned) == 1 and "broken_kernel" in warned[0] and "ValueError: no target" in warned[0], warned
+    _budget._caps.pop(key)
+    with pytest.raises(ValueError, match="no target"):
+        _budget._search(Broken(), (1,), (), {}, {"GUARD": False})
