@@ -512,6 +512,38 @@ def test_bench_numerics_merge_replaces_only_the_numerics_of_q1(tmp_path):
     assert q1["notes"][-1].startswith("bench_numerics --merge: the fused FP8 and non-finite figures re-measured")
 
 
+def test_bench_numerics_folds_each_sizes_sweep_as_a_target_of_its_slowest_shape(tmp_path):
+    """The non-finite sweep's target (every launch shape at 90 % of a copy or more) is one q1 target per measured
+    size, valued at the slowest shape: a size with one shape below the bar is SHORT, the other PASS."""
+    from tripwire.cli.bench import numerics as bench_numerics
+
+    def nonfinite(shape, ratios):
+        return {
+            "shape": shape, "dtype": "bfloat16", "us": 20.0, "us_with_7_nans": 20.5, "gbps": 3700.0, "copy_us": 38.0,
+            "copy_gbps": 4000.0, "ratio_to_copy": ratios[0], "target": 0.8,
+            "pass": ratios[0] >= 0.8, "sweep_target": 0.9, "sweep_min": min(ratios),
+            "sweep_pass": min(ratios) >= 0.9,
+            "sweep": [{"block": 1024 * (i + 1), "iters": 1, "num_warps": 8, "ratio_to_copy": r}
+                      for i, r in enumerate(ratios)],
+        }  # fmt: skip
+
+    res = {"quick": False, "device": "fake", "torch": "t", "triton": "tr", "repeats": 5, "fused_fp8": [],
+           "nonfinite": nonfinite([256, 152064], [0.933, 0.865, 0.941]),
+           "nonfinite_large": nonfinite([1024, 152064], [1.05, 0.92, 1.0])}  # fmt: skip
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"questions": {"q1": {"title": "q1", "figures": {}, "targets": [], "notes": []}}}))
+    bench_numerics.merge(res, path)
+    targets = {t["name"]: t for t in json.loads(path.read_text())["questions"]["q1"]["targets"]}
+    small = targets["non-finite counter sweep [256, 152064]: every shape"]
+    large = targets["non-finite counter sweep [1024, 152064]: every shape"]
+    assert (round(small["value"], 1), small["pass"]) == (86.5, False)
+    assert (round(large["value"], 1), large["pass"]) == (92.0, True)
+    assert targets["non-finite counter bandwidth"]["pass"] is True
+    # The table names both sizes and marks each sweep.
+    table = bench_numerics._table(res)
+    assert "sweep (target >= 0.9 at every shape: SHORT)" in table and "at every shape: PASS" in table
+
+
 # ---------------------------------------------------------------------------------------------- guard benchmarks
 def _fake_timers(module, monkeypatch):
     """Replace a guard benchmark's GPU timers: every body still runs (twice), every time is 1 ms, so the harness's

@@ -39,7 +39,7 @@ _FLOAT_DTYPES = (
 )
 # Launch shape: BLOCK elements per load step (4 KiB: one 16-byte load per thread at 8 warps), _ITERS steps per
 # program (their loads in flight together, one reduction per program). Chosen by the sweep in
-# benchmarks/bench_numerics.py (its figures, against a copy's bandwidth, are in benchmarks/RESULTS.md, q1): larger
+# ``python -m tripwire.cli.bench.numerics`` (its figures, against a copy's bandwidth, are in benchmarks/RESULTS.md, q1): larger
 # steps in one load, or larger unrolled blocks (register pressure), read slower.
 _BLOCK_BYTES = 4096
 _ITERS = 4
@@ -119,7 +119,11 @@ def _nonfinite_kernel(x_ptr, ctr_ptr, numel, ncols, BLOCK: tl.constexpr, ITERS: 
     for i in tl.static_range(ITERS):
         offs = base + i * BLOCK + lanes
         m = offs < numel
-        x = tl.load(x_ptr + offs, mask=m, other=0, eviction_policy="evict_first")  # read once: do not keep in L2
+        # A plain load, no eviction hint: on sm_90 an evict_first load (an L2 cache-hint load with its policy) reads
+        # slower than a plain one at every size and shape the benchmark sweeps, guarded and twin alike
+        # (benchmarks/RESULTS.md, nonfinite-shapes); a plain load also leaves the tensor in L2 for whatever reads
+        # it next (the sampler, after logits).
+        x = tl.load(x_ptr + offs, mask=m, other=0)
         seen |= (((x & MASK) == MASK) & m).to(tl.int32)
     # The rare path (something is non-finite): the program's range read again and recorded, lowest offsets first,
     # a _FAULT_TILE tile at a time, by out-of-line functions (record_tiles): the hot loop's BLOCK-wide words are
