@@ -4,7 +4,9 @@
   ``if TYPE_CHECKING:`` (a cycle a type checker sees is one a reader has to untangle too);
 * no module over :data:`MAX_LINES` lines;
 * no module under ``tripwire._runtime`` imports a public module that imports it back (the machinery sits below the
-  public face; the reporters get a context, not the Monitor).
+  public face; the reporters get a context, not the Monitor);
+* every repository path that the sources, tests, docs, benchmarks and scripts name exists (a file moved leaves
+  pointers behind that send a reader nowhere).
 
 ``import tripwire`` starting no thread and initialising no CUDA is ``tests/test_import.py``'s. Each rule has a
 control: the same check fed a synthetic package that breaks it.
@@ -13,12 +15,24 @@ control: the same check fed a synthetic package that breaks it.
 from __future__ import annotations
 
 import ast
-from collections.abc import Collection, Iterator
+import re
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 520
 RUNTIME = "tripwire._runtime"
+ROOT = SRC.parent
+# Where the path rule reads (CHANGELOG.md names files as they were when it was written: history, not pointers).
+NAMING = ("src/**/*.py", "src/**/*.cuh", "tests/**/*.py", "docs/**/*.md", "benchmarks/**/*.py", "benchmarks/**/*.md",
+          "scripts/*", "README.md", "Makefile", ".ci/run", "pyproject.toml", "mkdocs.yml")  # fmt: skip
+# Named on purpose without existing: the note of an older run's record (tests/cli/test_bench.py's merge test) and a
+# synthetic page's name (tests/test_docs.py).
+NAMED_ON_PURPOSE = frozenset({"benchmarks/bench_numerics.py", "docs/control.md"})
+_PATH = re.compile(
+    r"\b(?:benchmarks|scripts|docs|tests|src/tripwire|examples)/[A-Za-z0-9_./-]+\."
+    r"(?:py|md|sh|cuh|cu|h|cpp|json|txt|toml|yml|yaml)\b"
+)
 
 
 def modules(src: Path, top: str = "tripwire") -> dict[str, Path]:
@@ -121,6 +135,21 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
+def missing_paths(root: Path, files: Iterable[Path]) -> dict[str, list[str]]:
+    """Repository paths (``docs/x.md``, ``tests/y.py``, ...) named in ``files`` that do not exist under ``root``:
+    path -> the files that name it."""
+    out: dict[str, list[str]] = {}
+    for f in files:
+        for m in sorted(set(_PATH.findall(f.read_text(errors="replace")))):
+            if m not in NAMED_ON_PURPOSE and not (root / m).exists():
+                out.setdefault(m, []).append(f.relative_to(root).as_posix())
+    return out
+
+
+def naming_files(root: Path) -> list[Path]:
+    return sorted({p for g in NAMING for p in root.glob(g) if p.is_file() and "__pycache__" not in p.parts})
+
+
 # ------------------------------------------------------------------------------------------------ the rules
 def test_no_import_cycles():
     assert cycles(import_graph(SRC)) == []
@@ -132,6 +161,19 @@ def test_no_module_over_the_limit():
 
 def test_runtime_does_not_import_up_into_its_owner():
     assert upward_imports(import_graph(SRC)) == []
+
+
+def test_every_named_path_exists():
+    # This module is left out: its control names missing paths on purpose.
+    files = [f for f in naming_files(ROOT) if f != Path(__file__).resolve()]
+    assert missing_paths(ROOT, files) == {}
+
+
+def test_the_path_rule_reads_the_repository():
+    """The rule above reads the real files, and the paths they name: this module and a few it must see."""
+    files = {f.relative_to(ROOT).as_posix() for f in naming_files(ROOT)}
+    assert {"tests/test_house.py", "README.md", "docs/guarding.md", "src/tripwire/include/tripwire/guard.cuh"} <= files
+    assert "tests/test_include.py" in _PATH.findall((SRC / "tripwire/include/tripwire/guard.cuh").read_text())
 
 
 def test_the_graph_sees_the_package():
@@ -181,3 +223,16 @@ def test_control_an_upward_import_is_found(tmp_path):
         },
     )
     assert upward_imports(import_graph(src, "pkg"), "pkg._runtime") == [("pkg._runtime.part", "pkg.owner")]
+
+
+def test_control_a_moved_file_is_found(tmp_path):
+    """A file naming a path that is not there is flagged, one naming a path that is (or one named on purpose) is not."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "here.md").write_text("see docs/here.md")
+    (tmp_path / "docs" / "a.md").write_text(
+        "run tests/test_gone.py, then read docs/here.md (and benchmarks/bench_numerics.py); see `docs/gone.md`."
+    )
+    assert missing_paths(tmp_path, naming_files(tmp_path)) == {
+        "docs/gone.md": ["docs/a.md"],
+        "tests/test_gone.py": ["docs/a.md"],
+    }

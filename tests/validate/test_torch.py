@@ -2,7 +2,7 @@
 
 The kernel runs here under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU) on the
 same calls as the torch path, and every word both leave behind is compared: the arena rows, the offender blocks, the
-repaired tensors. ``tests/test_validate.py`` runs the validator's semantic tests on both paths.
+repaired tensors. ``tests/validate/test_validate.py`` runs the validator's semantic tests on both paths.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 :class:`tripwire.validate.Validator` runs this for CPU tensors (CPU engines such as vLLM's CPU build: no Triton
 interpreter, no triton import) and :mod:`tripwire.validate._triton` for CUDA tensors. Both write the same arena words
 for the same call: the count, the extremes, the first pair and the offender blocks (:mod:`tripwire.layout`), and the
-same repaired tensors; ``tests/test_validate.py`` runs the kernel under the interpreter beside this path and compares
-every word.
+same repaired tensors; ``tests/validate/test_validate.py`` runs the kernel under the interpreter beside this path
+and compares every word.
 
 What "the same" takes, beyond the rules' semantics (see the kernel's docstring):
 
@@ -19,8 +19,9 @@ What "the same" takes, beyond the rules' semantics (see the kernel's docstring):
   another one).
 
 Cost: the clean path is one range test per rule tensor (all entries, used or not, inside the rule's range means no
-entry is bad: a list read for small tensors, one ``aminmax`` for larger ones); the exact path (masks, lookups, writes) runs only when that test fails. The
-scalar reads are host reads of host tensors: this module is never given a CUDA tensor.
+entry is bad: a list read for small tensors, one ``aminmax`` for larger ones); the exact path (masks, lookups,
+writes) runs only when that test fails. The scalar reads are host reads of host tensors: this module is never given
+a CUDA tensor.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@
 
 namespace tripwire {
 
-// The row layout (src/tripwire/layout.py; tests/test_cuda_header.py checks that both agree).
+// The row layout (src/tripwire/layout.py; tests/test_include.py checks that both agree).
 constexpr int SLOTS = 8;
 constexpr int COUNT = 0, MAX_ROW = 1, MAX_VALUE = 2, NEG_MIN = 3, FIRST_ROW = 4, FIRST_VALUE = 5;
 constexpr int OFFENDERS = 7;                    // the slot holding the offender block's address
