@@ -82,99 +82,99 @@ def reshape_and_cache_kernel_flash(
     # tripwire
     Ctr,
     Req,
-    num_slots,
+    num_slots: tl.int64,
     HAS_REQ: tl.constexpr,
 ):
     token_idx = tl.program_id(axis=0)
     slot_idx = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
-    if slot_idx < 0:
-        # tripwire: a negative slot other than padding (-1) is recorded by the token's first tile program (once).
+    # tripwire: one unsigned compare for padding (-1), negative slots and slots past the cache (a negative slot is
+    # huge unsigned), in place of vLLM's `if slot_idx < 0: return`. The copy runs inside the `if`, so the clean path
+    # falls through; the fault block is the `else`, after it (an early `return` placed it first, and every clean
+    # program branched over it). The page arithmetic is on the unsigned slot: the compare leaves the compiler no
+    # proof that a signed slot is not negative, and a signed `//` by the page size is a division where an unsigned
+    # one is a shift. num_slots is an int64 parameter: the compare reads it as it is, no sign extension.
+    slot_u = slot_idx.to(tl.uint64, bitcast=True)
+    if slot_u < num_slots.to(tl.uint64):
+        block_idx = (slot_u // block_size).to(tl.int64, bitcast=True)
+        block_offset = (slot_u % block_size).to(tl.int64, bitcast=True)
+
+        tile_i = tl.program_id(axis=1)
+        tile_offs = tl.arange(0, TILE_SIZE)
+        tile_pos = tile_i * TILE_SIZE + tile_offs
+        src_key_idx = token_idx * key_stride
+        src_value_idx = token_idx * value_stride
+
+        if USE_HEAD_MAJOR_LAYOUT:
+            # Decompose the tile index back into head and dim coordinates.
+            cur_head = tile_pos // head_size
+            cur_dim = tile_pos % head_size
+            # Value addressing (4D): [Block, Head, Dim, Slot]
+            tgt_idx_v = (
+                block_idx * block_stride
+                + cur_head * head_stride
+                + cur_dim * dim_stride_v
+                + block_offset * 1
+            )
+            # Key addressing (5D): [Block, Head, Dim//8, Slot, 8]
+            tgt_idx_k = (
+                block_idx * block_stride
+                + cur_head * head_stride
+                + (cur_dim // x) * dim_stride_k
+                + block_offset * x
+                + (cur_dim % x)
+            )
+        else:
+            cur_head = tile_pos // head_size
+            cur_dim = tile_pos % head_size
+            tgt_idx_k = (
+                block_idx * block_stride
+                + block_offset * page_stride
+                + cur_head * head_stride
+                + cur_dim
+            )
+            tgt_idx_v = tgt_idx_k
+
+        # [TILE_SIZE]
+        key_load = tl.load(
+            key_ptr + src_key_idx + tile_pos, mask=tile_pos < (num_heads * head_size)
+        )
+        if FP8_KV_CACHE:
+            # tl.store will do the correct implicit cast to fp8,
+            # based on the key_cache_ptr.dtype.element_ty
+            key_tile = key_load if key_load.dtype.is_fp8() else key_load / tl.load(k_scale)
+        else:
+            key_tile = key_load
+
+        # [TILE_SIZE]
+        value_load = tl.load(
+            value_ptr + src_value_idx + tile_pos, mask=tile_pos < (num_heads * head_size)
+        )
+        if FP8_KV_CACHE:
+            if value_load.dtype.is_fp8():
+                value_tile = value_load
+            else:
+                # tl.store will do the correct implicit cast to fp8,
+                #  based on the value_cache_ptr.dtype.element_ty
+                value_tile = value_load / tl.load(v_scale)
+        else:
+            value_tile = value_load
+
+        tl.store(
+            key_cache_ptr + tgt_idx_k,
+            key_tile,
+            mask=tile_pos < (num_heads * head_size),
+        )
+        tl.store(
+            value_cache_ptr + tgt_idx_v,
+            value_tile,
+            mask=tile_pos < (num_heads * head_size),
+        )
+    else:
+        # Padding token that should be ignored.
+        # tripwire: any other slot here is outside the cache: written nowhere, recorded once per token (by its first
+        # tile program).
         if (slot_idx != -1) & (tl.program_id(axis=1) == 0):
             _record_slot(Ctr, Req, token_idx, slot_idx, HAS_REQ)
-        # Padding token that should be ignored.
-        return
-    # tripwire: a slot past the cache masks the stores (vLLM's test and branch stay as they are; this is a compare
-    # and a scalar select of the stores' bound, not a branch around the copy) and is recorded after them, the fault
-    # path last in the program.
-    slot_ok = slot_idx < num_slots
-    n_live = tl.where(slot_ok, num_heads * head_size, 0)
-
-    block_idx = slot_idx // block_size
-    block_offset = slot_idx % block_size
-
-    tile_i = tl.program_id(axis=1)
-    tile_offs = tl.arange(0, TILE_SIZE)
-    tile_pos = tile_i * TILE_SIZE + tile_offs
-    src_key_idx = token_idx * key_stride
-    src_value_idx = token_idx * value_stride
-
-    if USE_HEAD_MAJOR_LAYOUT:
-        # Decompose the tile index back into head and dim coordinates.
-        cur_head = tile_pos // head_size
-        cur_dim = tile_pos % head_size
-        # Value addressing (4D): [Block, Head, Dim, Slot]
-        tgt_idx_v = (
-            block_idx * block_stride
-            + cur_head * head_stride
-            + cur_dim * dim_stride_v
-            + block_offset * 1
-        )
-        # Key addressing (5D): [Block, Head, Dim//8, Slot, 8]
-        tgt_idx_k = (
-            block_idx * block_stride
-            + cur_head * head_stride
-            + (cur_dim // x) * dim_stride_k
-            + block_offset * x
-            + (cur_dim % x)
-        )
-    else:
-        cur_head = tile_pos // head_size
-        cur_dim = tile_pos % head_size
-        tgt_idx_k = (
-            block_idx * block_stride
-            + block_offset * page_stride
-            + cur_head * head_stride
-            + cur_dim
-        )
-        tgt_idx_v = tgt_idx_k
-
-    # [TILE_SIZE]
-    key_load = tl.load(
-        key_ptr + src_key_idx + tile_pos, mask=tile_pos < (num_heads * head_size)
-    )
-    if FP8_KV_CACHE:
-        # tl.store will do the correct implicit cast to fp8,
-        # based on the key_cache_ptr.dtype.element_ty
-        key_tile = key_load if key_load.dtype.is_fp8() else key_load / tl.load(k_scale)
-    else:
-        key_tile = key_load
-
-    # [TILE_SIZE]
-    value_load = tl.load(
-        value_ptr + src_value_idx + tile_pos, mask=tile_pos < (num_heads * head_size)
-    )
-    if FP8_KV_CACHE:
-        if value_load.dtype.is_fp8():
-            value_tile = value_load
-        else:
-            # tl.store will do the correct implicit cast to fp8,
-            #  based on the value_cache_ptr.dtype.element_ty
-            value_tile = value_load / tl.load(v_scale)
-    else:
-        value_tile = value_load
-
-    tl.store(
-        key_cache_ptr + tgt_idx_k,
-        key_tile,
-        mask=tile_pos < n_live,
-    )
-    tl.store(
-        value_cache_ptr + tgt_idx_v,
-        value_tile,
-        mask=tile_pos < n_live,
-    )
-    if (not slot_ok) & (tl.program_id(axis=1) == 0):
-        _record_slot(Ctr, Req, token_idx, slot_idx, HAS_REQ)
     return
 
 
