@@ -119,12 +119,18 @@ def sm90_usage(compiled, warps):
 
 @pytest.fixture
 def build_probe(tmp_path):
-    def run(source: str, timeout: float = 900) -> dict:
+    def run(source: str, timeout: float = 900, private_cache: bool = True) -> dict:
         # A file (@triton.jit reads its function's source) run without TRITON_INTERPRET: compiling needs the real
         # compiler, which the interpreter replaces in this process.
         probe = tmp_path / "build_probe.py"
         probe.write_text(_SM90_PRELUDE + source)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        if private_cache:
+            # Its own Triton cache: a probe that swaps one of tripwire's helpers (a control's fault path) compiles
+            # the shipped kernel's cache key into other code (Triton keys a kernel by its helpers' source when first
+            # hashed, not by what a module name holds at compile time), and that entry must never reach a cache a
+            # later process reads (~/.triton: the user's own launches would run the control).
+            env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
         p = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=timeout)
         assert p.returncode == 0, p.stderr[-2000:]
         r = json.loads(p.stdout.strip().splitlines()[-1])

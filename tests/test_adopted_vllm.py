@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from adopted_vllm import load
 from tripwire.kernels import counters
+from tripwire.layout import VALUE_MAX, VALUE_MIN
 
 
 @pytest.fixture
@@ -173,11 +174,19 @@ def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
     for a, b in zip(run(False, slots), run(variant, slots, ctr=ctr), strict=True):
         assert torch.equal(a, b)
     bad = slots.clone()
-    bad[3], bad[10], bad[20] = -1, NB * 16 + 3, -7
+    # Padding, one past the cache, a negative slot, and the int64 extremes (the guarded copy's one sign test wraps
+    # the difference num_slots - 1 - slot: both ends must still test bad); offenders keep saturated values.
+    bad[3], bad[10], bad[20], bad[30], bad[31] = -1, NB * 16 + 3, -7, -(2**63), 2**63 - 1
     kc, _ = run(variant, bad, ctr=ctr, requests=torch.arange(100, 164, device="cuda"))
     torch.cuda.synchronize()
     hit = hit_of(mon, cuda_ext.SITE.name)
-    assert hit.count == 2 and sorted(tuple(o) for o in hit.offenders) == [(10, NB * 16 + 3, 110), (20, -7, 120)]
+    assert hit.count == 4
+    assert sorted(tuple(o) for o in hit.offenders) == [
+        (10, NB * 16 + 3, 110),
+        (20, -7, 120),
+        (30, VALUE_MIN, 130),
+        (31, VALUE_MAX, 131),
+    ]
     ref = torch.zeros_like(kc).reshape(-1, H, D)
     for t, s in enumerate(bad.tolist()):
         if 0 <= s < NB * 16:

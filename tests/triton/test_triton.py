@@ -897,6 +897,42 @@ def test_offender_claims_cost_the_hot_path_no_occupancy(build_probe):
     assert shipped["regs"] <= none["regs"] + 8 and shipped["programs_per_sm"] >= none["programs_per_sm"], r
 
 
+_CACHE_PROBE = r"""
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@triton.jit
+def one(x_ptr):
+    tl.store(x_ptr, 1)
+
+
+try:
+    triton.compile(ASTSource(one, {"x_ptr": "*i32"}), target=GPUTarget("cuda", 90, 32))
+    out = {"compiled": True}
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print(json.dumps(out))
+"""
+
+
+def test_build_probes_compile_into_a_cache_of_their_own(build_probe, tmp_path, monkeypatch):
+    """The claims probe above compiles three fault paths under the non-finite counter's one cache key: into a
+    shared Triton cache, the last of them would be what count_nonfinite launches afterwards, in any process that
+    reads that cache (a user's ~/.triton after `make test`). So every build probe compiles into a cache of its own:
+    the cache the tests' process names gets nothing. The control: the same probe told to share it writes there."""
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(shared))
+    build_probe(_CACHE_PROBE)
+    assert not any(shared.iterdir())
+    build_probe(_CACHE_PROBE, private_cache=False)
+    assert any(shared.iterdir())
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 def test_gpu_graph_replay_offenders_are_the_distinct_ones(make_monitor, hit_of, captured):

@@ -44,16 +44,22 @@ __global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
   const int64_t token_idx = blockIdx.x;
   const int64_t slot_idx = slot_mapping[token_idx];
   // NOTE: slot_idx can be -1 if the token is padded
-  // tripwire: one compare (unsigned: a negative slot is huge) for padding and bad slots alike. A bad slot writes
-  // nothing; thread 0 records it (the request is read only then, in tw_bad_slot) and the block returns right after,
-  // so nothing of the copy below is live across the call.
-  if (static_cast<uint64_t>(slot_idx) >= static_cast<uint64_t>(num_slots)) {
-    tw_bad_slot(tw_ctr, tw_requests, token_idx, slot_idx);
-    return;
-  }
+  // tripwire: vLLM's `if (slot_idx < 0) return;` moves below, after the index arithmetic (harmless on any slot: the
+  // divisor is positive), and becomes one sign test for padding and bad slots alike.
   const int64_t block_idx = slot_idx / block_size;
   const int64_t block_offset = slot_idx % block_size;
   const int n_elems = num_heads * head_size;
+  // tripwire: slot_idx | (num_slots - 1 - slot_idx) is negative exactly when the slot is negative or past the cache
+  // (the difference in unsigned arithmetic: it wraps, never overflows). Tested here, its few vector instructions run
+  // beside the division instead of before it, and nvcc lays the fault block out after the copy: the clean path falls
+  // through. A bad slot writes nothing; thread 0 records it (the request is read only then, in tw_bad_slot) and the
+  // block returns right after, so nothing of the copy below is live across the call.
+  const int64_t tw_room =
+      static_cast<int64_t>(static_cast<uint64_t>(num_slots) - 1u - static_cast<uint64_t>(slot_idx));
+  if ((slot_idx | tw_room) < 0) {
+    tw_bad_slot(tw_ctr, tw_requests, token_idx, slot_idx);
+    return;
+  }
 
   // pointers to the beginning of the source row for this token.
   const scalar_t* __restrict__ key_src = key + token_idx * key_stride;
