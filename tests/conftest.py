@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +117,21 @@ def sm90_usage(compiled, warps):
     by_smem = 233472 // (smem + 1024)
     return {"regs": regs, "smem": smem, "programs_per_sm": min(by_regs, by_smem, 2048 // (warps * 32), 32)}
 """
+
+
+def _cuda_tool(name: str) -> str | None:
+    for base in filter(None, (os.environ.get("CUDA_HOME"), "/usr/local/cuda")):
+        cand = Path(base) / "bin" / name
+        if cand.is_file():
+            return str(cand)
+    return shutil.which(name)
+
+
+@pytest.fixture(scope="session")
+def cuda_tool():
+    """The lookup of a CUDA toolkit program by name (nvcc, cuobjdump): CUDA_HOME's, /usr/local/cuda's, else the one
+    on PATH; None where there is none (the tests that need it skip)."""
+    return _cuda_tool
 
 
 @pytest.fixture

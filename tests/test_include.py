@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,16 +103,6 @@ def test_header_is_plain_cxx_with_the_layout_constants(tmp_path):
     assert p.returncode != 0 and "bias" in p.stderr
 
 
-def _cuda_tool(name: str) -> str | None:
-    import os
-
-    for base in filter(None, (os.environ.get("CUDA_HOME"), "/usr/local/cuda")):
-        cand = Path(base) / "bin" / name
-        if cand.is_file():
-            return str(cand)
-    return shutil.which(name)
-
-
 _DEVICE_USE = r"""
 #include <tripwire/guard.cuh>
 __global__ void use_all(const int* idx32, const long long* idx64, int* out, int n, long long size, int64_t* ctr) {
@@ -129,10 +120,10 @@ __global__ void use_all(const int* idx32, const long long* idx64, int* out, int 
 """
 
 
-def test_header_compiles_with_nvcc(tmp_path):
+def test_header_compiles_with_nvcc(tmp_path, cuda_tool):
     """Where nvcc exists (the H200; any machine with a CUDA toolkit): the device code builds for sm_90 with every
     warning an error, and the warp vote and the 64-bit atomics are in the SASS."""
-    nvcc = _cuda_tool("nvcc")
+    nvcc = cuda_tool("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here: the g++ shim build below checks the device code instead")
     src = tmp_path / "use.cu"
@@ -143,7 +134,7 @@ def test_header_compiles_with_nvcc(tmp_path):
     assert p.returncode == 0, p.stderr
     import triton
 
-    tool = _cuda_tool("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    tool = cuda_tool("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
     if not sass:
         pytest.skip("no cuobjdump to read the SASS")
@@ -165,13 +156,13 @@ __global__ void copy_row(const long long* slots, const int4* src, int4* dst, lon
 """
 
 
-def _inline_part(tmp_path: Path, *defines: str) -> str:
+def _inline_part(tmp_path: Path, cuda_tool: Callable[[str], str | None], *defines: str) -> str:
     """The SASS of _ONE_PER_BLOCK's kernel up to its first CALL (all of it when there is none): what the kernel
     itself holds of the fault path, beside the copy."""
-    nvcc = _cuda_tool("nvcc")
+    nvcc = cuda_tool("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here")
-    tool = _cuda_tool("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    tool = cuda_tool("cuobjdump") or str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
     src, cubin = tmp_path / "one.cu", tmp_path / f"one{len(defines)}.cubin"
     src.write_text(_ONE_PER_BLOCK)
     cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-cubin", *defines, "-I", tripwire.include_dir()]
@@ -184,14 +175,14 @@ def _inline_part(tmp_path: Path, *defines: str) -> str:
     return "\n".join(code[: next((k for k, x in enumerate(code) if "CALL" in x), len(code))])
 
 
-def test_record_hit_is_one_call_under_its_if(tmp_path):
+def test_record_hit_is_one_call_under_its_if(tmp_path, cuda_tool):
     """record_hit's whole record (the ballot, the saturation, the request's word) is out of line: nvcc lays the
     early-return fault block out before the copy, so whatever of it is inline the clean path jumps over. The kernel
     itself holds no vote, no atomic and no shuffle of it. The control: the fault path inlined
     (TRIPWIRE_FAULT_INLINE) puts them back in the kernel's own code."""
-    inline = _inline_part(tmp_path)
+    inline = _inline_part(tmp_path, cuda_tool)
     assert not re.search(r"VOTE|ATOM|SHFL|RED\.", inline), inline
-    control = _inline_part(tmp_path, "-DTRIPWIRE_FAULT_INLINE")
+    control = _inline_part(tmp_path, cuda_tool, "-DTRIPWIRE_FAULT_INLINE")
     assert "VOTE" in control and "ATOMG" in control
 
 

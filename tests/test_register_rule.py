@@ -7,6 +7,9 @@ interpreter): the guarded kernel needs at most one allocation unit (8 registers 
 more spills, and fits as many programs per SM. The twin: the kernel's GUARD=False build, vLLM's original, or, for
 kernels without a switch, the same launch with the fault path reduced to its count (``resources.fault_path("stub")``).
 
+vLLM's adopted CUDA reshape_and_cache_flash too, where nvcc exists (compiled for sm_90, read with cuobjdump), with
+its vote variant as its control.
+
 The control: the issue's, a guarded kernel compiled with its fault path inlined (``resources.fault_path("inline")``):
 slot_mapping's inlined build costs registers and programs against its twin, so the rule can fail, and fails where
 the fault path is not out of line. The probe compiles every kernel inlined too, reported beside the out-of-line
@@ -147,3 +150,48 @@ def test_nonfinite_within_its_twins_registers(usage: dict) -> None:
     assert _free(shapes["2048x4/w8"]["launched"], shapes["2048x4/w8"]["twin"]), shapes["2048x4/w8"]
     flipped = [s for s, v in shapes.items() if _free(v["launched"], v["twin"]) and not _free(v["uncapped"], v["twin"])]
     assert flipped, shapes
+
+
+# vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds (bf16 K/V and
+# cache): the original, the guarded copy and the vote control, compiled for sm_90 as cuda_ext compiles them.
+_CUDA_ADOPTED = r"""
+#include <cuda_bf16.h>
+#include "vote_variant.cuh"
+using T = __nv_bfloat16;
+constexpr auto A = vllm::Fp8KVCacheDataType::kAuto;
+#define ARGS const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, \
+    const float*, const float*, int
+template __global__ void vllm::reshape_and_cache_flash_kernel<T, T, A>(ARGS);
+template __global__ void vllm_guarded::reshape_and_cache_flash_kernel<T, T, A>(ARGS, int64_t*, const int64_t*, int64_t);
+template __global__ void vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, A>(ARGS, int64_t*, const int64_t*,
+                                                                                    int64_t);
+"""
+
+
+def test_adopted_cuda_reshape_costs_no_occupancy(tmp_path, cuda_tool, monkeypatch):
+    """vLLM's CUDA reshape_and_cache_flash guarded from the docs (benchmarks/adopted_vllm/guarded/cache_kernels.cuh),
+    compiled for sm_90 with cuda_ext's flags and read back with cuobjdump (tripwire.resources.cuda_usage) at vLLM's
+    launch of 512 threads per block: the rule holds against the original. The control: the vote variant (every thread
+    votes through guard_index and goes on with the copy) costs registers and a block per SM, and the rule flags it."""
+    nvcc = cuda_tool("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    monkeypatch.syspath_prepend(str(PROBE.parents[1] / "benchmarks"))
+    import tripwire
+    from adopted_vllm import cuda_ext
+    from tripwire import resources as rs
+
+    src, cubin = tmp_path / "adopted.cu", tmp_path / "adopted.cubin"
+    src.write_text(_CUDA_ADOPTED)
+    here = PROBE.parents[1] / "benchmarks" / "adopted_vllm"
+    cmd = [nvcc, *cuda_ext.FLAGS, "-arch=sm_90", "-cubin", "-I", tripwire.include_dir(), "-I", str(here)]
+    p = subprocess.run([*cmd, str(src), "-o", str(cubin)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    found = {}
+    for u in rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash"):
+        found["vote" if "_vote" in u.kernel else "guarded" if "vllm_guarded" in u.kernel else "original"] = u
+    assert sorted(found) == ["guarded", "original", "vote"], found
+    ((g, t, free),) = rs.compare([found["guarded"]], [found["original"]])
+    assert free, rs.format_table([(g, t, free)])
+    ((v, t, free),) = rs.compare([found["vote"]], [found["original"]])
+    assert not free and v.programs_per_sm < t.programs_per_sm, rs.format_table([(v, t, free)])
