@@ -169,17 +169,13 @@ def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]]
 
             threads = min(CACHE["kv_heads"] * CACHE["head_dim"], 512)
             found = rs.cuda_usage(cuda_ext.library_path(), block_threads=threads, match="reshape_and_cache_flash")
-            return [(_cuda_variant(u.kernel), u) for u in found]
+            return [(cuda_ext.variant_of(u.kernel), u) for u in found]
         usage = []
         for name in ("original", "guarded"):
             usage += [(name, rs.triton_usage(launch)) for launch in rs.capture_launches(bodies[name])]
         return usage
 
     return bodies, check
-
-
-def _cuda_variant(kernel: str) -> str:
-    return "vote" if "_vote" in kernel else "guarded" if "vllm_guarded" in kernel else "original"
 
 
 def _counters(sites: tuple) -> torch.Tensor:

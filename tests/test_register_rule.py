@@ -187,9 +187,10 @@ def test_adopted_cuda_reshape_costs_no_occupancy(tmp_path, cuda_tool, monkeypatc
     cmd = [nvcc, *cuda_ext.FLAGS, "-arch=sm_90", "-cubin", "-I", tripwire.include_dir(), "-I", str(here)]
     p = subprocess.run([*cmd, str(src), "-o", str(cubin)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    found = {}
-    for u in rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash"):
-        found["vote" if "_vote" in u.kernel else "guarded" if "vllm_guarded" in u.kernel else "original"] = u
+    found = {
+        cuda_ext.variant_of(u.kernel): u
+        for u in rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash")
+    }
     assert sorted(found) == ["guarded", "original", "vote"], found
     ((g, t, free),) = rs.compare([found["guarded"]], [found["original"]])
     assert free, rs.format_table([(g, t, free)])

@@ -87,6 +87,12 @@ def library_path() -> str:
     return str(mod.__file__)
 
 
+def variant_of(kernel: str) -> str:
+    """Which of the extension's kernels a (mangled) function name is: "original" (vLLM's), "guarded" or "vote" (the
+    profiler's control, vote_variant.cuh)."""
+    return "vote" if "_vote" in kernel else "guarded" if "vllm_guarded" in kernel else "original"
+
+
 def reshape_and_cache_flash(
     key: torch.Tensor,
     value: torch.Tensor,
