@@ -32,26 +32,10 @@ import triton
 
 PROBE = Path(__file__).with_name("_register_rule_probe.py")
 VERSION = ".".join(triton.__version__.split(".")[:2])
-# slot_mapping at an engine step's size: one warp per program, so 32 programs per SM (the hardware's block limit)
-# guarded and twin alike, but the fault path's calls need more registers than the twin's few. They cost no program
-# here; the rule's register bound still fails, and is reported.
-STEP = "one warp per program: 32 programs/SM both (the block limit), the fault path's registers over the twin's"
 # (case, kernel name prefix) -> why, per Triton version.
-KNOWN: dict[str, dict[tuple[str, str], str]] = {
-    "3.6": {
-        # Its tile records are inlined before Triton 3.9 (tripwire.triton.CALLEE_SMEM_SAFE).
-        ("slot_mapping", "_slot_mapping"): "the tile records, inline: 52 vs 26 registers (4 vs 8 programs/SM)",
-        ("slot_mapping_step", "_slot_mapping"): STEP,
-        ("validator", "_validate"): "the out-of-line fault paths of its rules: 108 vs 72 registers (4 vs 7)",
-    },
-    "3.9": {
-        ("slot_mapping_step", "_slot_mapping"): STEP,
-        ("validator", "_validate"): "72 vs 56 registers (7 vs 9 programs/SM): the out-of-line fault paths of its "
-        "rules (a tile's record, with its calls) over a hot path of a vote",
-    },
-}
-# A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line it is within
-# it on Triton 3.9): the rule's comparison must flag the inlined build.
+KNOWN: dict[str, dict[tuple[str, str], str]] = {}
+# A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
+# its twin's registers, it is within it): the rule's comparison must flag the inlined build.
 COSTLY = ("slot_mapping", "_slot_mapping")
 
 

@@ -287,6 +287,9 @@ _COLD = (
     "_tile_first",
     "_tile_record",
     "_tile_next",
+    "_tile_first_ool",
+    "_tile_record_ool",
+    "_tile_next_ool",
 )
 
 
@@ -322,7 +325,7 @@ def fault_path(mode: str) -> Iterator[None]:
             tl.atomic_add(ctr_ptr, 1)
 
         @triton.jit
-        def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):  # type: ignore[no-untyped-def]
+        def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles, KEEPS_SMEM: tl.constexpr):  # type: ignore[no-untyped-def]
             for t in range(0, tiles):
                 bad, _rows, _values, _reqs = TILE(C, args, t)
                 tl.atomic_add(ctr_ptr, tl.sum(bad.to(tl.int64), axis=None))

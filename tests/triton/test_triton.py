@@ -489,17 +489,22 @@ def _lanes_kernel(c0, c1, c2, bad_ptr, rows_ptr, vals_ptr, reqs_ptr, n, HAS_REQ:
     block=st.sampled_from([32, 128]),
     k=st.sampled_from([1, 3, 8]),
     has_req=st.booleans(),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
 )  # fmt: skip
-def test_record_lanes_against_reference(make_monitor, hit_of, lanes, block, k, has_req):
+def test_record_lanes_against_reference(make_monitor, hit_of, lanes, block, k, has_req, dtype):
     """record_lanes (each lane records itself, no vote: compiled, PTX) over three sites of random bad lanes, repeats
     common: per site the count and extremes exact, the first pair one real hit, the first K distinct offenders kept
     (in claim order under the interpreter; on the GPU, where lanes race, some K of them, all when they fit). A site
-    with no bad lane records nothing."""
+    with no bad lane records nothing. Rows, values and requests int32 or int64: compiled, a 32-bit operand is
+    sign-extended inside the record (negative values and requests, and int32's extremes, show a wrong extension)."""
     mon = make_monitor(offenders=k)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     names = [f"t.lanes{i}" for i in range(3)]
     ctrs = [mon.counter(mon.registry.register(name), dev) for name in names]
-    bits, rows, vals, reqs = (torch.tensor(c, dtype=torch.int64, device=dev) for c in zip(*lanes, strict=True))
+    if dtype == torch.int32:  # the pool's 64-bit requests as int32's extremes
+        lanes = [(b, r, v, q if -(2**31) <= q < 2**31 else (2**31 - 1 if q > 0 else -(2**31))) for b, r, v, q in lanes]
+    bits = torch.tensor([c[0] for c in lanes], dtype=torch.int64, device=dev)
+    rows, vals, reqs = (torch.tensor(c, dtype=dtype, device=dev) for c in list(zip(*lanes, strict=True))[1:])
     n = len(lanes)
     # One thread per lane (the helper's precondition): a block of 32 lanes per warp.
     _lanes_kernel[(triton.cdiv(n, block),)](
@@ -704,7 +709,17 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
-from tripwire.triton import guard_index, record_hit, record_hits
+from tripwire.triton import guard_index, record_hit, record_hits, record_lanes
+
+@triton.jit
+def lanes(ctr, x_ptr, req_ptr, n, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0)
+    q = None
+    if HAS_REQ:
+        q = tl.load(req_ptr + offs, mask=m, other=0)
+    record_lanes((ctr, ctr + 8, ctr + 16), (m & (x < 0), m & (x > 9), m & (x == 5)), x, (x, x + 1, x * 2), q)
 
 @triton.jit
 def uses(ctr, x_ptr, req_ptr, n, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr):
@@ -739,6 +754,10 @@ try:
         out[str(has)] = {"cas": ptx.count(".cas.b64"), "release": ptx.count("atom.global.sys.release.exch"),
                          "cold": sorted({f for f in ("_record_words", "_claim", "_record_one") if "call.uni" in ptx
                                          and f"_$_{f}__" in ptx})}
+    for width in (32, 64):
+        for has in (False, True):
+            ptx = build(lanes, {**types, "x_ptr": f"*i{width}", "req_ptr": f"*i{width}"}, dict(HAS_REQ=has, BLOCK=128))
+            out[f"lanes{width}{has}"] = ptx.count("cvt.s64.s32")
     try:
         build(control, types, dict(BLOCK=16))
         out["control"] = "compiled"
@@ -753,7 +772,8 @@ print(json.dumps(out))
 
 
 def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_path):
-    """Every helper, with and without a request, compiled for sm_90 (no GPU needed): the fault path's
+    """Every helper, with and without a request, compiled for sm_90 (no GPU needed; record_lanes at int32 and
+    int64 operands too): the fault path's
     compare-and-swaps and the released ROW store are in the PTX, out of line (called functions). Control: the interpreter runs code the compiler
     refuses (an early return inside a static `if`: the compiler goes on past it), so only a build shows that the
     helpers compile."""
@@ -764,6 +784,9 @@ def test_helpers_compile_for_sm90_with_and_without_requests(build_probe, tmp_pat
         assert r[has]["cas"] >= 2 and r[has]["release"] >= 1, r
         # The claim walk is inlined into the claim loop (a call there costs registers: see _claim).
         assert r[has]["cold"] == ["_record_one", "_record_words"], r
+    # record_lanes at both operand widths: 32-bit rows, values and requests are widened inside the record (on its
+    # fault path, one cvt per operand: the row, three values, the request), 64-bit ones are not.
+    assert [r[f"lanes{w}{has}"] for w in (32, 64) for has in ("False", "True")] == [4, 5, 0, 0], r
     assert r["control"].startswith("CompilationError"), r
     if INTERPRET:  # ... which the interpreter runs without a complaint
         spec = importlib.util.spec_from_file_location("early_return", tmp_path / "early_return.py")

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..sites import register_site
 from ..triton import record_lanes, record_tiles
+from ..triton._budget import register_cap
 from ._common import (
     INDEX_DTYPES,
     check_fake_ctr,
@@ -223,10 +224,12 @@ def _slot_mapping(
             a0 = (start, limit, rows_ptr, R, req_ptr)
             a1 = (start, limit, pos_ptr, W, block_size, req_ptr)
             a2 = (start, limit, pos_ptr, rows_ptr, table_ptr, R, W, block_size, num_blocks, req_ptr)
-            record_tiles(ctr_ptr, _token_tile, (0, LOG2_BS, HAS_REQ, FAULT_T), a0, tiles)
-            record_tiles(ctr_ptr + 8, _token_tile, (1, LOG2_BS, HAS_REQ, FAULT_T), a1, tiles)
+            # KEEPS_SMEM=False: nothing of this kernel is in shared memory at the calls (no loop, no dot; the vote's
+            # scratch is dead), so the tile functions are out of line before Triton 3.9 too.
+            record_tiles(ctr_ptr, _token_tile, (0, LOG2_BS, HAS_REQ, FAULT_T), a0, tiles, False)
+            record_tiles(ctr_ptr + 8, _token_tile, (1, LOG2_BS, HAS_REQ, FAULT_T), a1, tiles, False)
             if HAS_BLOCK_LIMIT:
-                record_tiles(ctr_ptr + 16, _token_tile, (2, LOG2_BS, HAS_REQ, FAULT_T), a2, tiles)
+                record_tiles(ctr_ptr + 16, _token_tile, (2, LOG2_BS, HAS_REQ, FAULT_T), a2, tiles, False)
     else:
         blk = tl.load(table_ptr + (r.to(tl.int64) * W + col), mask=m, other=0)
         slot = blk.to(tl.int64) * block_size + within
@@ -260,7 +263,9 @@ def slot_mapping(
         requests: int32/int64 ``[T]``, the request id of each token (row ``t``), kept with its offenders; None:
             requests not known.
 
-    No sync, no allocation: capture-safe once the counters exist.
+    No sync, no allocation: capture-safe once the counters exist. Past 65536 tokens (a bandwidth launch) the first
+    launch of a compiled variant also finds its register cap (tripwire.triton._budget: it compiles the twin too),
+    as Triton's first launch compiles: make it before any CUDA graph capture.
     """
     check_tensor("positions", positions, dtypes=INDEX_DTYPES, ndim=1)
     T = positions.shape[0]
@@ -277,18 +282,10 @@ def slot_mapping(
     if T == 0:
         return slots
     block_t, warps = _launch_shape(T)
-    _slot_mapping[(triton.cdiv(T, block_t),)](
-        positions,
-        token_rows,
-        block_table,
-        slots,
-        c,
-        c if req is None else req,  # never read without HAS_REQ
-        T,
-        R,
-        W,
-        block_size,
-        0 if num_kv_blocks is None else num_kv_blocks,
+    grid = (triton.cdiv(T, block_t),)
+    args = (positions, token_rows, block_table, slots, c, c if req is None else req,  # never read without HAS_REQ
+            T, R, W, block_size, 0 if num_kv_blocks is None else num_kv_blocks)  # fmt: skip
+    kw = dict(
         BLOCK_T=block_t,
         # The fault path's tile: one token per thread, so that what it keeps per lane (int64 rows, columns, blocks,
         # values) does not raise the kernel's registers over the hot path's.
@@ -303,6 +300,18 @@ def slot_mapping(
         LANES=warps == 1,
         num_warps=warps,
     )
+    if guard and warps > 1:
+        # A bandwidth launch within the twin's registers (tripwire.triton._budget): its fault path, out of line,
+        # spills on its own path rather than cost the hot path programs per SM. The key is the compiled variant:
+        # Triton specialises each tensor's 16-byte alignment and each size's type, divisibility and value 1.
+        tensors, sizes = args[:6], args[6:]
+        key = (positions.device, *(t.dtype for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors),
+               *((v % 16 == 0, v == 1, v < 2**31) for v in sizes), block_t, kw["LOG2_BS"], kw["HAS_BLOCK_LIMIT"],
+               kw["HAS_REQ"])  # fmt: skip
+        cap = register_cap(key, _slot_mapping, grid, args, kw, {"GUARD": False})
+        if cap is not None:
+            kw["maxnreg"] = cap
+    _slot_mapping[grid](*args, **kw)
     return slots
 
 

@@ -320,14 +320,32 @@ def _tile_next(TILE: tl.constexpr, C: tl.constexpr, args, t, pr, pv, pq, after):
     return found, cr, cv, cq
 
 
+# The tile functions out of line on every Triton version, for a caller that keeps nothing in shared memory across
+# the call (record_tiles' KEEPS_SMEM=False): before 3.9 (CALLEE_SMEM_SAFE) a callee's shared memory starts at the
+# kernel's 0, where such a caller has only the scratch of single operations, dead at the call. From 3.9 on they are
+# the functions above.
+if CALLEE_SMEM_SAFE:
+    _tile_first_ool, _tile_record_ool, _tile_next_ool = _tile_first, _tile_record, _tile_next
+else:
+    _tile_first_ool = _cold(_tile_first.fn)
+    _tile_record_ool = _cold(_tile_record.fn)
+    _tile_next_ool = _cold(_tile_next.fn)
+
+
 @triton.jit
-def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
+def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles, KEEPS_SMEM: tl.constexpr):
     """The fault path of :func:`record_tiles`: per tile with a bad lane, the same words, claims and order as
     :func:`_fault`, each tile's lanes formed again by the out-of-line functions; only scalars here."""
     for t in range(0, _bound(tiles)):
-        n, first_r, first_v = _tile_first(TILE, C, args, t)
+        if KEEPS_SMEM:
+            n, first_r, first_v = _tile_first(TILE, C, args, t)
+        else:
+            n, first_r, first_v = _tile_first_ool(TILE, C, args, t)
         if n > 0:
-            _tile_record(TILE, C, args, t, ctr_ptr, n, first_r, first_v)
+            if KEEPS_SMEM:
+                _tile_record(TILE, C, args, t, ctr_ptr, n, first_r, first_v)
+            else:
+                _tile_record_ool(TILE, C, args, t, ctr_ptr, n, first_r, first_v)
             addr = _offender_block(ctr_ptr)
             if addr != 0:
                 addr = tl.where(_room(addr), addr, 0)
@@ -341,7 +359,10 @@ def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
                 more = k > 0
                 for _ in range(0, 2 * _bound(k)):
                     if more:
-                        found, cr, cv, cq = _tile_next(TILE, C, args, t, pr, pv, pq, after)
+                        if KEEPS_SMEM:
+                            found, cr, cv, cq = _tile_next(TILE, C, args, t, pr, pv, pq, after)
+                        else:
+                            found, cr, cv, cq = _tile_next_ool(TILE, C, args, t, pr, pv, pq, after)
                         more = found
                         if found:
                             more = _claim(addr, cr.to(tl.int64) + GUARD_BIAS, cv.to(tl.int64) + GUARD_BIAS, cq) == 0
@@ -355,7 +376,7 @@ def _fault_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
 
 
 @triton.jit
-def record_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
+def record_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles, KEEPS_SMEM: tl.constexpr = True):
     """Record the bad lanes of ``tiles`` tiles that ``TILE`` forms again from memory: the fault path of a kernel
     whose hot path keeps only a vote (``if any_bad: record_tiles(...)``). ``TILE(C, args, t)`` is a ``@triton.jit``
     function returning blocks ``(bad, rows, values, reqs)`` of tile ``t``, as :func:`record_hits` takes them
@@ -367,8 +388,14 @@ def record_tiles(ctr_ptr, TILE: tl.constexpr, C: tl.constexpr, args, tiles):
     formed and reduced in out-of-line functions that return scalars only, twice per tile and once more per
     offender claimed, so no lane's words are live across a call or beside the caller's hot code. Their reductions
     run in 32 bits for int32 rows and values (the words are the same). Make a tile one element per thread
-    (``32 * num_warps`` lanes) and ``args`` small: the out-of-line functions receive them in registers."""
-    _fault_tiles(ctr_ptr, TILE, C, args, tiles)
+    (``32 * num_warps`` lanes) and ``args`` small: the out-of-line functions receive them in registers.
+
+    ``KEEPS_SMEM``: whether the caller may keep shared memory of its own across the call (a dot operand, a pipelined
+    load's buffer). Before Triton 3.9 an out-of-line function's shared memory starts at the kernel's 0 and would
+    overwrite it (:data:`CALLEE_SMEM_SAFE`), so there the tile functions are inlined, which raises the caller's
+    registers. A caller with only the scratch of single operations (a vote's reduction, dead at the call) passes
+    False: its tile functions are out of line on every version."""
+    _fault_tiles(ctr_ptr, TILE, C, args, tiles, KEEPS_SMEM)
 
 
 @triton.jit

@@ -63,6 +63,7 @@ _FIRST_PAIR_PTX = tl.constexpr(
 )
 
 
+@triton.constexpr_function
 def walk_ptx(end: str, key: str, qb: str, vb: str, rb: str, done: str, tag: str = "") -> str:
     """The offender claim as PTX, from the entry at register ``e`` up to ``end``: ``key`` compare-and-swapped into
     each entry's KEY from 0; the entry found empty is taken (REQ ``qb``, VALUE ``vb``, then ROW ``rb`` last, released

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton._budget import register_cap
 from ..triton._callee import _version
 from ._rules import ABLOCK, BLOCK, Rules
 from ._triton_fault import _entries_fault, _indptr_bad, _indptr_fault, _lengths_fault
@@ -58,6 +59,7 @@ def _check(
     SAFE: tl.constexpr,
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAULT: tl.constexpr,
 ):
     """The bounds rule over one block of entries ``v`` (live lanes ``m``): an entry outside ``[LO, HI)`` that is not
     the padding value is bad. One vote; a block with a bad entry is counted (against the row of each entry, for
@@ -67,10 +69,13 @@ def _check(
     if HAS_PAD:
         bad = bad & (v != PAD)
     if tl.max(bad.to(tl.int32), axis=0) > 0:
-        _entries_fault(
-            ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND, HAS_PAD, HAS_LEN, REQ, LO, HI, PAD,
-            SAFE, MASK, BLOCK,
-        )  # fmt: skip
+        if FAULT:
+            _entries_fault(
+                ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND, HAS_PAD, HAS_LEN, REQ, LO, HI,
+                PAD, SAFE, MASK, BLOCK,
+            )  # fmt: skip
+        else:
+            tl.atomic_add(ctr_ptr, 1)  # the twin (see _validate's FAULT)
 
 
 @triton.jit
@@ -94,6 +99,7 @@ def _index_block(
     REQ: tl.constexpr,
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAULT: tl.constexpr,
 ):
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -105,7 +111,7 @@ def _index_block(
         m = m & ((offs - row * w) < ln)
     _check(
         ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, n, w, rq_ptr, rqn, sg_ptr, sgn, 1, HAS_PAD, HAS_LEN, REQ,
-        lo, hi, pad, safe, MASK, BLOCK,
+        lo, hi, pad, safe, MASK, BLOCK, FAULT,
     )  # fmt: skip
 
 
@@ -140,6 +146,7 @@ def _csr_block(
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     ABLOCK: tl.constexpr,
+    FAULT: tl.constexpr,
 ):
     used = _csr_used_end(a_ptr, an, n, ABLOCK)
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -148,45 +155,64 @@ def _csr_block(
     # A CSR rule's requests are per row of its layout: the segments are its own indptr.
     _check(
         ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, used, 1, rq_ptr, rqn, a_ptr, an, 2, HAS_PAD, False,
-        REQ, lo, hi, pad, safe, MASK, BLOCK,
+        REQ, lo, hi, pad, safe, MASK, BLOCK, FAULT,
     )  # fmt: skip
 
 
 @triton.jit
 def _lengths_check(
-    ctr_ptr, a_ptr, an, w, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr, MASK: tl.constexpr, ABLOCK: tl.constexpr
+    ctr_ptr,
+    a_ptr,
+    an,
+    w,
+    rq_ptr,
+    rqn,
+    sg_ptr,
+    sgn,
+    REQ: tl.constexpr,
+    MASK: tl.constexpr,
+    ABLOCK: tl.constexpr,
+    FAULT: tl.constexpr,
 ):
     """A per-row count outside ``[0, W]`` is bad (row = the table row, with the table rule's request of that row);
-    mask clamps it into the range."""
+    mask clamps it into the range. One out-of-line call after the loop, for the whole tensor, when a chunk had a
+    bad count: nothing of the loop is live across it."""
+    nbad = tl.zeros([], tl.int32)
     for s in range(0, an, ABLOCK):
         k = s + tl.arange(0, ABLOCK).to(tl.int64)
         valid = k < an
         ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
-        bad = valid & ((ln < 0) | (ln > w))
-        if tl.max(bad.to(tl.int32), axis=0) > 0:  # counted and repaired out of line, from the chunk read again
-            _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, s, an, w, rqn, sgn, REQ, MASK, ABLOCK)
+        nbad += tl.max((valid & ((ln < 0) | (ln > w))).to(tl.int32), axis=0)
+    if nbad > 0:  # counted and repaired out of line, from the tensor read again
+        if FAULT:
+            _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, an, w, rqn, sgn, REQ, MASK)
+        else:
+            tl.atomic_add(ctr_ptr, 1)  # the twin
 
 
 @triton.jit
-def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constexpr):
+def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constexpr, FAULT: tl.constexpr):
     """Entry ``k`` of the indptr is bad when ``k == 0`` and it is not 0, or ``k >= 1`` and it is outside
     ``[0, len(indices)]`` or below the last good entry before it. Mask replaces a bad entry by the last good entry
     before it (0 for ``k == 0``): the row that ends there becomes empty and every row stays in range.
 
     The last good entry before ``k`` equals the exclusive prefix max of the in-range entries (a bad in-range entry is
     below an earlier good one, so it never raises the max), which is a parallel scan: chunks of ``ABLOCK`` carry the
-    max of the chunks before them."""
+    max of the chunks before them. One out-of-line call after the loop, as :func:`_lengths_check`."""
     carry = tl.zeros([], tl.int64)  # entry 0 counts as 0, whatever it holds (it is repaired to 0)
+    nbad = tl.zeros([], tl.int32)
     for s in range(0, an, ABLOCK):
         k = s + tl.arange(0, ABLOCK).to(tl.int64)
         valid = k < an
         # The entry before each lane from this chunk only (the chunks before are in `carry`).
         v, in_range, _, bad = _indptr_bad(a_ptr, k, valid, s, ni, carry)
-        # The next chunk's carry first: the chunk's words die before the call.
-        below = carry
         carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
-        if tl.max(bad.to(tl.int32), axis=0) > 0:  # counted and repaired out of line, from the chunk read again
-            _indptr_fault(ctr_ptr, a_ptr, s, an, ni, below, MASK, ABLOCK)
+        nbad += tl.max(bad.to(tl.int32), axis=0)
+    if nbad > 0:  # counted and repaired out of line, from the tensor read again
+        if FAULT:
+            _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK)
+        else:
+            tl.atomic_add(ctr_ptr, 1)  # the twin
 
 
 @triton.jit(do_not_specialize=["N", "W", "AN", "RQN", "SGN"], do_not_specialize_on_alignment=["T", "A", "RQ", "SG"])
@@ -215,9 +241,11 @@ def _validate(
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     ABLOCK: tl.constexpr,
+    FAULT: tl.constexpr,
 ):
     # A rule's bounds, values and counter rows are constexprs (fixed when its validator's rules are); only the
-    # tensors and their sizes are runtime arguments, which keeps the host-side launch cheap.
+    # tensors and their sizes are runtime arguments, which keeps the host-side launch cheap. FAULT=False builds the
+    # twin a register cap is found against (_with_cap): the same votes, each bad block or chunk only counted.
     pid = tl.program_id(0)
     beg = 0
     for i in tl.static_range(len(KIND)):
@@ -245,6 +273,7 @@ def _validate(
                     REQ[i],
                     MASK,
                     BLOCK,
+                    FAULT,
                 )
             else:
                 _csr_block(
@@ -265,15 +294,16 @@ def _validate(
                     MASK,
                     BLOCK,
                     ABLOCK,
+                    FAULT,
                 )
         if OWN_AUX[i]:
             if local == nb:
                 if KIND[i] == 1:
                     _lengths_check(
-                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK
+                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK, FAULT
                     )
                 else:
-                    _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK)
+                    _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK, FAULT)
         beg += nb + OWN_AUX[i]
 
 
@@ -296,8 +326,7 @@ def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *
     total = sum(triton.cdiv(x, BLOCK) for x in n) + sum(rules.own_aux)
     if total == 0:
         return
-    slots = arena.shape[1]
-    _validate[(total,)](
+    args = (
         arena,
         main,
         aux,
@@ -308,21 +337,46 @@ def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *
         tuple(t.numel() for t in aux),
         tuple(t.numel() for t in rq),
         tuple(t.numel() for t in sg),
-        KIND=rules.kind,
-        HAS_PAD=rules.has_pad,
-        HAS_LEN=rules.has_len,
-        OWN_AUX=rules.own_aux,
-        REQ=rules.req,
-        LO=rules.lo,
-        HI=rules.hi,
-        PAD=rules.pad,
-        SAFE=rules.safe,
-        C=tuple(r * slots for r in rules.row),
-        AC=tuple(r * slots for r in rules.aux_row),
-        MASK=mask,
-        BLOCK=BLOCK,
-        ABLOCK=ABLOCK,
     )
+    consts = _constexprs(arena, rules, mask)
+    kw = _with_cap(arena, consts, [t.dtype for t in tensors], total, args)
+    _validate[(total,)](*args, **kw)
+
+
+def _constexprs(arena: torch.Tensor, rules: Rules, mask: bool) -> tuple:
+    """The kernel's constexprs for ``rules``, in its parameter order (:data:`_CONST_NAMES`)."""
+    slots = arena.shape[1]
+    return (
+        rules.kind,
+        rules.has_pad,
+        rules.has_len,
+        rules.own_aux,
+        rules.req,
+        rules.lo,
+        rules.hi,
+        rules.pad,
+        rules.safe,
+        tuple(r * slots for r in rules.row),
+        tuple(r * slots for r in rules.aux_row),
+        mask,
+        BLOCK,
+        ABLOCK,
+        True,  # FAULT: the fault paths (False: the twin a register cap is found against)
+    )
+
+
+def _with_cap(arena: torch.Tensor, consts: tuple, dtypes: list, total: int, args: tuple) -> dict[str, Any]:
+    """The launch's keyword arguments: the constexprs and, where the kernel's own allocation is larger than its
+    twin's (the same rules with the fault path reduced to a count: ``FAULT=False``), ``maxnreg`` at the twin's
+    (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the votes
+    programs per SM). The kernel depends on nothing else a call can change (``Launcher`` says why): the key is the
+    constexprs, the tensors' dtypes and the device. Its first call per key compiles both, as Triton's first launch
+    compiles."""
+    kw: dict[str, Any] = dict(zip(_CONST_NAMES, consts, strict=True))
+    cap = register_cap(("validate", arena.device, consts, *dtypes), _validate, (total,), args, kw, {"FAULT": False})
+    if cap is not None:
+        kw["maxnreg"] = cap
+    return kw
 
 
 class Launcher:
@@ -346,24 +400,8 @@ class Launcher:
         self.arena = arena
         self.rules = rules
         self.mask = mask
-        slots = arena.shape[1]
         # In the kernel's parameter order (after its ten runtime arguments): what the compiled launcher is given.
-        self._consts = (
-            rules.kind,
-            rules.has_pad,
-            rules.has_len,
-            rules.own_aux,
-            rules.req,
-            rules.lo,
-            rules.hi,
-            rules.pad,
-            rules.safe,
-            tuple(r * slots for r in rules.row),
-            tuple(r * slots for r in rules.aux_row),
-            mask,
-            BLOCK,
-            ABLOCK,
-        )
+        self._consts = _constexprs(arena, rules, mask)
         # One operator.itemgetter per group: a call selects its tuples in C, not in generator expressions.
         self._pick = tuple(_getter(ix) for ix in (rules.tensor, rules.aux, rules.requests, rules.segments))
         self._n_aux = sum(rules.own_aux)
@@ -398,12 +436,12 @@ class Launcher:
             # InterpretedFunction.
             self._direct = self.arena.is_cuda and hasattr(_validate, "device_caches")
         if not self._direct or _hooked():
-            _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
+            _validate[(total,)](*args, **_with_cap(self.arena, self._consts, [t.dtype for t in tensors], total, args))
             return
         key = tuple([t.dtype for t in tensors])
         bound = self._bound.get(key)
         if bound is None:
-            k = _validate[(total,)](*args, **dict(zip(_CONST_NAMES, self._consts, strict=True)))
+            k = _validate[(total,)](*args, **_with_cap(self.arena, self._consts, list(key), total, args))
             # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
             if hasattr(k, "packed_metadata"):
                 self._bound[key] = (k, _c_launch(k))
@@ -421,7 +459,7 @@ class Launcher:
 
 
 _CONST_NAMES = ("KIND", "HAS_PAD", "HAS_LEN", "OWN_AUX", "REQ", "LO", "HI", "PAD", "SAFE", "C", "AC", "MASK", "BLOCK",
-                "ABLOCK")  # fmt: skip
+                "ABLOCK", "FAULT")  # fmt: skip
 
 
 # The Triton releases whose CUDA launcher (CudaLauncher in backends/nvidia/driver.py) does nothing in Python but

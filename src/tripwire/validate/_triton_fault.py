@@ -93,11 +93,10 @@ def _entries_fault(ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sg
 
 
 @triton.jit(noinline=True)
-def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, start, an, w, rqn, sgn, REQ: tl.constexpr, MASK: tl.constexpr,
-                   ABLOCK: tl.constexpr):  # fmt: skip
-    """The lengths rule's fault path over the chunk ``[start, start + ABLOCK)``."""
-    for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
-        k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
+def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, an, w, rqn, sgn, REQ: tl.constexpr, MASK: tl.constexpr):
+    """The lengths rule's fault path over the whole lengths tensor (``an`` entries)."""
+    for s0 in tl.range(0, an, _TILE, loop_unroll_factor=1):
+        k = s0 + tl.arange(0, _TILE).to(tl.int64)
         valid = k < an
         ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
         bad = valid & ((ln < 0) | (ln > w))
@@ -123,14 +122,15 @@ def _indptr_bad(a_ptr, k, valid, lo, ni, carry):
 
 
 @triton.jit(noinline=True)
-def _indptr_fault(ctr_ptr, a_ptr, start, an, ni, carry, MASK: tl.constexpr, ABLOCK: tl.constexpr):
-    """The indptr rule's fault path over the chunk ``[start, start + ABLOCK)``; ``carry``: the last good entry
-    before the chunk. The tiles run in order and carry the last good entry before each (a repaired entry is the
-    last good one before it, so reading it again never raises the max)."""
-    for s0 in tl.range(0, ABLOCK, _TILE, loop_unroll_factor=1):
-        k = start + s0 + tl.arange(0, _TILE).to(tl.int64)
-        valid = (k < an) & (s0 + tl.arange(0, _TILE) < ABLOCK)
-        v, in_range, last_good, bad = _indptr_bad(a_ptr, k, valid, start, ni, carry)
+def _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr):
+    """The indptr rule's fault path over the whole indptr (``an`` entries). The tiles run in order and carry the
+    last good entry before each (a repaired entry is the last good one before it, so reading it again never raises
+    the max)."""
+    carry = tl.zeros([], tl.int64)  # entry 0 counts as 0
+    for s0 in tl.range(0, an, _TILE, loop_unroll_factor=1):
+        k = s0 + tl.arange(0, _TILE).to(tl.int64)
+        valid = k < an
+        v, in_range, last_good, bad = _indptr_bad(a_ptr, k, valid, s0, ni, carry)
         record_hits(ctr_ptr, bad, k, v)
         if MASK:
             tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
