@@ -165,6 +165,19 @@ def nonfinite_budget() -> dict:
     return out
 
 
+def validator_budget() -> dict:
+    """The validator's launch (the instruments' rules): as launched (within its twin's registers:
+    tripwire.validate._triton._with_cap), the control (the same launch without its ``maxnreg``) and the twin
+    (``FAULT=False``: each bad block only counted). {variant: [kernel, regs, spills, programs_per_sm, maxnreg]}."""
+    import dataclasses
+
+    launched = rs.capture_launches(instruments()["validator"])[0]
+    bare = dataclasses.replace(launched, kwargs={k: v for k, v in launched.kwargs.items() if k != "maxnreg"})
+    twin = dataclasses.replace(bare, kwargs={**bare.kwargs, "FAULT": False})
+    return {name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
+            for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}  # fmt: skip
+
+
 def usage_of(launch) -> list:  # type: ignore[no-untyped-def]
     u = rs.triton_usage(launch)
     return [u.kernel, u.regs, u.spill_bytes, u.programs_per_sm]
@@ -196,6 +209,7 @@ def main() -> None:
         out[name]["twin"] = usage(fn)
     out["step_reductions"] = step_reductions()
     out["nonfinite_budget"] = nonfinite_budget()
+    out["validator_budget"] = validator_budget()
     print(json.dumps(out))
 
 

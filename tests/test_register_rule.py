@@ -136,6 +136,18 @@ def test_nonfinite_within_its_twins_registers(usage: dict) -> None:
     assert flipped, shapes
 
 
+def test_validator_within_its_twins_registers(usage: dict) -> None:
+    """The validator is launched within its twin's register allocation (its fault paths out of line and capped:
+    tripwire.validate._triton._with_cap; the twin is ``FAULT=False``, each bad block only counted): the rule holds
+    against the twin, with no more spills in the kernel's own function. The control: the same launch without its
+    cap, the compiler's own allocation, fails the rule, so the pass is the cap's doing."""
+    v = usage["validator_budget"]
+    g, u, t = v["launched"], v["uncapped"], v["twin"]
+    assert g[4] is not None and g[1] <= g[4], v
+    assert _free(g, t), v
+    assert not _free(u, t), v
+
+
 # vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds (bf16 K/V and
 # cache): the original, the guarded copy and the vote control, compiled for sm_90 as cuda_ext compiles them.
 _CUDA_ADOPTED = r"""
