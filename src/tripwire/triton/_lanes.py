@@ -174,7 +174,8 @@ def _addr(ctr_ptr):
 def _lane_records(ctr_ptrs, bads, rows, values, reqs):
     """tripwire.triton.record_lanes, compiled: the PTX record of 1 to 3 sites over the lanes of the blocks (flags as
     int32, the rows' addresses as int64; rows, values and requests in their own width, :func:`_operand`; without
-    ``reqs`` no request operand: not known)."""
+    ``reqs`` no request operand: not known). One call per number of sites, with and without requests: an asm's
+    operand list is a literal in Triton, not one that can be built up piecewise."""
     if len(bads) == 1:
         if reqs is None:
             tl.inline_asm_elementwise(

@@ -18,8 +18,10 @@ Contract:
 
 * A call on CUDA tensors is ONE Triton launch for every rule, with no device sync and no allocation: it is captured
   into a CUDA graph like any kernel, and under ``torch.compile`` it is the custom op ``torch.ops.tripwire.validate``
-  (which declares the tensors and the counter arena as mutated, so the compiler keeps and orders it). A call on CPU
-  tensors is one pass of plain torch ops over every rule (host reads of host tensors, no interpreter).
+  (which declares the tensors and the counter arena as mutated, so the compiler keeps and orders it). Its first
+  call for a set of rules and dtypes compiles the kernel, and its twin for a register cap (tripwire.triton._budget),
+  as any Triton kernel's first launch compiles: make it before a capture. A call on CPU tensors is one pass of plain
+  torch ops over every rule (host reads of host tensors, no interpreter).
 * Each bad entry counts exactly once per call, at the rule's site (``"<validator>.<rule>"``). First offender:
   row = the entry's first-dimension index (the request row of a table, the token of a slot mapping, the position
   in a CSR indices array), value = the bad value.
