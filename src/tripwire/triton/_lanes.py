@@ -138,15 +138,21 @@ def _width(dtype):  # type: ignore[no-untyped-def]
 
 
 @triton.constexpr_function
+def _widths(req, row, values):  # type: ignore[no-untyped-def]
+    """``(row_bits, value_bits, req_bits)`` of a record over blocks of these dtypes (``req``: None, 0 bits)."""
+    return _width(row), tuple(_width(v) for v in values), 0 if req is None else _width(req)
+
+
+@triton.constexpr_function
 def _record_ptx(req, row, *values):  # type: ignore[no-untyped-def]
     """The PTX of a lane record over blocks of these dtypes (``req``: None for no request)."""
-    return _lanes_ptx(_width(row), tuple(_width(v) for v in values), 0 if req is None else _width(req))
+    return _lanes_ptx(*_widths(req, row, values))
 
 
 @triton.constexpr_function
 def _record_constraints(req, row, *values):  # type: ignore[no-untyped-def]
     """The operand constraints of :func:`_record_ptx`'s record."""
-    return _constraints(_width(row), tuple(_width(v) for v in values), 0 if req is None else _width(req))
+    return _constraints(*_widths(req, row, values))
 
 
 @triton.jit

@@ -57,12 +57,12 @@ def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
         record_hits(ctr_ptr, bad, rows, v, _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ))
 
 
-# The fault paths: a block (or an auxiliary chunk) with a bad entry is recorded and repaired by one out-of-line call
-# made with scalars only, which reads the entries again in tiles of _TILE (one per thread at the launch's 4 warps).
-# A kernel is allocated registers for its hungriest path, taken or not, and this one has every rule's paths: recorded
-# in the kernel, over whole 1024-entry blocks, the records' reductions and claims (and the requests' bisection) held
-# it at 128 registers, 4 programs per SM (sm_90); out of line, 72 and 7. Each tile is recorded before it is repaired;
-# the entries a tile reads are its own.
+# The fault paths: a block with a bad entry, or an auxiliary tensor with a bad chunk, is recorded and repaired by one
+# out-of-line call made with scalars only, which reads the entries again in tiles of _TILE (one per thread at the
+# launch's 4 warps). A kernel is allocated registers for its hungriest path, taken or not, and this one has every
+# rule's paths: recorded in the kernel, over whole 1024-entry blocks, the records' reductions and claims (and the
+# requests' bisection) cost it programs per SM (benchmarks/RESULTS.md, `validator`). Each tile is recorded before it
+# is repaired; the entries a tile reads are its own.
 _TILE = tl.constexpr(128)
 
 
