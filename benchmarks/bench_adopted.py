@@ -220,13 +220,20 @@ def run_case(name: str, rounds: int, rep_ms: int) -> dict:
     if vote is not None:
         res["vote_us"] = statistics.median(times["vote"]) * 1e3
         res["vote_cost_pct"] = statistics.median(vote)
-    by = {}
+    by: dict[str, list] = {}
     for v, u in usage:
         by.setdefault(v, []).append(u)
-    res["resources_equal"] = all(
-        g.reg_units <= o.reg_units + 1 and g.programs_per_sm >= o.programs_per_sm
-        for g, o in zip(by.get("guarded", []), by.get("original", []), strict=False)
-    ) and len(by.get("guarded", [])) == len(by.get("original", []))
+    # Each guarded build (the CUDA copy has two, one per test placement) against the original's kernels in order.
+    orig = by.get("original", [])
+    builds = [us for v, us in by.items() if v.startswith("guarded")]
+    res["resources_equal"] = bool(builds) and all(
+        len(us) == len(orig)
+        and all(
+            g.reg_units <= o.reg_units + 1 and g.programs_per_sm >= o.programs_per_sm
+            for g, o in zip(us, orig, strict=True)
+        )
+        for us in builds
+    )
     return res
 
 

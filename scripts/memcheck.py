@@ -124,13 +124,17 @@ def _adopted_child(case: str, guard: bool, dev: str = "cuda") -> int:
             from adopted_vllm import cuda_ext
 
             ctr = tripwire.counter(cuda_ext.SITE, dev) if guard else None
-            cuda_ext.reshape_and_cache_flash(k, v, kc, vc, slots, one, one, guard=guard, ctr=ctr, requests=req)
+            # The guarded copy at both of its test placements (the launch picks one by the grid: 64 tokens are
+            # one wave), each counting the three bad slots.
+            for g in ("first", "late") if guard else (False,):
+                cuda_ext.reshape_and_cache_flash(k, v, kc, vc, slots, one, one, guard=g, ctr=ctr, requests=req)
+            expect = [6]
         else:
             mod = load("guarded" if guard else "original", "triton_reshape_and_cache_flash")
             ctr = tripwire.counter(mod.SITE_SLOT, dev) if guard else None
             kw = dict(ctr=ctr, requests=req) if guard else {}
             mod.triton_reshape_and_cache_flash(k, v, kc, vc, slots, "auto", one, one, **kw)
-        expect = [3]
+            expect = [3]
     if dev != "cpu":
         torch.cuda.synchronize()
     got = ctr.reshape(-1, 8)[:, 0].tolist() if ctr is not None else [0] * len(expect)

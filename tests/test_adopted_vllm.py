@@ -149,10 +149,11 @@ def test_gpu_graph_replay_counts_n_times(make_monitor, hit_of, captured):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [True, "vote"], ids=["guarded", "vote_control"])
+@pytest.mark.parametrize("variant", [True, "first", "late", "vote"], ids=["guarded", "first", "late", "vote_control"])
 def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
-    """The CUDA extension: vLLM's kernel and the guarded copy write the same cache on clean slots; with bad ones the
-    guarded copy (and the vote control) skip them and count once per token, with requests."""
+    """The CUDA extension: vLLM's kernel and the guarded copy (as launched, and at each test placement forced) write
+    the same cache on clean slots; with bad ones the guarded copy (and the vote control) skip them and count once
+    per token, with requests."""
     from adopted_vllm import cuda_ext
 
     cuda_ext.build()
@@ -174,8 +175,8 @@ def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
     for a, b in zip(run(False, slots), run(variant, slots, ctr=ctr), strict=True):
         assert torch.equal(a, b)
     bad = slots.clone()
-    # Padding, one past the cache, a negative slot, and the int64 extremes (the guarded copy's one sign test wraps
-    # the difference num_slots - 1 - slot: both ends must still test bad); offenders keep saturated values.
+    # Padding, one past the cache, a negative slot, and the int64 extremes (the guarded copy's one unsigned compare
+    # must take both ends for bad); offenders keep saturated values.
     bad[3], bad[10], bad[20], bad[30], bad[31] = -1, NB * 16 + 3, -7, -(2**63), 2**63 - 1
     kc, _ = run(variant, bad, ctr=ctr, requests=torch.arange(100, 164, device="cuda"))
     torch.cuda.synchronize()
@@ -192,3 +193,60 @@ def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
         if 0 <= s < NB * 16:
             ref[s] = k[t]
     assert torch.equal(kc.reshape(-1, H, D), ref)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_reshape_picks_the_test_by_waves():
+    """The guarded CUDA copy tests the slot first when the grid is one wave and after the index arithmetic over
+    several (guarded/cache_kernels.cuh, TW_FIRST): the kernels the profiler sees, at 64 tokens and at one token more
+    than 3 blocks per SM fit. The control: "first" forced at the large grid runs the first-test kernel there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from adopted_vllm import cuda_ext
+
+    cuda_ext.build()
+    one = torch.ones(1, device="cuda")
+    ctr = torch.zeros(8, dtype=torch.int64, device="cuda")
+    many = 3 * torch.cuda.get_device_properties(0).multi_processor_count + 1
+
+    def launched(tokens: int, guard) -> list[str]:  # type: ignore[no-untyped-def]
+        k = torch.randn(tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.zeros(-(-tokens // 16), 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(tokens, device="cuda")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cuda_ext.reshape_and_cache_flash(k, k, kc, kc.clone(), slots, one, one, guard=guard, ctr=ctr)
+            torch.cuda.synchronize()
+        return [cuda_ext.variant_of(e.key) for e in prof.key_averages() if "reshape_and_cache_flash" in e.key]
+
+    assert launched(64, True) == ["guarded_first"]
+    assert launched(many, True) == ["guarded_late"]
+    assert launched(many, "first") == ["guarded_first"]
+    assert int(ctr[0]) == 0
+
+
+def test_cuda_ext_names_and_guards(monkeypatch):
+    """The extension's kernel names map to their variants (bench_adopted and the register rule classify by them),
+    and a guard it does not know is refused before anything is built or launched."""
+    from adopted_vllm import cuda_ext
+
+    monkeypatch.setattr(cuda_ext, "build", lambda: pytest.fail("built for a refused guard"))
+    names = {
+        "_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LNS_18Fp8KVCacheDataTypeE0EEEvPKT_": "original",
+        "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0ELb1EEEv": (
+            "guarded_first"
+        ),
+        "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0ELb0EEEv": (
+            "guarded_late"
+        ),
+        "_ZN12vllm_guarded35reshape_and_cache_flash_kernel_voteI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0EEEv": (
+            "vote"
+        ),
+    }
+    demangled = "void vllm_guarded::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0, {}>(...)"
+    names[demangled.format("true")] = "guarded_first"
+    names[demangled.format("false")] = "guarded_late"
+    assert {n: cuda_ext.variant_of(n) for n in names} == names
+    t = torch.zeros(1)
+    for bad in (1, 0, "early", None):
+        with pytest.raises(ValueError, match="guard must be one of"):
+            cuda_ext.reshape_and_cache_flash(t, t, t, t, t, t, t, guard=bad)

@@ -149,7 +149,8 @@ def test_validator_within_its_twins_registers(usage: dict) -> None:
 
 
 # vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds (bf16 K/V and
-# cache): the original, the guarded copy and the vote control, compiled for sm_90 as cuda_ext compiles them.
+# cache): the original, the guarded copy at both of its test placements and the vote control, compiled for sm_90
+# as cuda_ext compiles them.
 _CUDA_ADOPTED = r"""
 #include <cuda_bf16.h>
 #include "vote_variant.cuh"
@@ -158,7 +159,12 @@ constexpr auto A = vllm::Fp8KVCacheDataType::kAuto;
 #define ARGS const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, \
     const float*, const float*, int
 template __global__ void vllm::reshape_and_cache_flash_kernel<T, T, A>(ARGS);
-template __global__ void vllm_guarded::reshape_and_cache_flash_kernel<T, T, A>(ARGS, int64_t*, const int64_t*, int64_t);
+#define GUARDED(FIRST) \
+  template __global__ void vllm_guarded::reshape_and_cache_flash_kernel<T, T, A, FIRST>( \
+      const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t*, const int64_t*, int64_t, int64_t, int64_t, \
+      int64_t, int64_t, int, int, int, const float*, const float*, int);
+GUARDED(true)
+GUARDED(false)
 template __global__ void vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, A>(ARGS, int64_t*, const int64_t*,
                                                                                     int64_t);
 """
@@ -187,8 +193,9 @@ def test_adopted_cuda_reshape_costs_no_occupancy(tmp_path, cuda_tool, monkeypatc
         cuda_ext.variant_of(u.kernel): u
         for u in rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash")
     }
-    assert sorted(found) == ["guarded", "original", "vote"], found
-    ((g, t, free),) = rs.compare([found["guarded"]], [found["original"]])
-    assert free, rs.format_table([(g, t, free)])
+    assert sorted(found) == ["guarded_first", "guarded_late", "original", "vote"], found
+    for placement in ("guarded_first", "guarded_late"):
+        ((g, t, free),) = rs.compare([found[placement]], [found["original"]])
+        assert free, rs.format_table([(g, t, free)])
     ((v, t, free),) = rs.compare([found["vote"]], [found["original"]])
     assert not free and v.programs_per_sm < t.programs_per_sm, rs.format_table([(v, t, free)])

@@ -88,9 +88,16 @@ def library_path() -> str:
 
 
 def variant_of(kernel: str) -> str:
-    """Which of the extension's kernels a (mangled) function name is: "original" (vLLM's), "guarded" or "vote" (the
-    profiler's control, vote_variant.cuh)."""
-    return "vote" if "_vote" in kernel else "guarded" if "vllm_guarded" in kernel else "original"
+    """Which of the extension's kernels a function name (mangled, as cuobjdump prints it, or demangled, as the
+    profiler does) is: "original" (vLLM's), "guarded_first" or "guarded_late" (the guarded copy testing the slot
+    first, as launched in one wave, or after the index arithmetic, over several) or "vote" (the profiler's control,
+    vote_variant.cuh)."""
+    if "_vote" in kernel:
+        return "vote"
+    if "vllm_guarded" in kernel:
+        # The TW_FIRST template argument: mangled Lb1E / Lb0E, demangled "true>" / "false>".
+        return "guarded_first" if "Lb1E" in kernel or "true>" in kernel else "guarded_late"
+    return "original"
 
 
 def reshape_and_cache_flash(
@@ -108,9 +115,14 @@ def reshape_and_cache_flash(
 ) -> None:
     """vLLM's kernel (``guard=False``), the guarded copy (``guard=True``: ``ctr`` defaults to SITE's row of the
     default monitor; ``requests``: int64, one per token) or ``guard="vote"``, the profiler's control
-    (vote_variant.cuh). No sync, no allocation once built: capturable."""
+    (vote_variant.cuh). The guarded copy tests the slot where the grid makes it cheapest (one wave: first; several:
+    after the index arithmetic); ``guard="first"`` or ``"late"`` forces one. No sync, no allocation once built:
+    capturable."""
+    variants = {False: 0, True: 1, "vote": 2, "first": 3, "late": 4}
+    if not isinstance(guard, (bool, str)) or guard not in variants:
+        raise ValueError(f"guard must be one of False, True, 'vote', 'first', 'late'; got {guard!r}")
     mod = build()
-    variant = 2 if guard == "vote" else int(bool(guard))
+    variant = variants[guard]
     if variant and ctr is None:
         ctr = tripwire.counter(SITE, key.device)
     mod.reshape_and_cache_flash(

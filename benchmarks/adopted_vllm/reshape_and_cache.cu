@@ -3,6 +3,7 @@
 // one block per token, min(num_heads * head_size, 512) threads), for an unquantized (bf16/fp16, "auto") cache.
 #include <torch/extension.h>
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,10 +42,19 @@ void launch(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor&
   int64_t* c = variant != 0 ? ctr.data_ptr<int64_t>() : nullptr;
   const int64_t* r = requests.has_value() ? requests->data_ptr<int64_t>() : nullptr;
   const int64_t num_slots = static_cast<int64_t>(key_cache.size(0)) * block_size;
-  if (variant == 1) {
-    vllm_guarded::reshape_and_cache_flash_kernel<T, T, kAuto><<<grid, block, 0, stream>>>(
-        k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
-        block_size, ks, vs, kv_scale_stride, c, r, num_slots);
+  if (variant == 1 || variant == 3 || variant == 4) {
+    // tripwire: the test's place by the grid (guarded/cache_kernels.cuh, TW_FIRST): first when every block is
+    // resident at once, unless the caller asks for one (3 first, 4 after the arithmetic). Resident: the 3 blocks per
+    // SM the kernel pins at 512 threads, what any model with num_heads * head_size >= 512 launches (a smaller block
+    // fits more, and a grid between the two gets the late test). The device's properties are torch's cached copy:
+    // no driver call per launch.
+    const int resident = 3 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const bool first = variant == 3 || (variant == 1 && num_tokens <= resident);
+    auto kernel = first ? vllm_guarded::reshape_and_cache_flash_kernel<T, T, kAuto, true>
+                        : vllm_guarded::reshape_and_cache_flash_kernel<T, T, kAuto, false>;
+    kernel<<<grid, block, 0, stream>>>(k, v, kc, vc, sm, num_slots, c, r, block_stride, page_stride, head_stride,
+                                       key_stride, value_stride, num_heads, head_size, block_size, ks, vs,
+                                       kv_scale_stride);
   } else if (variant == 2) {
     vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, kAuto><<<grid, block, 0, stream>>>(
         k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
@@ -64,7 +74,8 @@ void reshape_and_cache_flash(const torch::Tensor& key, const torch::Tensor& valu
   TORCH_CHECK(key.is_cuda() && key.dim() == 3 && key_cache.dim() == 4, "key [T, H, D] and a 4-D NHD cache on CUDA");
   TORCH_CHECK(key_cache.scalar_type() == key.scalar_type(), "an unquantized cache: key and cache of one dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
-  TORCH_CHECK(variant >= 0 && variant <= 2, "variant: 0 original, 1 guarded, 2 the vote control");
+  TORCH_CHECK(variant >= 0 && variant <= 4,
+              "variant: 0 original, 1 guarded, 2 the vote control, 3 guarded testing first, 4 guarded testing late");
   TORCH_CHECK(variant == 0 || (ctr.scalar_type() == torch::kInt64 && ctr.numel() >= 8), "ctr: an int64 counter row");
   TORCH_CHECK(!requests.has_value() || (requests->scalar_type() == torch::kInt64 &&
                                          requests->numel() >= slot_mapping.numel()),
@@ -83,5 +94,6 @@ void reshape_and_cache_flash(const torch::Tensor& key, const torch::Tensor& valu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache_flash", &reshape_and_cache_flash,
-        "vLLM's reshape_and_cache_flash (variant 0), its guarded copy (1) or the vote control (2)");
+        "vLLM's reshape_and_cache_flash (variant 0), its guarded copy (1; 3 and 4: the test's place forced) or the vote "
+        "control (2)");
 }

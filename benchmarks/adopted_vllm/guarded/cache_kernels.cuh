@@ -26,40 +26,40 @@ inline __device__ __noinline__ void tw_bad_slot(int64_t* tw_ctr, const int64_t* 
 // tripwire: the twin's occupancy, pinned (`tripwire resources` reads it: 3 blocks of 512 threads per SM on sm_90).
 // The fault path's call needs two registers more than the twin's 40, which would round the allocation up and fit
 // one block fewer; bounded, ptxas fits the call in the twin's registers without a spill.
-template <typename scalar_t, typename cache_t, Fp8KVCacheDataType kv_dt>
+// TW_FIRST: where the slot is tested (docs/guarding.md, "an index that is one per block"); the launch picks it by
+// the grid: true when every block is resident at once (one wave), false over several waves.
+template <typename scalar_t, typename cache_t, Fp8KVCacheDataType kv_dt, bool TW_FIRST>
 __global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
     const scalar_t* __restrict__ key,    // [num_tokens, num_heads, head_size]
     const scalar_t* __restrict__ value,  // [num_tokens, num_heads, head_size]
     cache_t* __restrict__ key_cache,     // NHD or HND, shape see comments below
     cache_t* __restrict__ value_cache,   // same above
     const int64_t* __restrict__ slot_mapping,  // [num_tokens]
+    // tripwire: the cache's slots, the site's counter row, the request map (nullptr: none), right after the slot
+    // mapping: a kernel's parameters reach each launch cold, and the bound read beside the first pointer the kernel
+    // reads is not a second fetch on the slot's chain.
+    const int64_t num_slots, int64_t* __restrict__ tw_ctr, const int64_t* __restrict__ tw_requests,
     const int64_t block_stride, const int64_t page_stride,
     const int64_t head_stride, const int64_t key_stride,
     const int64_t value_stride, const int num_heads, const int head_size,
     const int block_size, const float* k_scale, const float* v_scale,
-    const int kv_scale_stride,
-    // tripwire: the site's counter row, the request map (nullptr: none), the cache's slots
-    int64_t* __restrict__ tw_ctr, const int64_t* __restrict__ tw_requests,
-    const int64_t num_slots) {
+    const int kv_scale_stride) {
   const int64_t token_idx = blockIdx.x;
   const int64_t slot_idx = slot_mapping[token_idx];
   // NOTE: slot_idx can be -1 if the token is padded
-  // tripwire: vLLM's `if (slot_idx < 0) return;` moves below, after the index arithmetic (harmless on any slot: the
-  // divisor is positive), and becomes one sign test for padding and bad slots alike.
-  const int64_t block_idx = slot_idx / block_size;
-  const int64_t block_offset = slot_idx % block_size;
-  const int n_elems = num_heads * head_size;
-  // tripwire: slot_idx | (num_slots - 1 - slot_idx) is negative exactly when the slot is negative or past the cache
-  // (the difference in unsigned arithmetic: it wraps, never overflows). Tested here, its few vector instructions run
-  // beside the division instead of before it, and nvcc lays the fault block out after the copy: the clean path falls
-  // through. A bad slot writes nothing; thread 0 records it (the request is read only then, in tw_bad_slot) and the
-  // block returns right after, so nothing of the copy below is live across the call.
-  const int64_t tw_room =
-      static_cast<int64_t>(static_cast<uint64_t>(num_slots) - 1u - static_cast<uint64_t>(slot_idx));
-  if ((slot_idx | tw_room) < 0) {
+  // tripwire: vLLM's `if (slot_idx < 0) return;` becomes one unsigned compare for padding, negative slots and slots
+  // past the cache (a negative slot is huge unsigned). A bad slot writes nothing; thread 0 records it (the request
+  // is read only then, in tw_bad_slot) and the block returns right after, so nothing of the copy is live across the
+  // call. In one wave a block's serial chain (the slot's load, the division, the copy) is the kernel's time: test
+  // at once, where vLLM did, and the rest of the schedule stays vLLM's.
+  const bool tw_bad = static_cast<uint64_t>(slot_idx) >= static_cast<uint64_t>(num_slots);
+  if (TW_FIRST && tw_bad) {
     tw_bad_slot(tw_ctr, tw_requests, token_idx, slot_idx);
     return;
   }
+  const int64_t block_idx = slot_idx / block_size;
+  const int64_t block_offset = slot_idx % block_size;
+  const int n_elems = num_heads * head_size;
 
   // pointers to the beginning of the source row for this token.
   const scalar_t* __restrict__ key_src = key + token_idx * key_stride;
@@ -73,6 +73,14 @@ __global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
 
   // this is true for the NHD layout where `head_stride == head_size`
   const bool is_contiguous_heads = (head_stride == head_size);
+
+  // tripwire: over several waves the SMs' issue slots are the kernel's time: test here, after the index and address
+  // arithmetic (harmless on any slot: nothing is read or written through it yet), where ptxas issues the compare
+  // among that arithmetic's instructions instead of as a step of its own after the slot's load.
+  if (!TW_FIRST && tw_bad) {
+    tw_bad_slot(tw_ctr, tw_requests, token_idx, slot_idx);
+    return;
+  }
 
   constexpr int VEC_SIZE = (sizeof(scalar_t) == 2) ? 8 : 4;
 

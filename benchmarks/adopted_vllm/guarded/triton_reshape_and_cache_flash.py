@@ -60,6 +60,12 @@ def reshape_and_cache_kernel_flash(
     key_cache_ptr,  # [num_blocks, block_size, num_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_heads, head_size]
     slot_mapping_ptr,  # [num_tokens]
+    # tripwire: the cache's slots, the site's counter row, the request map, right after the slot mapping: a kernel's
+    # parameters reach each launch cold, and the bound read beside the first pointer the kernel reads is not a
+    # second fetch on the slot's chain.
+    num_slots: tl.int64,
+    Ctr,
+    Req,
     k_scale,  # float32
     v_scale,  # float32
     # strides
@@ -79,11 +85,7 @@ def reshape_and_cache_kernel_flash(
     FP8_KV_CACHE: tl.constexpr,
     # tune parameters
     TILE_SIZE: tl.constexpr,
-    # tripwire
-    Ctr,
-    Req,
-    num_slots: tl.int64,
-    HAS_REQ: tl.constexpr,
+    HAS_REQ: tl.constexpr,  # tripwire: a request map is given
 ):
     token_idx = tl.program_id(axis=0)
     slot_idx = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
