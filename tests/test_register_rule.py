@@ -33,7 +33,14 @@ import triton
 PROBE = Path(__file__).with_name("_register_rule_probe.py")
 VERSION = ".".join(triton.__version__.split(".")[:2])
 # (case, kernel name prefix) -> why, per Triton version.
-KNOWN: dict[str, dict[tuple[str, str], str]] = {}
+_STEP_REQ = (
+    "record_lanes' record is inline PTX per lane (no call, so that no vote is needed): with a request, its 64-bit "
+    "request word stays live through every site's offender walk, 26 registers against the twin's 14 (24 without a "
+    "request), the same 32 programs per SM (the per-SM block limit at one warp per program)"
+)
+KNOWN: dict[str, dict[tuple[str, str], str]] = {
+    v: {("slot_mapping_step_req", "_slot_mapping"): _STEP_REQ} for v in ("3.6", "3.9")
+}
 # A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
 # its twin's registers, it is within it): the rule's comparison must flag the inlined build.
 COSTLY = ("slot_mapping", "_slot_mapping")
@@ -65,6 +72,7 @@ CASES = [
     ("block_table", "_block_table_gather"),
     ("slot_mapping", "_slot_mapping"),
     ("slot_mapping_step", "_slot_mapping"),
+    ("slot_mapping_step_req", "_slot_mapping"),
     ("kv_zero", "_kv_zero"),
     ("paged_gather", "_paged_gather"),
     ("state_copy", "_state_copy"),
