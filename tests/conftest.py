@@ -134,6 +134,57 @@ def cuda_tool():
     return _cuda_tool
 
 
+# vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds (bf16 K/V and
+# cache): the original, the guarded copy at both of its test placements and the vote control.
+_CUDA_ADOPTED = r"""
+#include <cuda_bf16.h>
+#include "vote_variant.cuh"
+using T = __nv_bfloat16;
+constexpr auto A = vllm::Fp8KVCacheDataType::kAuto;
+#define ARGS const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, \
+    const float*, const float*, int
+template __global__ void vllm::reshape_and_cache_flash_kernel<T, T, A>(ARGS);
+#define GUARDED(FIRST) \
+  template __global__ void vllm_guarded::reshape_and_cache_flash_kernel<T, T, A, FIRST>( \
+      const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t*, const int64_t*, int64_t, int64_t, int64_t, \
+      int64_t, int64_t, int, int, int, const float*, const float*, int);
+GUARDED(true)
+GUARDED(false)
+template __global__ void vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, A>(ARGS, int64_t*, const int64_t*,
+                                                                                    int64_t);
+"""
+
+
+@pytest.fixture(scope="session")
+def adopted_cuda_usage(cuda_tool, tmp_path_factory):
+    """vLLM's adopted CUDA reshape_and_cache_flash compiled for sm_90 with cuda_ext's flags and read back with
+    cuobjdump (tripwire.resources.cuda_usage) at vLLM's launch of 512 threads per block: ``{variant: usage}``,
+    variants named by ``cuda_ext.variant_of`` (original, guarded_first, guarded_late, vote). Skips without nvcc."""
+    nvcc = cuda_tool("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        from adopted_vllm import cuda_ext
+    finally:
+        sys.path.remove(str(bench))
+    import tripwire
+    from tripwire import resources as rs
+
+    out = tmp_path_factory.mktemp("adopted_cuda")
+    src, cubin = out / "adopted.cu", out / "adopted.cubin"
+    src.write_text(_CUDA_ADOPTED)
+    inc = ["-I", tripwire.include_dir(), "-I", str(bench / "adopted_vllm")]
+    p = subprocess.run([nvcc, *cuda_ext.FLAGS, "-arch=sm_90", "-cubin", *inc, str(src), "-o", str(cubin)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    usage = rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash")
+    found = {cuda_ext.variant_of(u.kernel): u for u in usage}
+    assert len(found) == len(usage), [u.kernel for u in usage]  # one kernel per variant
+    return found
+
+
 @pytest.fixture
 def build_probe(tmp_path):
     def run(source: str, timeout: float = 900, private_cache: bool = True) -> dict:

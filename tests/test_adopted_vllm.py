@@ -219,6 +219,7 @@ def test_gpu_cuda_reshape_picks_the_test_by_waves():
         return [cuda_ext.variant_of(e.key) for e in prof.key_averages() if "reshape_and_cache_flash" in e.key]
 
     assert launched(64, True) == ["guarded_first"]
+    assert launched(many - 1, True) == ["guarded_first"]  # the largest grid of one wave
     assert launched(many, True) == ["guarded_late"]
     assert launched(many, "first") == ["guarded_first"]
     assert int(ctr[0]) == 0

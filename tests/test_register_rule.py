@@ -156,51 +156,15 @@ def test_validator_within_its_twins_registers(usage: dict) -> None:
     assert not _free(u, t), v
 
 
-# vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds (bf16 K/V and
-# cache): the original, the guarded copy at both of its test placements and the vote control, compiled for sm_90
-# as cuda_ext compiles them.
-_CUDA_ADOPTED = r"""
-#include <cuda_bf16.h>
-#include "vote_variant.cuh"
-using T = __nv_bfloat16;
-constexpr auto A = vllm::Fp8KVCacheDataType::kAuto;
-#define ARGS const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, \
-    const float*, const float*, int
-template __global__ void vllm::reshape_and_cache_flash_kernel<T, T, A>(ARGS);
-#define GUARDED(FIRST) \
-  template __global__ void vllm_guarded::reshape_and_cache_flash_kernel<T, T, A, FIRST>( \
-      const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t*, const int64_t*, int64_t, int64_t, int64_t, \
-      int64_t, int64_t, int, int, int, const float*, const float*, int);
-GUARDED(true)
-GUARDED(false)
-template __global__ void vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, A>(ARGS, int64_t*, const int64_t*,
-                                                                                    int64_t);
-"""
-
-
-def test_adopted_cuda_reshape_costs_no_occupancy(tmp_path, cuda_tool, monkeypatch):
+def test_adopted_cuda_reshape_costs_no_occupancy(adopted_cuda_usage):
     """vLLM's CUDA reshape_and_cache_flash guarded from the docs (benchmarks/adopted_vllm/guarded/cache_kernels.cuh),
-    compiled for sm_90 with cuda_ext's flags and read back with cuobjdump (tripwire.resources.cuda_usage) at vLLM's
-    launch of 512 threads per block: the rule holds against the original. The control: the vote variant (every thread
-    votes through guard_index and goes on with the copy) costs registers and a block per SM, and the rule flags it."""
-    nvcc = cuda_tool("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc here")
-    monkeypatch.syspath_prepend(str(PROBE.parents[1] / "benchmarks"))
-    import tripwire
-    from adopted_vllm import cuda_ext
+    compiled for sm_90 with cuda_ext's flags and read back with cuobjdump at vLLM's launch of 512 threads per block
+    (the conftest fixture): the rule holds against the original at both test placements. The control: the vote
+    variant (every thread votes through guard_index and goes on with the copy) costs registers and a block per SM,
+    and the rule flags it."""
     from tripwire import resources as rs
 
-    src, cubin = tmp_path / "adopted.cu", tmp_path / "adopted.cubin"
-    src.write_text(_CUDA_ADOPTED)
-    here = PROBE.parents[1] / "benchmarks" / "adopted_vllm"
-    cmd = [nvcc, *cuda_ext.FLAGS, "-arch=sm_90", "-cubin", "-I", tripwire.include_dir(), "-I", str(here)]
-    p = subprocess.run([*cmd, str(src), "-o", str(cubin)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    found = {
-        cuda_ext.variant_of(u.kernel): u
-        for u in rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash")
-    }
+    found = adopted_cuda_usage
     assert sorted(found) == ["guarded_first", "guarded_late", "original", "vote"], found
     for placement in ("guarded_first", "guarded_late"):
         ((g, t, free),) = rs.compare([found[placement]], [found["original"]])

@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
     cache_t* __restrict__ value_cache,   // same above
     const int64_t* __restrict__ slot_mapping,  // [num_tokens]
     // tripwire: the cache's slots, the site's counter row, the request map (nullptr: none), right after the slot
-    // mapping: a kernel's parameters reach each launch cold, and the bound read beside the first pointer the kernel
-    // reads is not a second fetch on the slot's chain.
+    // mapping: read beside the first pointer the kernel reads, the bound is no second constant fetch on the slot's
+    // chain (docs/guarding.md: appended last, the same test measured dearer).
     const int64_t num_slots, int64_t* __restrict__ tw_ctr, const int64_t* __restrict__ tw_requests,
     const int64_t block_stride, const int64_t page_stride,
     const int64_t head_stride, const int64_t key_stride,
@@ -75,8 +75,9 @@ __global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
   const bool is_contiguous_heads = (head_stride == head_size);
 
   // tripwire: over several waves the SMs' issue slots are the kernel's time: test here, after the index and address
-  // arithmetic (harmless on any slot: nothing is read or written through it yet), where ptxas issues the compare
-  // among that arithmetic's instructions instead of as a step of its own after the slot's load.
+  // arithmetic, where ptxas issues the compare among that arithmetic's instructions instead of as a step of its own
+  // after the slot's load. That arithmetic runs on any slot, but nothing is read or written through the pointers a
+  // bad slot forms: the block returns below before the copy.
   if (!TW_FIRST && tw_bad) {
     tw_bad_slot(tw_ctr, tw_requests, token_idx, slot_idx);
     return;

@@ -60,9 +60,9 @@ def reshape_and_cache_kernel_flash(
     key_cache_ptr,  # [num_blocks, block_size, num_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_heads, head_size]
     slot_mapping_ptr,  # [num_tokens]
-    # tripwire: the cache's slots, the site's counter row, the request map, right after the slot mapping: a kernel's
-    # parameters reach each launch cold, and the bound read beside the first pointer the kernel reads is not a
-    # second fetch on the slot's chain.
+    # tripwire: the cache's slots, the site's counter row, the request map, right after the slot mapping: read beside
+    # the first pointer the kernel reads, the bound is no second constant fetch on the slot's chain
+    # (docs/guarding.md: appended last, the same compare measured dearer).
     num_slots: tl.int64,
     Ctr,
     Req,
@@ -483,6 +483,9 @@ def triton_reshape_and_cache_flash(
         key_cache_ptr=key_cache,
         value_cache_ptr=value_cache,
         slot_mapping_ptr=slot_mapping,
+        num_slots=key_cache.shape[0] * block_size,
+        Ctr=ctr,
+        Req=requests if requests is not None else ctr,
         k_scale=k_scale,
         v_scale=v_scale,
         # strides
@@ -501,9 +504,6 @@ def triton_reshape_and_cache_flash(
         FP8_KV_CACHE=FP8_KV_CACHE,
         # autotune parameters
         TILE_SIZE=TILE_SIZE,
-        Ctr=ctr,
-        Req=requests if requests is not None else ctr,
-        num_slots=key_cache.shape[0] * block_size,
         HAS_REQ=requests is not None,
         num_warps=num_warps,
         num_stages=num_stages,
