@@ -35,8 +35,8 @@ VERSION = ".".join(triton.__version__.split(".")[:2])
 # (case, kernel name prefix) -> why, per Triton version.
 _STEP_REQ = (
     "record_lanes' record is inline PTX per lane (no call, so that no vote is needed): with a request, its 64-bit "
-    "request word stays live through every site's offender walk, 26 registers against the twin's 14 (24 without a "
-    "request), the same 32 programs per SM (the per-SM block limit at one warp per program)"
+    "request word stays live through every site's offender walk, one allocation unit more than the launch without "
+    "a request and two over the twin's, at the same programs per SM (the per-SM block limit at one warp per program)"
 )
 KNOWN: dict[str, dict[tuple[str, str], str]] = {
     v: {("slot_mapping_step_req", "_slot_mapping"): _STEP_REQ} for v in ("3.6", "3.9")

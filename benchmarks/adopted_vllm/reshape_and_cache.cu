@@ -44,11 +44,12 @@ void launch(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor&
   const int64_t num_slots = static_cast<int64_t>(key_cache.size(0)) * block_size;
   if (variant == 1 || variant == 3 || variant == 4) {
     // tripwire: the test's place by the grid (guarded/cache_kernels.cuh, TW_FIRST): first when every block is
-    // resident at once, unless the caller asks for one (3 first, 4 after the arithmetic). Resident: the 3 blocks per
-    // SM the kernel pins at 512 threads, what any model with num_heads * head_size >= 512 launches (a smaller block
+    // resident at once, unless the caller asks for one (3 first, 4 after the arithmetic). Resident: the blocks per SM
+    // the kernel pins at 512 threads, what any model with num_heads * head_size >= 512 launches (a smaller block
     // fits more, and a grid between the two gets the late test). The device's properties are torch's cached copy:
     // no driver call per launch.
-    const int resident = 3 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int resident =
+        vllm_guarded::tw_blocks_per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const bool first = variant == 3 || (variant == 1 && num_tokens <= resident);
     auto kernel = first ? vllm_guarded::reshape_and_cache_flash_kernel<T, T, kAuto, true>
                         : vllm_guarded::reshape_and_cache_flash_kernel<T, T, kAuto, false>;

@@ -23,13 +23,15 @@ inline __device__ __noinline__ void tw_bad_slot(int64_t* tw_ctr, const int64_t* 
   }
 }
 
-// tripwire: the twin's occupancy, pinned (`tripwire resources` reads it: 3 blocks of 512 threads per SM on sm_90).
-// The fault path's call needs two registers more than the twin's 40, which would round the allocation up and fit
-// one block fewer; bounded, ptxas fits the call in the twin's registers without a spill.
+// tripwire: the twin's occupancy, pinned (`tripwire resources` reads it: tw_blocks_per_sm blocks of 512 threads per
+// SM on sm_90). The fault path's call needs two registers more than the twin's, which would round the allocation up
+// and fit one block fewer; bounded, ptxas fits the call in the twin's registers without a spill. The launch reads
+// the same constant to tell one wave from several (TW_FIRST).
+constexpr int tw_blocks_per_sm = 3;
 // TW_FIRST: where the slot is tested (docs/guarding.md, "an index that is one per block"); the launch picks it by
 // the grid: true when every block is resident at once (one wave), false over several waves.
 template <typename scalar_t, typename cache_t, Fp8KVCacheDataType kv_dt, bool TW_FIRST>
-__global__ void __launch_bounds__(512, 3) reshape_and_cache_flash_kernel(
+__global__ void __launch_bounds__(512, tw_blocks_per_sm) reshape_and_cache_flash_kernel(
     const scalar_t* __restrict__ key,    // [num_tokens, num_heads, head_size]
     const scalar_t* __restrict__ value,  // [num_tokens, num_heads, head_size]
     cache_t* __restrict__ key_cache,     // NHD or HND, shape see comments below
