@@ -61,9 +61,8 @@ def _site(i: int, bad: str, ctr: str, value: str, bits: int) -> str:
         f"atom.global.acq_rel.gpu.exch.b64 old, [{ctr}+40], vb; "
         f"S{i}P${{:uid}}: ld.global.b64 addr, [{ctr}+{8 * OFFENDERS}]; setp.eq.s64 p, addr, 0; @p bra {end_label}; "
         # The block is full when its last entry's key is set (read once: a fault storm costs one load).
-        f"ld.global.b64 t, [addr+8]; mul.lo.s64 t, t, {8 * OFF_ENTRY}; add.s64 end, addr, {8 * OFF_HEADER}; "
-        f"add.s64 end, end, t; ld.global.b64 old, [end+{-8 * OFF_ENTRY}]; setp.ne.s64 p, old, 0; "
-        f"@p bra S{i}D${{:uid}}; "
+        f"ld.global.b64 t, [addr+8]; mul.lo.s64 t, t, {8 * OFF_ENTRY}; add.s64 old, addr, t; "
+        f"ld.global.b64 old, [old+{8 * (OFF_HEADER - OFF_ENTRY)}]; setp.ne.s64 p, old, 0; @p bra S{i}D${{:uid}}; "
         "mov.b64 h, rb; "
         + _fmix("h", "s")
         + "xor.b64 h, h, vb; "
@@ -71,9 +70,14 @@ def _site(i: int, bad: str, ctr: str, value: str, bits: int) -> str:
         + "xor.b64 h, h, qb; "
         + _fmix("h", "s")
         + "or.b64 h, h, 1; "
-        f"add.s64 e, addr, {8 * OFF_HEADER}; "
+        # The walk's end is formed after the key and the block's address read again after the walk (the capacity
+        # and the address are fixed with the arena): neither is live through the hash or the walk, where the
+        # record's registers peak (the 64-bit multiplies, the compare-and-swap's register quad). Fault path only.
+        f"ld.global.b64 t, [addr+8]; mul.lo.s64 t, t, {8 * OFF_ENTRY}; add.s64 e, addr, {8 * OFF_HEADER}; "
+        "add.s64 end, e, t; "
         + walk_ptx("end", "h", "qb", "vb", "rb", f"S{i}D${{:uid}}", tag=f"S{i}")
-        + f"S{i}D${{:uid}}: atom.global.acq_rel.gpu.add.u64 old, [addr+{8 * OFF_DONE}], 1; "
+        + f"S{i}D${{:uid}}: ld.global.b64 addr, [{ctr}+{8 * OFFENDERS}]; "
+        f"atom.global.acq_rel.gpu.add.u64 old, [addr+{8 * OFF_DONE}], 1; "
         f"{end_label}: "
     )
 
