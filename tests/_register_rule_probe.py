@@ -58,6 +58,10 @@ def shipped(guard: bool) -> dict:
         "slot_mapping_step_req": lambda: sm.slot_mapping(
             z(4096, dtype=i32), z(4096, dtype=i32), z(64, 64, dtype=i32), z(4096, dtype=i64), 16, num_kv_blocks=8,
             ctr=counters(sm.SITES, "cpu", mon), guard=guard, requests=z(4096, dtype=i64)),
+        # vLLM's int64 positions (a 64-bit column for the column site's record).
+        "slot_mapping_step_req_i64": lambda: sm.slot_mapping(
+            z(4096, dtype=i64), z(4096, dtype=i32), z(64, 64, dtype=i32), z(4096, dtype=i64), 16, num_kv_blocks=8,
+            ctr=counters(sm.SITES, "cpu", mon), guard=guard, requests=z(4096, dtype=i64)),
         "kv_zero": lambda: kz.kv_zero(z(64, 2, 16 * 128), z(32, dtype=i32), ctr=counters(kz.SITES, "cpu", mon),
                                       guard=guard),
         "paged_gather": lambda: pg.paged_gather(
