@@ -11,6 +11,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -27,6 +29,7 @@ from tripwire.kernels import rope as rp  # noqa: E402
 from tripwire.kernels import slot_mapping as sm  # noqa: E402
 from tripwire.kernels import state_copy as sc  # noqa: E402
 from tripwire.numerics import nonfinite as nf  # noqa: E402
+from tripwire.triton import any_outside  # noqa: E402
 from tripwire.validate import Validator  # noqa: E402
 
 mon = tripwire.Monitor(registry=tripwire.SiteRegistry(capacity=64), capacity=64, mode="off")
@@ -152,6 +155,33 @@ def step_reductions() -> dict:
     return out
 
 
+@triton.jit
+def _precheck_kernel(x_ptr, out_ptr, start, end, hi):
+    tl.store(out_ptr, any_outside(x_ptr, start, end, 0, hi, 128).to(tl.int32))
+
+
+def precheck_reductions() -> dict:
+    """tripwire.triton.any_outside compiled at 4 warps, by entry type: its barriers (BAR) and warp votes (VOTE) in
+    the SASS. int32 and int64 entries take the warp vote; int16 entries, the control, the block reduction."""
+    import re
+    import subprocess
+    import tempfile
+
+    out = {}
+    for dtype in (i32, i64, torch.int16):
+        x = z(64, dtype=dtype)
+        launch = rs.capture_launches(lambda x=x: _precheck_kernel[(1,)](x, z(1, dtype=i32), 0, 64, 8, num_warps=4))[0]
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(rs._compile(launch).asm["cubin"])
+            f.flush()
+            sass = subprocess.run([rs._tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        out[str(dtype).removeprefix("torch.")] = {
+            "bar": len(re.findall(r"\bBAR\.", sass)),
+            "vote": len(re.findall(r"\bVOTE\.", sass)),
+        }
+    return out
+
+
 def nonfinite_budget() -> dict:
     """The non-finite counter at three launch shapes of its sweep (the default first): as launched (within its
     twin's register allocation: tripwire.triton._budget), the control (the same launch without its ``maxnreg``:
@@ -216,6 +246,7 @@ def main() -> None:
     for name, fn in adopted(False).items():
         out[name]["twin"] = usage(fn)
     out["step_reductions"] = step_reductions()
+    out["precheck_reductions"] = precheck_reductions()
     out["nonfinite_budget"] = nonfinite_budget()
     out["validator_budget"] = validator_budget()
     print(json.dumps(out))

@@ -129,6 +129,16 @@ def test_slot_mapping_step_has_no_vote(usage: dict) -> None:
     assert n["vote"] > 0, n
 
 
+def test_any_outside_waits_for_no_other_warp(usage: dict) -> None:
+    """tripwire.triton.any_outside on int32 and int64 entries (page ids, slots), compiled at 4 warps: one warp vote
+    and no barrier, so a program's loop starts when its own warp has decided. The control, int16 entries (the block
+    reduction it falls back to): barriers."""
+    n = usage["precheck_reductions"]
+    for dtype in ("int32", "int64"):
+        assert n[dtype]["bar"] == 0 and n[dtype]["vote"] >= 1, n
+    assert n["int16"]["bar"] > 0 and n["int16"]["vote"] == 0, n
+
+
 def test_nonfinite_within_its_twins_registers(usage: dict) -> None:
     """The non-finite counter is launched within its twin's register allocation (tripwire.triton._budget): at three
     shapes of its sweep the launch never has fewer programs per SM than the compiler's own allocation gives, nor

@@ -989,13 +989,16 @@ def _any_outside_kernel(x_ptr, out_ptr, start, end, lo, hi, BLOCK: tl.constexpr)
     tl.store(out_ptr, any_outside(x_ptr, start, end, lo, hi, BLOCK).to(tl.int32))
 
 
-@pytest.mark.parametrize("block", [4, 64])
-def test_any_outside_sees_only_its_range(kernel_device, block):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
+@pytest.mark.parametrize("block", [4, 64, 128])
+def test_any_outside_sees_only_its_range(kernel_device, block, dtype):
     """The pre-check of a loop's indices: True exactly when an entry of x[start:end] is outside [lo, hi), over
-    several BLOCK steps; a bad entry just past ``end`` (read by a tile's tail lanes) and one before ``start`` do not
-    count. The control: the same range with one bad entry inside it flips the answer."""
-    x = torch.full((40,), 5, dtype=torch.int32)
-    x[2], x[30] = -1, 99  # outside [0, 10), but outside [start, end) too
+    several steps (compiled, int32 and int64 entries take the warp vote, 32 to 128 entries per step and warp; int16
+    the block reduction); a bad entry just past ``end`` (read by a step's tail lanes) and one just before ``start``
+    do not count. The control: the same range with one bad entry inside it flips the answer, at its first entry, its
+    last, and past the first steps."""
+    x = torch.full((700,), 5, dtype=dtype)
+    x[2], x[30], x[599] = -1, 99, 10  # outside [0, 10), but outside the ranges below too
     x = x.to(kernel_device)
     out = torch.zeros(1, dtype=torch.int32, device=kernel_device)
 
@@ -1005,7 +1008,16 @@ def test_any_outside_sees_only_its_range(kernel_device, block):
 
     assert run(3, 30) == 0
     assert run(3, 3) == 0  # an empty range
+    assert run(31, 599) == 0  # many steps, bad entries on both sides
     x[17] = 10  # hi itself is outside
     assert run(3, 30) == 1
     assert run(18, 30) == 0
-    assert run(2, 3) == 1 and run(30, 31) == 1
+    x[31] = -(2**15)  # the range's first entry (the smallest int16)
+    assert run(31, 599) == 1 and run(32, 599) == 0
+    x[31] = 5
+    x[598] = 11  # its last
+    assert run(31, 599) == 1 and run(31, 598) == 0
+    x[598] = 5
+    x[450] = -3  # past the first steps of every block size
+    assert run(31, 599) == 1 and run(451, 599) == 0 and run(31, 450) == 0
+    assert run(2, 3) == 1 and run(30, 31) == 1 and run(599, 600) == 1  # the entries left out above are bad

@@ -292,11 +292,12 @@ def _fwd_kernel_stage1(
     if split_kv_end > split_kv_start:
         ks = tl.load(k_scale)
         vs = tl.load(v_scale)
-        # tripwire: the split's page ids checked once, before its loop (one lane per page): a clean split runs
-        # vLLM's own loop, a split with a bad id the masking copy, out of line (_masked_split).
+        # tripwire: the split's page ids checked once, before its loop (each warp reads them and votes: no warp
+        # waits for another): a clean split runs vLLM's own loop, a split with a bad id the masking copy, out of
+        # line (_masked_split).
         bad_pages = any_outside(
             Req_to_tokens + stride_req_to_tokens_b * cur_batch_req_idx, split_kv_start // PAGE_SIZE,
-            tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 64,
+            tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 128,
         )
         faulty = faulty | bad_pages
         if bad_pages:
@@ -573,12 +574,13 @@ def _fwd_grouped_kernel_stage1(
 
         ks = tl.load(k_scale)
         vs = tl.load(v_scale)
-        # tripwire: the split's page ids checked once, before its loop: one lane per page in a 1-D pass. In the
-        # loop a check would run on every replica of a page id in the tile's layout and put a data-dependent
-        # mask on the pipelined loads. A clean split runs vLLM's own loop; a split with a bad page the masking one.
+        # tripwire: the split's page ids checked once, before its loop, in a 1-D pass (each warp reads them and
+        # votes: no warp waits for another). In the loop a check would run on every replica of a page id in the
+        # tile's layout and put a data-dependent mask on the pipelined loads. A clean split runs vLLM's own loop;
+        # a split with a bad page the masking one.
         bad_pages = any_outside(
             Req_to_tokens + stride_req_to_tokens_b * cur_batch_req_idx, split_kv_start // PAGE_SIZE,
-            tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 64,
+            tl.cdiv(split_kv_end, PAGE_SIZE), 0, num_pages, 128,
         )
         faulty = faulty | bad_pages
         if bad_pages:

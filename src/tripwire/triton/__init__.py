@@ -21,6 +21,7 @@ calls one of:
 * :func:`any_outside` ``(ptr, start, end, lo, hi, BLOCK)`` -> scalar: whether any of ``ptr[start:end]`` lies outside
   ``[lo, hi)``; reads only, records nothing. The pre-check of a loop's indices (a split's page ids): run the
   kernel's own loop when it is False and a masking copy of the loop only when it is True (docs/guarding.md).
+  Compiled, on int32/int64 entries, one warp vote per warp and no barrier (``_precheck``).
 
 Cost: the fault path is out of line (called ``noinline`` functions, not code inlined into the kernel), so a clean
 launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
@@ -71,6 +72,7 @@ from ._callee import CALLEE_SMEM_SAFE as CALLEE_SMEM_SAFE
 from ._callee import _bound, _claim_walk_ptx, _cold, _cold_block, _first_pair_ptx
 from ._lanes import _lane_records
 from ._offenders import _ENTRY, _HEADER, _claim, _offender_block, _offenders_done, _room
+from ._precheck import any_outside as any_outside
 from ._words import _VMAX, _VMIN, _offender_key, _req_words, _saturate
 from ._words import GUARD_BIAS as GUARD_BIAS
 
@@ -451,22 +453,3 @@ def guard_index(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None):
     record_hits(ctr_ptr, bad, row, idx, req)
     safe = tl.minimum(tl.maximum(idx, lo), hi - 1)
     return safe, ok
-
-
-@triton.jit
-def any_outside(ptr, start, end, lo, hi, BLOCK: tl.constexpr):
-    """Whether any entry of ``ptr[start:end]`` (integer entries) lies outside ``[lo, hi)``: a scalar, the same in
-    every lane. Reads only and records nothing: the pre-check that lets a kernel keep its own hot loop for clean
-    index ranges and run a masking copy (which records) only for a range with a bad entry.
-
-    One lane per entry, ``BLOCK`` entries per step, one reduction at the end: checked inside a loop whose tile
-    layout replicates each index over many lanes (a page id broadcast over its tokens), the same compare would run
-    once per replica and put a data-dependent mask on the loop's pipelined loads.
-    """
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for s0 in range(start, end, BLOCK):
-        offs = s0 + tl.arange(0, BLOCK)
-        inside = offs < end
-        x = tl.load(ptr + offs, mask=inside, other=0)
-        bad = bad | (inside & ((x < lo) | (x >= hi))).to(tl.int32)
-    return tl.max(bad, axis=0) > 0
