@@ -76,12 +76,14 @@ def any_outside(ptr, start, end, lo, hi, BLOCK: tl.constexpr):
     replica and put a data-dependent mask on the loop's pipelined loads.
     """
     if _votes(ptr.dtype.element_ty):
+        # Not pure: the asm reads memory, which Triton cannot see, so it must stay where it is among the kernel's
+        # stores and two calls must not be merged (on vLLM's decode kernels the SASS is the same either way).
         bad = tl.inline_asm_elementwise(
             _vote_ptx(ptr.dtype.element_ty.primitive_bitwidth, BLOCK),
             "=r,l,l,l,l,l",
             [ptr.to(tl.int64, bitcast=True), tl.cast(start, tl.int64), tl.cast(end, tl.int64), tl.cast(lo, tl.int64),
              tl.cast(hi, tl.int64)],
-            dtype=tl.int32, is_pure=True, pack=1,
+            dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
         return bad != 0
     else:
