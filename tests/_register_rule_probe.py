@@ -160,17 +160,28 @@ def _precheck_kernel(x_ptr, out_ptr, start, end, hi):
     tl.store(out_ptr, any_outside(x_ptr, start, end, 0, hi, 128).to(tl.int32))
 
 
+@triton.jit
+def _precheck_twice_kernel(x_ptr, out_ptr, start, end, hi):
+    # The same check before and after a store into the range: two checks, not one merged across the store.
+    a = any_outside(x_ptr, start, end, 0, hi, 128)
+    tl.store(x_ptr + start, hi)
+    b = any_outside(x_ptr, start, end, 0, hi, 128)
+    tl.store(out_ptr, a.to(tl.int32) + 2 * b.to(tl.int32))
+
+
 def precheck_reductions() -> dict:
     """tripwire.triton.any_outside compiled at 4 warps, by entry type: its barriers (BAR) and warp votes (VOTE) in
-    the SASS. int32 and int64 entries take the warp vote; int16 entries, the control, the block reduction."""
+    the SASS. int32 and int64 entries take the warp vote; int16 entries, the control, the block reduction; "twice",
+    int32 entries checked before and after a store into the range."""
     import re
     import subprocess
     import tempfile
 
     out = {}
-    for dtype in (i32, i64, torch.int16):
-        x = z(64, dtype=dtype)
-        launch = rs.capture_launches(lambda x=x: _precheck_kernel[(1,)](x, z(1, dtype=i32), 0, 64, 8, num_warps=4))[0]
+    for dtype in (i32, i64, torch.int16, "twice"):
+        x = z(64, dtype=i32 if dtype == "twice" else dtype)
+        kernel = _precheck_twice_kernel if dtype == "twice" else _precheck_kernel
+        launch = rs.capture_launches(lambda x=x, k=kernel: k[(1,)](x, z(1, dtype=i32), 0, 64, 8, num_warps=4))[0]
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(rs._compile(launch).asm["cubin"])
             f.flush()

@@ -1002,13 +1002,19 @@ def test_any_outside_sees_only_its_range(kernel_device, block, dtype):
     x = x.to(kernel_device)
     out = torch.zeros(1, dtype=torch.int32, device=kernel_device)
 
-    def run(start: int, end: int) -> int:
-        _any_outside_kernel[(1,)](x, out, start, end, 0, 10, BLOCK=block)
+    def run(start: int, end: int, lo: int = 0, hi: int = 10) -> int:
+        _any_outside_kernel[(1,)](x, out, start, end, lo, hi, BLOCK=block)
         return int(out.cpu()[0])
 
     assert run(3, 30) == 0
     assert run(3, 3) == 0  # an empty range
     assert run(31, 599) == 0  # many steps, bad entries on both sides
+    # lo above the value a masked lane would hold (0): lanes past `end` of a range that is no multiple of 32 are left
+    # out. lo itself is inside, lo - 1 outside; negative int32/int16 entries compare signed (sign-extended).
+    assert run(3, 30, lo=5) == 0 and run(3, 30, lo=6) == 1 and run(31, 599, lo=1) == 0
+    x[40], x[41] = -4, -3
+    assert run(40, 42, lo=-4) == 0 and run(40, 42, lo=-3) == 1 and run(41, 42, lo=-3) == 0
+    x[40], x[41] = 5, 5
     x[17] = 10  # hi itself is outside
     assert run(3, 30) == 1
     assert run(18, 30) == 0
