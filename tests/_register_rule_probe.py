@@ -8,7 +8,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -133,24 +136,25 @@ def adopted(guarded: bool) -> dict:
     return {"vllm_decode_gqa": decode(8), "vllm_decode_mha": decode(32), "vllm_reshape": reshape(256)}
 
 
+def _sass(launch) -> str:  # type: ignore[no-untyped-def]
+    """The SASS of one captured launch compiled for sm_90 (cuobjdump)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(rs._compile(launch).asm["cubin"])
+        f.flush()
+        return subprocess.run([rs._tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+
+
 def step_reductions() -> dict:
     """slot_mapping at an engine step's size, guarded: the reductions in its SASS (REDUX, or a barrier), as launched
     (bad tokens record themselves: tripwire.triton.record_lanes) and, the control, with the vote and record_tiles
     (LANES off)."""
     import dataclasses
-    import re
-    import subprocess
-    import tempfile
 
     launch = rs.capture_launches(shipped(True)["slot_mapping_step"])[0]
     assert launch.kwargs["LANES"] is True
     out = {}
     for name, lanes in (("lanes", True), ("vote", False)):
-        one = dataclasses.replace(launch, kwargs={**launch.kwargs, "LANES": lanes})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(rs._compile(one).asm["cubin"])
-            f.flush()
-            sass = subprocess.run([rs._tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        sass = _sass(dataclasses.replace(launch, kwargs={**launch.kwargs, "LANES": lanes}))
         out[name] = len(re.findall(r"\b(REDUX|BAR\.SYNC)", sass))
     return out
 
@@ -173,19 +177,12 @@ def precheck_reductions() -> dict:
     """tripwire.triton.any_outside compiled at 4 warps, by entry type: its barriers (BAR) and warp votes (VOTE) in
     the SASS. int32 and int64 entries take the warp vote; int16 entries, the control, the block reduction; "twice",
     int32 entries checked before and after a store into the range."""
-    import re
-    import subprocess
-    import tempfile
-
     out = {}
     for dtype in (i32, i64, torch.int16, "twice"):
         x = z(64, dtype=i32 if dtype == "twice" else dtype)
         kernel = _precheck_twice_kernel if dtype == "twice" else _precheck_kernel
         launch = rs.capture_launches(lambda x=x, k=kernel: k[(1,)](x, z(1, dtype=i32), 0, 64, 8, num_warps=4))[0]
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(rs._compile(launch).asm["cubin"])
-            f.flush()
-            sass = subprocess.run([rs._tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        sass = _sass(launch)
         out[str(dtype).removeprefix("torch.")] = {
             "bar": len(re.findall(r"\bBAR\.", sass)),
             "vote": len(re.findall(r"\bVOTE\.", sass)),
