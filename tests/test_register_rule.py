@@ -36,8 +36,8 @@ VERSION = ".".join(triton.__version__.split(".")[:2])
 _STEP_REQ_I64 = (
     "record_lanes' record is inline PTX per lane (no call, so that no vote is needed): at int64 positions with a "
     "request map, the column site's 64-bit value and the request word are live beside the offender key's 64-bit "
-    "multiplies in the first site's hash, 25 registers where the twin's 16 allow 24 (int32 positions fit); the "
-    "same programs per SM, the per-SM block limit at one warp per program"
+    "multiplies in the first site's hash, one register past what the twin's allocation plus a unit allows (int32 "
+    "positions fit); the same programs per SM, the per-SM block limit at one warp per program"
 )
 KNOWN: dict[str, dict[tuple[str, str], str]] = {
     v: {("slot_mapping_step_req_i64", "_slot_mapping"): _STEP_REQ_I64} for v in ("3.6", "3.9")
@@ -138,7 +138,7 @@ def test_any_outside_waits_for_no_other_warp(usage: dict) -> None:
         assert n[dtype]["bar"] == 0 and n[dtype]["vote"] == 1, n
     assert n["int16"]["bar"] > 0 and n["int16"]["vote"] == 0, n
     # The asm reads memory Triton cannot see: the check after a store into its range is a check of its own, not the
-    # first one's result (a pure asm was merged with it across the store).
+    # first one's result (a pure asm is merged with it across the store).
     assert n["twice"]["vote"] == 2, n
 
 
