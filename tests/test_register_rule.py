@@ -32,16 +32,8 @@ import triton
 
 PROBE = Path(__file__).with_name("_register_rule_probe.py")
 VERSION = ".".join(triton.__version__.split(".")[:2])
-# (case, kernel name prefix) -> why, per Triton version, for a case that does not meet the rule there.
-_STEP_REQ_I64 = (
-    "record_lanes' record is inline PTX per lane (no call, so that no vote is needed): at int64 positions with a "
-    "request map, the column site's 64-bit value and the request word are live beside the offender key's 64-bit "
-    "multiplies in the first site's hash, one register past what the twin's allocation plus a unit allows (int32 "
-    "positions fit); the same programs per SM, the per-SM block limit at one warp per program"
-)
-KNOWN: dict[str, dict[tuple[str, str], str]] = {
-    v: {("slot_mapping_step_req_i64", "_slot_mapping"): _STEP_REQ_I64} for v in ("3.6", "3.9")
-}
+# (case, kernel name prefix) -> why, per Triton version, for a case that does not meet the rule there (none now).
+KNOWN: dict[str, dict[tuple[str, str], str]] = {}
 # A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
 # its twin's registers, it is within it): the rule's comparison must flag the inlined build.
 COSTLY = ("slot_mapping", "_slot_mapping")

@@ -70,12 +70,13 @@ def _site(i: int, bad: str, ctr: str, value: str, bits: int) -> str:
         + "xor.b64 h, h, qb; "
         + _fmix("h", "s")
         + "or.b64 h, h, 1; "
-        # The walk's end is formed after the key and the block's address read again after the walk (the capacity
-        # and the address are fixed with the arena): neither is live through the hash or the walk, where the
-        # record's registers peak (the 64-bit multiplies, the compare-and-swap's register quad). Fault path only.
-        f"ld.global.b64 t, [addr+8]; mul.lo.s64 t, t, {8 * OFF_ENTRY}; add.s64 e, addr, {8 * OFF_HEADER}; "
-        "add.s64 end, e, t; "
-        + walk_ptx("end", "h", "qb", "vb", "rb", f"S{i}D${{:uid}}", tag=f"S{i}")
+        # The walk counts the block's capacity down (its low 32-bit word: at most 256) instead of comparing with an
+        # end address, and the block's address is read again after the walk (the capacity and the address are fixed
+        # with the arena): one 32-bit register is live through the walk, where the record's registers peak (the
+        # compare-and-swap's register quad beside the key and the words), not a 64-bit end and the address. Fault
+        # path only; tests/test_register_rule.py holds the kernels that use it to their twins' registers.
+        f"ld.global.b32 k, [addr+8]; add.s64 e, addr, {8 * OFF_HEADER}; "
+        + walk_ptx("k", "h", "qb", "vb", "rb", f"S{i}D${{:uid}}", tag=f"S{i}", left=True)
         + f"S{i}D${{:uid}}: ld.global.b64 addr, [{ctr}+{8 * OFFENDERS}]; "
         f"atom.global.acq_rel.gpu.add.u64 old, [addr+{8 * OFF_DONE}], 1; "
         f"{end_label}: "
@@ -115,7 +116,7 @@ def _lanes_ptx(row_bits: int, value_bits: tuple[int, ...], req_bits: int) -> str
     else:
         requests = "mov.b64 qb, 0; "
     return (
-        "{ .reg .pred p; .reg .b32 w; .reg .b64 t, rb, vb, nb, qb, h, s, addr, e, end, old; "
+        "{ .reg .pred p; .reg .b32 w, k; .reg .b64 t, rb, vb, nb, qb, h, s, addr, e, old; "
         + any_bad
         + "setp.eq.s32 p, w, 0; @p bra DONE${:uid}; "
         + _wide("t", row, row_bits)
