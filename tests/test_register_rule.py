@@ -32,7 +32,8 @@ import triton
 
 PROBE = Path(__file__).with_name("_register_rule_probe.py")
 VERSION = ".".join(triton.__version__.split(".")[:2])
-# (case, kernel name prefix) -> why, per Triton version, for a case that does not meet the rule there (none now).
+# (case, kernel name prefix) -> why, per Triton version, for a case that does not meet the rule there; empty when
+# every case meets it.
 KNOWN: dict[str, dict[tuple[str, str], str]] = {}
 # A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
 # its twin's registers, it is within it): the rule's comparison must flag the inlined build.
