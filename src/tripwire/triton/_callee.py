@@ -64,17 +64,17 @@ _FIRST_PAIR_PTX = tl.constexpr(
 
 
 @triton.constexpr_function
-def walk_ptx(end: str, key: str, qb: str, vb: str, rb: str, done: str, tag: str = "", left: bool = False) -> str:
-    """The offender claim as PTX, from the entry at register ``e`` up to ``end``: ``key`` compare-and-swapped into
+def walk_ptx(bound: str, key: str, qb: str, vb: str, rb: str, done: str, tag: str = "", left: bool = False) -> str:
+    """The offender claim as PTX, from the entry at register ``e`` up to ``bound``: ``key`` compare-and-swapped into
     each entry's KEY from 0; the entry found empty is taken (REQ ``qb``, VALUE ``vb``, then ROW ``rb`` last, released
-    at system scope), one holding ``key`` means a repeat; either way, or past ``end``, on to label ``done``. The
+    at system scope), one holding ``key`` means a repeat; either way, or past ``bound``, on to label ``done``. The
     caller declares ``p``, ``e`` and ``old``; ``tag`` keeps the labels apart where one block walks more than once.
 
-    ``end`` is the address past the last entry (a 64-bit register), or, with ``left``, a 32-bit register holding
+    ``bound`` is the address past the last entry (a 64-bit register), or, with ``left``, a 32-bit register holding
     the number of entries from ``e`` (the block's capacity, at most 256), counted down: one register where the end
     address takes two, for a walk inlined where registers peak (tripwire.triton._lanes)."""
-    test = f"setp.eq.u32 p, {end}, 0; " if left else f"setp.ge.u64 p, e, {end}; "
-    step = f"sub.u32 {end}, {end}, 1; " if left else ""
+    test = f"setp.eq.u32 p, {bound}, 0; " if left else f"setp.ge.u64 p, e, {bound}; "
+    step = f"sub.u32 {bound}, {bound}, 1; " if left else ""
     return (
         f"{tag}LOOP${{:uid}}: {test}@p bra {done}; "
         f"atom.global.acq_rel.gpu.cas.b64 old, [e], 0, {key}; setp.eq.s64 p, old, 0; @p bra {tag}WIN${{:uid}}; "

@@ -5,10 +5,10 @@ entry runs a masking copy of it.
 Compiled on NVIDIA GPUs, for int32 and int64 entries, each warp reads every entry of the range itself and decides
 with one warp vote (``vote.sync.any``): every warp reads the same entries, so every warp reaches the same answer,
 and no warp waits for another. A block reduction (Triton's ``tl.max`` over lanes spread across warps) goes through
-shared memory and barriers, and every program of the kernel waited for them before its loop could start; in vLLM's
-decode kernels the warp vote in its place took away most of the guard's cost, measured as a whole (no barrier, each
-warp's own reads, more entries per step: benchmarks/RESULTS.md, the adopted decode rows). A warp's extra reads of
-the same few entries are L1 hits. Under Triton's interpreter (no PTX), and for other entry types,
+shared memory and barriers, and every program of the kernel waits for them before its loop can start; in vLLM's
+decode kernels that reduction costs most of what the guard costs, against the warp vote measured as a whole (no
+barrier, each warp's own reads, more entries per step: benchmarks/RESULTS.md, the adopted decode rows). A warp's
+extra reads of the same few entries are L1 hits. Under Triton's interpreter (no PTX), and for other entry types,
 the block reduction.
 """
 
