@@ -99,6 +99,7 @@ def _kernel() -> ModuleType:
     """The Triton backend, imported at first use: a CPU-only process (vLLM's CPU build) never imports triton."""
     global _KERNEL
     if _KERNEL is None:
+        from . import _launcher  # noqa: F401  (the bound launch's module, imported with the kernel's)
         from . import _triton as _validate_kernel
 
         _KERNEL = _validate_kernel
@@ -347,9 +348,11 @@ class Validator:
         whats = tuple(f"validator {self.name!r}: {n!r}" for n in names)
         # CUDA: the launch bound once per plan (the eager host cost); CPU: the torch path needs no launcher (and no
         # triton).
-        launcher = (
-            _kernel().Launcher(self._arena, rules, mask=self.policy == "mask") if self.device.type == "cuda" else None
-        )
+        launcher = None
+        if self.device.type == "cuda":
+            from ._launcher import Launcher
+
+            launcher = Launcher(self._arena, rules, mask=self.policy == "mask")
         self._plan = _Plan(
             names,
             whats,
@@ -441,7 +444,7 @@ class Validator:
             _validate_torch.launch(self._arena, plan.rules, ordered, mask=mask, offenders=self._offenders)
         else:
             assert plan.launch is not None
-            plan.launch(ordered)  # bound once per plan (_validate_kernel.Launcher): the eager host cost
+            plan.launch(ordered)  # bound once per plan (_launcher.Launcher): the eager host cost
 
 
 @dataclass(frozen=True)
@@ -457,7 +460,7 @@ class _Plan:
     spec: tuple[int, ...]
     with_lengths: tuple[tuple[str, str], ...]
     indptrs: tuple[str, ...]  # the CSR indptr names (each must be non-empty)
-    launch: Any  # _validate_kernel.Launcher on CUDA, None on the CPU (the torch path)
+    launch: Any  # _launcher.Launcher on CUDA, None on the CPU (the torch path)
 
 
 # ---------------------------------------------------------------------------------------------- the custom op

@@ -1,0 +1,167 @@
+"""The validator's bound launch: one :class:`Launcher` per validator plan calls the compiled kernel of
+:mod:`tripwire.validate._triton` through its own launcher, with everything that does not change between calls
+computed once.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+
+from ..triton._callee import _version
+from . import _triton
+from ._rules import BLOCK, Rules
+
+__all__ = ["Launcher"]
+
+
+class Launcher:
+    """One validator's launch with everything that does not change between its calls computed once: the tensor
+    selections, the constexprs, and, per key (below), the compiled kernel, bound and called directly.
+
+    Why: a JITFunction launch re-binds and re-specialises every argument on each call (the rules are many tuple
+    arguments), tens of microseconds of host time per call, a real share of a CPU-bound engine's step. Bound, a call
+    is the host checks, the sizes and one call into the compiled kernel's launcher. The first call for a key (below)
+    goes through the JITFunction (which compiles or loads the kernel) and binds what it returns; so does every call
+    under Triton's interpreter and while a launch hook (a profiler) is installed.
+
+    The compiled kernel depends on nothing else a call can change but the tensors' dtypes and which sizes are 1:
+    the tensors are not specialised on alignment (``do_not_specialize_on_alignment``), the arena is one fixed tensor,
+    the rest are the rules' constexprs; but a size equal to 1 inside a tuple argument is specialised into the kernel
+    (Triton 3.6 does so even under ``do_not_specialize``), and a kernel bound at a call with one entry would check one
+    entry at every later call. So the key is the dtypes and the sizes that are 1. Same preconditions as
+    :func:`launch`.
+    """
+
+    __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "arena", "mask", "rules")
+
+    def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool) -> None:
+        self.arena = arena
+        self.rules = rules
+        self.mask = mask
+        # In the kernel's parameter order (after its ten runtime arguments): what the compiled launcher is given.
+        self._consts = _triton._constexprs(arena, rules, mask)
+        # One operator.itemgetter per group: a call selects its tuples in C, not in generator expressions.
+        self._pick = tuple(_getter(ix) for ix in (rules.tensor, rules.aux, rules.requests, rules.segments))
+        self._n_aux = sum(rules.own_aux)
+        self._bound: dict[tuple, Any] = {}
+        self._dev = arena.device.index if arena.is_cuda else -1
+        # Decided at the first eager call, not here: a plan built while torch.compile traces (its op never calls
+        # this launcher) must not touch the JITFunction, which the tracer cannot follow.
+        self._direct: bool | None = None
+
+    def _args(self, tensors: Sequence[torch.Tensor], numels: list[int], widths: list[int]) -> tuple:
+        # Every tensor's numel read once (by the caller) and picked with the tensors (a tensor can serve several
+        # rules); itemgetters and list comprehensions, not generator expressions: this is the eager call's host time.
+        pm, pa, pr, ps = self._pick
+        return (self.arena, pm(tensors), pa(tensors), pr(tensors), ps(tensors), pm(numels), tuple(widths), pa(numels),
+                pr(numels), ps(numels))  # fmt: skip
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not self.rules.kind:
+            return
+        pm = self._pick[0]
+        numels = [t.numel() for t in tensors]
+        total = self._n_aux
+        for x in pm(numels):
+            total += -(-x // BLOCK)
+        if total == 0:
+            return
+        widths = [t.shape[1] if t.dim() == 2 else 1 for t in pm(tensors)]
+        if self._direct is None:
+            # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an
+            # InterpretedFunction.
+            self._direct = self.arena.is_cuda and hasattr(_triton._validate, "device_caches")
+        if not self._direct or _hooked():
+            args = self._args(tensors, numels, widths)
+            _triton._validate[(total,)](
+                *args, **_triton._with_cap(self.arena, self._consts, [t.dtype for t in tensors], total, args)
+            )
+            return
+        key = self._key(tensors, numels, widths)
+        bound = self._bound.get(key)
+        if bound is None:
+            args = self._args(tensors, numels, widths)
+            k = _triton._validate[(total,)](
+                *args, **_triton._with_cap(self.arena, self._consts, list(key[0]), total, args)
+            )
+            # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
+            if hasattr(k, "packed_metadata"):
+                self._bound[key] = (k, _c_launch(k))
+            return
+        k, c = bound
+        # The stream straight from torch (what Triton's driver asks too), on the arena's device; no launch metadata
+        # and no hooks (_hooked() said none is set).
+        stream = torch._C._cuda_getCurrentRawStream(self._dev)
+        args = self._args(tensors, numels, widths)
+        if c is not None:
+            # The launcher's C function itself (see _c_launch): no scratch buffers to allocate first.
+            c[0](total, 1, 1, stream, k.function, c[1], c[2], None, None, k.packed_metadata, None, None, None, *args,
+                 *self._consts)  # fmt: skip
+            return
+        k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *self._consts)
+
+    @staticmethod
+    def _key(tensors: Sequence[torch.Tensor], numels: list[int], widths: list[int]) -> tuple:
+        """The bound kernel's key: the tensors' dtypes and which sizes are 1 (the class docstring says why)."""
+        return tuple([t.dtype for t in tensors]), tuple([x == 1 for x in numels]), tuple([w == 1 for w in widths])
+
+    @property
+    def path(self) -> str:
+        """How bound calls launch: ``"triton-c"`` (the launcher's C function), ``"triton"`` (its Python wrapper), or
+        ``"jit"`` (nothing bound yet, or no compiled kernel: the interpreter)."""
+        if not self._bound:
+            return "jit"
+        _, c = next(iter(self._bound.values()))
+        return "triton-c" if c is not None else "triton"
+
+
+# The Triton releases whose CUDA launcher (CudaLauncher in backends/nvidia/driver.py) does nothing in Python but
+# allocate the kernel's global and profile scratch and then call its C ``launch(gridX, gridY, gridZ, stream, function,
+# cooperative, pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)``
+# (read in the release's source; the GPU tests run it). Triton 3.7 to 3.9 call a shared launcher with the arguments
+# annotated in one tuple: there, and on any release not read and run here, the bound launch calls the CudaLauncher.
+_C_LAUNCH_RELEASES = ((3, 6),)
+
+
+def _c_launch(k: Any) -> tuple[Callable[..., Any], Any, Any] | None:
+    """``(launch, cooperative, pdl)``: the C launch function of compiled kernel ``k`` and the two flags its Python
+    wrapper passes, when calling it directly skips nothing (a release above, no scratch buffers); else None.
+
+    Why: the wrapper's frame, closures and scratch checks are a few microseconds of every eager call's host time
+    (``benchmarks/bench_validate.py`` measures the call both ways)."""
+    run = k.run
+    if _version(triton.__version__) not in _C_LAUNCH_RELEASES or type(run).__name__ != "CudaLauncher":
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    launch = getattr(run, "launch", None)
+    flags = ("launch_cooperative_grid", "launch_pdl")
+    if launch is None or hasattr(run, "arg_annotations") or not all(hasattr(run, f) for f in flags):
+        return None
+    return launch, run.launch_cooperative_grid, run.launch_pdl
+
+
+def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``seq -> tuple(seq[i] for i in ix)``, always a tuple (itemgetter of one index returns the item)."""
+    if not ix:
+        return lambda ts: ()
+    if len(ix) == 1:
+        one = ix[0]
+        return lambda ts: (ts[one],)
+    return operator.itemgetter(*ix)  # type: ignore[return-value]
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch hook (a profiler) is installed: then every launch goes through the JITFunction, which
+    hands the hook its metadata. Triton's hooks are HookChains (never None; empty when nothing is installed) or, on
+    older releases, None or a callable."""
+    rt = triton.knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False

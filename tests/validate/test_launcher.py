@@ -1,0 +1,166 @@
+"""The validator's bound launch (tripwire.validate._launcher.Launcher): what decides between the compiled kernel's
+own launcher and the JITFunction, whether the launcher's C function is called directly, and, on a GPU, that the bound
+path is taken, counts exactly what the JIT path does, and is not bound to the sizes of its first call.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+
+from tripwire import Monitor, SiteRegistry
+from tripwire.triton._callee import _version
+from tripwire.validate import Validator
+from tripwire.validate import _launcher as vk
+from tripwire.validate._launcher import _C_LAUNCH_RELEASES, _c_launch
+
+
+def test_hooked_only_when_a_hook_is_installed(monkeypatch):
+    """Triton's launch hooks are HookChains, never None: an empty chain is no hook (the bound launch may run), a
+    chain with a hook is one (every launch through the JITFunction, which hands the hook its metadata). The control:
+    the test `hook is not None`, which took every launch as hooked, says True for the empty chain."""
+    rt = triton.knobs.runtime
+    chain = type(rt.launch_enter_hook)()
+    monkeypatch.setattr(rt, "launch_enter_hook", chain)
+    monkeypatch.setattr(rt, "launch_exit_hook", type(rt.launch_exit_hook)())
+    assert vk._hooked() is False
+    assert rt.launch_enter_hook is not None  # the control's test would call this hooked
+    chain.add(lambda metadata: None)
+    assert vk._hooked() is True
+
+
+def test_getter_always_returns_a_tuple():
+    ts = [torch.zeros(1), torch.ones(2), torch.zeros(3)]
+    assert vk._getter(())(ts) == ()
+    (one,) = vk._getter((1,))(ts)
+    assert one is ts[1]
+    assert [t.numel() for t in vk._getter((2, 0))(ts)] == [3, 1]
+
+
+@pytest.mark.gpu
+def test_gpu_bound_launch_is_taken_and_counts_exactly():
+    """After its first call a CUDA validator launches through the bound kernel (no JITFunction), and every bound
+    call counts and masks like the first."""
+    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    v = Validator("launch", "cuda", policy="mask", monitor=mon)
+    v.index("slots", hi=100, padding=-1, safe=0)
+    slots = torch.tensor([1, 200, -1, 3, -5], device="cuda")
+    for _ in range(3):
+        v(slots=slots.clone())
+    plan = v._plan
+    assert plan is not None and len(plan.launch._bound) == 1
+    # On the releases whose launcher's C function is known (Triton 3.6), the bound call is that function's.
+    ((_, c_launch),) = plan.launch._bound.values()
+    assert plan.launch.path == ("triton-c" if c_launch is not None else "triton")
+    assert (c_launch is not None) == (_version(triton.__version__) in _C_LAUNCH_RELEASES)
+    fixed = slots.clone()
+    v(slots=fixed)
+    torch.cuda.synchronize()
+    assert fixed.tolist() == [1, 0, -1, 3, 0]
+    row = mon.counter(v.sites()["slots"], "cuda")
+    assert int(row[0]) == 4 * 2
+
+
+def _declared(name: str, mon: Monitor) -> Validator:
+    """Every rule kind and auxiliary tensor: a padded 1-D index, a table with lengths and requests, a CSR layout."""
+    v = Validator(name, "cuda", policy="mask", monitor=mon)
+    v.index("slots", hi=100, padding=-1, safe=0)
+    v.index("table", hi=50, safe=0, lengths="lens", requests="req")
+    v.csr("kv", indptr="ptr", hi=64, safe=0)
+    return v
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randint(-1, 100, (300,), generator=g)
+    slots[[4, 150, 299]] = torch.tensor([100, -9, 1000])
+    table = torch.randint(0, 50, (24, 9), generator=g, dtype=torch.int32)
+    table[[1, 7, 20], [0, 8, 3]] = torch.tensor([50, -1, 77], dtype=torch.int32)
+    lens = torch.randint(0, 10, (24,), generator=g, dtype=torch.int32)
+    lens[[2, 9]] = torch.tensor([10, -3], dtype=torch.int32)  # lengths outside [0, 9]
+    kv = torch.randint(0, 64, (500,), generator=g, dtype=torch.int32)
+    kv[[0, 17, 333]] = torch.tensor([64, -2, 99], dtype=torch.int32)
+    ptr = torch.tensor([0, 100, 100, 250, 400, 480], dtype=torch.int32)
+    req = torch.arange(1000, 1024, dtype=torch.int64)
+    md = {"slots": slots, "table": table, "lens": lens, "kv": kv, "ptr": ptr, "req": req}
+    return {k: t.cuda() for k, t in md.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("old_key", [False, True])
+def test_gpu_a_first_call_with_one_entry_does_not_bind_later_calls_to_one(monkeypatch, old_key):
+    """A first call whose slot mapping has one entry (a one-token step) and whose table is one column wide: Triton
+    specialises those sizes (1) into the kernel it compiles. The next call, 300 slots and 9 columns, counts every
+    bad entry: the bound kernel's key has which sizes are 1. The control (``old_key``): keyed on the dtypes alone, as
+    the bound launch was, the later call runs the one-entry kernel and counts short."""
+    from tripwire.validate._launcher import Launcher
+
+    if old_key:
+        monkeypatch.setattr(
+            Launcher, "_key", staticmethod(lambda tensors, numels, widths: (tuple(t.dtype for t in tensors),))
+        )
+    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    v = _declared("one", mon)
+    md = _inputs()
+    first = {
+        **md,
+        "slots": md["slots"][:1].clone(),
+        "table": md["table"][:, :1].contiguous(),
+        "lens": md["lens"].clamp(0, 1),
+    }
+    v(**first)  # compiles and binds the one-entry kernel
+    torch.cuda.synchronize()
+    mon.reset()
+    for _ in range(2):
+        v(**{k: t.clone() for k, t in md.items()})
+    # The reference: a validator whose calls all have the full sizes.
+    m_ref = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    ref = _declared("one", m_ref)
+    for _ in range(2):
+        ref(**{k: t.clone() for k, t in md.items()})
+    torch.cuda.synchronize()
+    counts = {key: hit.count for key, hit in mon.snapshot().items()}
+    want = {key: hit.count for key, hit in m_ref.snapshot().items()}
+    assert want[("cuda:0", "one.slots")] == 2 * 3
+    if old_key:
+        assert counts != want
+    else:
+        assert counts == want
+        assert v._plan.launch.path in ("triton-c", "triton")
+        assert len(v._plan.launch._bound) == 2  # the one-entry kernel and the full one
+
+
+class CudaLauncher:
+    """Stands in for a compiled kernel's Triton 3.6 launcher (the attributes _c_launch reads)."""
+
+    def __init__(self, **kw: object) -> None:
+        self.launch = lambda *a: a
+        self.global_scratch_size = 0
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize(
+    "version,kw,direct",
+    [
+        ("3.6.0", {}, True),
+        ("3.6.1+git", {}, True),
+        ("3.9.0", {}, False),  # another launcher signature
+        ("3.7.1", {}, False),
+        ("3.6.0", {"global_scratch_size": 8}, False),  # scratch the wrapper would allocate
+        ("3.6.0", {"profile_scratch_size": 8}, False),
+        ("3.6.0", {"arg_annotations": ()}, False),  # the annotated launcher's shape
+    ],
+)
+def test_the_c_launch_is_used_only_where_it_skips_nothing(monkeypatch, version, kw, direct):
+    monkeypatch.setattr(triton, "__version__", version)
+    k = types.SimpleNamespace(run=CudaLauncher(**kw))
+    got = _c_launch(k)
+    assert (got is not None) == direct
+    if direct:
+        assert got == (k.run.launch, False, True)
