@@ -126,11 +126,87 @@ def test_gpu_a_first_call_with_one_entry_does_not_bind_later_calls_to_one(monkey
     want = {key: hit.count for key, hit in m_ref.snapshot().items()}
     assert want[("cuda:0", "one.slots")] == 2 * 3
     if old_key:
-        assert counts != want
+        assert counts[("cuda:0", "one.slots")] < want[("cuda:0", "one.slots")]  # the bad slots past the first missed
     else:
         assert counts == want
         assert v._plan.launch.path in ("triton-c", "triton")
         assert len(v._plan.launch._bound) == 2  # the one-entry kernel and the full one
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous view whose address is one element past an allocation's start (not a multiple of
+    16 bytes for int32 and int64)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_views_and_sizes_off_16_get_their_own_kernel():
+    """A first call at aligned tensors whose sizes are multiples of 16 (what Triton specialises a tuple element on),
+    then calls at misaligned views of other sizes: they run their own kernel and count what a validator that never
+    saw the first call counts. The control: the dtypes alone (the key the bound launch had) are the same for both
+    calls, and the two kernels the JITFunction compiled for them are specialised differently: keyed on the dtypes,
+    the later calls would have run the first kernel (vector loads a misaligned view cannot take)."""
+    from tripwire.validate._launcher import Launcher
+
+    g = torch.Generator().manual_seed(7)
+    first = {
+        "slots": torch.randint(-1, 100, (32,), generator=g),
+        "table": torch.randint(0, 50, (16, 16), generator=g, dtype=torch.int32),
+        "lens": torch.randint(0, 17, (16,), generator=g, dtype=torch.int32),
+        "kv": torch.randint(0, 64, (64,), generator=g, dtype=torch.int32),
+        "ptr": torch.arange(0, 64, 4, dtype=torch.int32),
+        "req": torch.arange(16, dtype=torch.int64),
+    }
+    first = {k: t.cuda() for k, t in first.items()}
+    assert all(t.data_ptr() % 16 == 0 and t.numel() % 16 == 0 for t in first.values())
+    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    v = _declared("align", mon)
+    v(**first)
+    torch.cuda.synchronize()
+    mon.reset()
+    later = {k: _misaligned(t) for k, t in _inputs().items()}
+    for _ in range(2):
+        v(**{k: _misaligned(t) for k, t in later.items()})
+    m_ref = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    ref = _declared("align", m_ref)
+    for _ in range(2):
+        ref(**{k: _misaligned(t) for k, t in later.items()})
+    torch.cuda.synchronize()
+    counts = {key: hit.count for key, hit in mon.snapshot().items()}
+    want = {key: hit.count for key, hit in m_ref.snapshot().items()}
+    assert want[("cuda:0", "align.slots")] == 2 * 3
+    assert counts == want
+    launch = v._plan.launch
+    assert len(launch._bound) == 2
+    (k_first, _), (k_later, _) = launch._bound.values()
+    assert k_first.src.attrs != k_later.src.attrs
+    names = v._plan.names
+
+    def old_key(md: dict[str, torch.Tensor]) -> tuple:
+        return Launcher._key([md[n] for n in names], [md[n].numel() for n in names], [])[0]
+
+    assert old_key(first) == old_key(later)
+
+
+def test_key_holds_what_triton_specialises_a_tuple_element_on():
+    """Per size: 1, a multiple of 16, past int32 (a 64-bit parameter), or none; per tensor: a 16-byte aligned
+    address or not; and the dtypes. Sizes that differ in none of these share a key (one compiled kernel)."""
+    from tripwire.validate._launcher import Launcher
+
+    buf = torch.zeros(8, dtype=torch.int64)
+    aligned, off = buf[:4], buf[1:5]
+    assert aligned.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 8
+    key = Launcher._key
+    assert key([aligned], [3], [5]) == key([aligned], [7], [9])
+    assert key([aligned], [3], [5]) != key([off], [3], [5])
+    assert key([aligned], [1], [5])[1] == (1,) and key([aligned], [32], [5])[1] == (2,)
+    assert key([aligned], [2**31 + 3], [5])[1] == (4,) and key([aligned], [2**31], [5])[1] == (6,)
+    assert key([aligned], [3], [1])[2] == (1,) and key([aligned], [3], [16])[2] == (2,)
+    assert key([aligned], [3], [5])[0] != key([aligned.int()], [3], [5])[0]
 
 
 class CudaLauncher:

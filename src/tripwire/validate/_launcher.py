@@ -18,6 +18,8 @@ from ._rules import BLOCK, Rules
 
 __all__ = ["Launcher"]
 
+_I32_MAX = 2**31 - 1  # a size above it is a 64-bit parameter
+
 
 class Launcher:
     """One validator's launch with everything that does not change between its calls computed once: the tensor
@@ -29,12 +31,15 @@ class Launcher:
     goes through the JITFunction (which compiles or loads the kernel) and binds what it returns; so does every call
     under Triton's interpreter and while a launch hook (a profiler) is installed.
 
-    The compiled kernel depends on nothing else a call can change but the tensors' dtypes and which sizes are 1:
-    the tensors are not specialised on alignment (``do_not_specialize_on_alignment``), the arena is one fixed tensor,
-    the rest are the rules' constexprs; but a size equal to 1 inside a tuple argument is specialised into the kernel
-    (Triton 3.6 does so even under ``do_not_specialize``), and a kernel bound at a call with one entry would check one
-    entry at every later call. So the key is the dtypes and the sizes that are 1. Same preconditions as
-    :func:`launch`.
+    What the compiled kernel is specialised on is the key it is bound under. Triton specialises each element of a
+    tuple argument with its defaults, whatever ``do_not_specialize`` and ``do_not_specialize_on_alignment`` say
+    (they apply to a parameter as a whole): an integer equal to 1 becomes a constant, one divisible by 16 is
+    compiled as such, a tensor whose address is a multiple of 16 is compiled as aligned. The rules' tensors and
+    sizes are tuple elements, so a kernel bound at one call could be wrong for the next: bound at a one-entry slot
+    mapping (a one-token step), it would check one entry at every later call; bound at aligned tensors, it would
+    issue vector loads a misaligned view cannot take. So the key is the tensors' dtypes and, for every size and
+    every tensor, what Triton specialises it on (:meth:`_key`); the arena is one fixed tensor, the rest are the
+    rules' constexprs. Same preconditions as :func:`tripwire.validate._triton.launch`.
     """
 
     __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "arena", "mask", "rules")
@@ -107,8 +112,16 @@ class Launcher:
 
     @staticmethod
     def _key(tensors: Sequence[torch.Tensor], numels: list[int], widths: list[int]) -> tuple:
-        """The bound kernel's key: the tensors' dtypes and which sizes are 1 (the class docstring says why)."""
-        return tuple([t.dtype for t in tensors]), tuple([x == 1 for x in numels]), tuple([w == 1 for w in widths])
+        """The bound kernel's key (the class docstring says why): the tensors' dtypes; per size (each tensor's
+        numel, each rule's width) 1 when it is 1, plus 2 when it is a multiple of 16, plus 4 when it needs 64 bits
+        (Triton types it i64); per tensor whether its address is a multiple of 16. Host arithmetic on values the call
+        reads anyway, no device access."""
+        return (
+            tuple([t.dtype for t in tensors]),
+            tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in numels]),
+            tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in widths]),
+            tuple([(t.data_ptr() & 15) == 0 for t in tensors]),
+        )
 
     @property
     def path(self) -> str:

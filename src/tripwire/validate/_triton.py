@@ -213,6 +213,9 @@ def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constex
             tl.atomic_add(ctr_ptr, 1)  # the twin
 
 
+# The flags ask for no value or alignment specialisation; Triton (3.6, and its native specialiser since) applies
+# them to a parameter as a whole and specialises each tuple element with its defaults all the same, so the bound
+# launch keys the compiled kernel on what those elements are (_launcher.Launcher._key).
 @triton.jit(do_not_specialize=["N", "W", "AN", "RQN", "SGN"], do_not_specialize_on_alignment=["T", "A", "RQ", "SG"])
 def _validate(
     ctr_ptr,
@@ -367,9 +370,9 @@ def _with_cap(arena: torch.Tensor, consts: tuple, dtypes: list, total: int, args
     """The launch's keyword arguments: the constexprs and, where the kernel's own allocation is larger than its
     twin's (the same rules with the fault path reduced to a count: ``FAULT=False``), ``maxnreg`` at the twin's
     (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the votes
-    programs per SM). The kernel depends on nothing else a call can change (``Launcher`` says why): the key is the
-    constexprs, the tensors' dtypes and the device. Its first call per key compiles both, as Triton's first launch
-    compiles."""
+    programs per SM). The cap is found per constexprs, tensor dtypes and device, at the first call of that key, by
+    compiling both, as Triton's first launch compiles; the other specialisations of the same rules Triton compiles
+    (a size of 1, sizes or addresses off 16: ``_launcher.Launcher`` says which) launch under that cap."""
     kw: dict[str, Any] = dict(zip(_CONST_NAMES, consts, strict=True))
     cap = register_cap(("validate", arena.device, consts, *dtypes), _validate, (total,), args, kw, {"FAULT": False})
     if cap is not None:
