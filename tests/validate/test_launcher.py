@@ -126,7 +126,8 @@ def test_gpu_a_first_call_with_one_entry_does_not_bind_later_calls_to_one(monkey
     want = {key: hit.count for key, hit in m_ref.snapshot().items()}
     assert want[("cuda:0", "one.slots")] == 2 * 3
     if old_key:
-        assert counts[("cuda:0", "one.slots")] < want[("cuda:0", "one.slots")]  # the bad slots past the first missed
+        # The bad slots past the first are missed (a row with no count is absent from the snapshot).
+        assert counts.get(("cuda:0", "one.slots"), 0) < want[("cuda:0", "one.slots")]
     else:
         assert counts == want
         assert v._plan.launch.path in ("triton-c", "triton")
