@@ -94,8 +94,8 @@ def _inputs() -> dict[str, torch.Tensor]:
 def test_gpu_a_first_call_with_one_entry_does_not_bind_later_calls_to_one(monkeypatch, old_key):
     """A first call whose slot mapping has one entry (a one-token step) and whose table is one column wide: Triton
     specialises those sizes (1) into the kernel it compiles. The next call, 300 slots and 9 columns, counts every
-    bad entry: the bound kernel's key has which sizes are 1. The control (``old_key``): keyed on the dtypes alone, as
-    the bound launch was, the later call runs the one-entry kernel and counts short."""
+    bad entry: the bound kernel's key has which sizes are 1. The control (``old_key``): keyed on the dtypes alone, the
+    later call runs the one-entry kernel and counts short."""
     from tripwire.validate._launcher import Launcher
 
     if old_key:
@@ -148,7 +148,7 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 def test_gpu_misaligned_views_and_sizes_off_16_get_their_own_kernel():
     """A first call at aligned tensors whose sizes are multiples of 16 (what Triton specialises a tuple element on),
     then calls at misaligned views of other sizes: they run their own kernel and count what a validator that never
-    saw the first call counts. The control: the dtypes alone (the key the bound launch had) are the same for both
+    saw the first call counts. The control: the dtypes alone (a key without the specialisation) are the same for both
     calls, and the two kernels the JITFunction compiled for them are specialised differently: keyed on the dtypes,
     the later calls would have run the first kernel (vector loads a misaligned view cannot take)."""
     from tripwire.validate._launcher import Launcher
@@ -204,9 +204,10 @@ def test_key_holds_what_triton_specialises_a_tuple_element_on():
     key = Launcher._key
     assert key([aligned], [3], [5]) == key([aligned], [7], [9])
     assert key([aligned], [3], [5]) != key([off], [3], [5])
-    assert key([aligned], [1], [5])[1] == (1,) and key([aligned], [32], [5])[1] == (2,)
-    assert key([aligned], [2**31 + 3], [5])[1] == (4,) and key([aligned], [2**31], [5])[1] == (6,)
-    assert key([aligned], [3], [1])[2] == (1,) and key([aligned], [3], [16])[2] == (2,)
+    # The sizes' classes: the numels', then the widths'.
+    assert key([aligned], [1], [5])[1] == (1, 0) and key([aligned], [32], [5])[1] == (2, 0)
+    assert key([aligned], [2**31 + 3], [5])[1] == (4, 0) and key([aligned], [2**31], [5])[1] == (6, 0)
+    assert key([aligned], [3], [1])[1] == (0, 1) and key([aligned], [3], [16])[1] == (0, 2)
     assert key([aligned], [3], [5])[0] != key([aligned.int()], [3], [5])[0]
 
 

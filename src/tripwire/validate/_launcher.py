@@ -118,8 +118,7 @@ class Launcher:
         reads anyway, no device access."""
         return (
             tuple([t.dtype for t in tensors]),
-            tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in numels]),
-            tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in widths]),
+            tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in (*numels, *widths)]),
             tuple([(t.data_ptr() & 15) == 0 for t in tensors]),
         )
 
