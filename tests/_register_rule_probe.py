@@ -95,16 +95,22 @@ def instruments() -> dict:
     v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
     md = dict(slot_mapping=z(256, dtype=i64), block_table=z(256, 128, dtype=i32), blocks_per_req=z(256, dtype=i32),
               kv_indices=z(32768, dtype=i32), kv_indptr=z(257, dtype=i32))  # fmt: skip
+    # Another kernel Triton compiles for the same rules (a one-token step: every size 1, a constant; the tensors
+    # one element into their allocations, not 16-byte aligned): launched within its own twin's registers too.
+    one = {n: z(t.numel() + 1, dtype=t.dtype)[1:2] for n, t in md.items()}
+    one["block_table"] = one["block_table"].view(1, 1)
+    one["kv_indptr"] = z(3, dtype=i32)[1:]
     logits = z(256, 152064, dtype=bf)
     nf_site = nf.register_nonfinite_site("probe.logits", monitor=mon)
 
-    def validate() -> None:
+    def validate(md: dict) -> None:
         # The kernel's own launch with the validator's rules: a CPU validator runs its torch path, not the kernel.
         plan = v._build_plan()
         tv._kernel().launch(v._arena, plan.rules, [md[n] for n in plan.names], mask=True)
 
     return {
-        "validator": validate,
+        "validator": functools.partial(validate, md),
+        "validator_one": functools.partial(validate, one),
         "nonfinite": lambda: nf.count_nonfinite(logits, nf_site, ctr=mon.counter(nf_site, "cpu")),
     }
 
@@ -212,16 +218,59 @@ def nonfinite_budget() -> dict:
 
 
 def validator_budget() -> dict:
-    """The validator's launch (the instruments' rules): as launched (within its twin's registers:
+    """The validator's launch (the instruments' rules) at two of the kernels Triton compiles for them (full sizes;
+    one-entry sizes at misaligned addresses): as launched (within its twin's registers:
     tripwire.validate._triton._with_cap), the control (the same launch without its ``maxnreg``) and the twin
-    (``FAULT=False``: each bad block only counted). {variant: [kernel, regs, spills, programs_per_sm, maxnreg]}."""
+    (``FAULT=False``: each bad block only counted). {spec: {variant: [kernel, regs, spills, programs_per_sm,
+    maxnreg]}}."""
     import dataclasses
 
-    launched = rs.capture_launches(instruments()["validator"])[0]
-    bare = dataclasses.replace(launched, kwargs={k: v for k, v in launched.kwargs.items() if k != "maxnreg"})
-    twin = dataclasses.replace(bare, kwargs={**bare.kwargs, "FAULT": False})
-    return {name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
-            for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}  # fmt: skip
+    out = {}
+    for spec in ("validator", "validator_one"):
+        launched = rs.capture_launches(instruments()[spec])[0]
+        bare = dataclasses.replace(launched, kwargs={k: v for k, v in launched.kwargs.items() if k != "maxnreg"})
+        twin = dataclasses.replace(bare, kwargs={**bare.kwargs, "FAULT": False})
+        out[spec] = {name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
+                     for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}  # fmt: skip
+    return out
+
+
+def ptxas_agreement() -> dict:
+    """The validator (both specialisations) and the non-finite counter compiled for sm_90 by Triton, uncapped, and
+    their twins (``FAULT=False`` / ``GUARD=False``): per kernel, the registers of Triton's own cubin (cuobjdump),
+    what tripwire.triton._budget.ptxas_report reads from the same PTX (with Triton's ptxas options: what the
+    register caps and the tools go by), ptxas's without those options (the control), and the options.
+    {kernel: [cubin, report, plain, options]}."""
+    import dataclasses
+
+    out = {}
+    for name in ("validator", "validator_one", "nonfinite"):
+        launch = rs.capture_launches(instruments()[name])[0]
+        launch = dataclasses.replace(launch, kwargs={k: v for k, v in launch.kwargs.items() if k != "maxnreg"})
+        twin = dataclasses.replace(
+            launch, kwargs={**launch.kwargs, "FAULT" if "FAULT" in launch.kwargs else "GUARD": False}
+        )
+        out[name] = _agreement(launch)
+        out[name + "_twin"] = _agreement(twin)
+    return out
+
+
+def _agreement(launch) -> list:  # type: ignore[no-untyped-def]
+    from tripwire.triton import _budget
+
+    compiled = rs._compile(launch)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        cubin = rs._res_usage(f.name)[compiled.metadata.name]["REG"]
+    report = _budget.ptxas_report(compiled.asm["ptx"]).regs
+    options = _budget.triton_ptxas_options
+    _budget.triton_ptxas_options = lambda: ()  # type: ignore[assignment]
+    try:
+        plain = _budget.ptxas_report(compiled.asm["ptx"]).regs
+    finally:
+        _budget.triton_ptxas_options = options  # type: ignore[assignment]
+    return [cubin, report, plain, list(options())]
 
 
 def usage_of(launch) -> list:  # type: ignore[no-untyped-def]
@@ -257,6 +306,7 @@ def main() -> None:
     out["precheck_reductions"] = precheck_reductions()
     out["nonfinite_budget"] = nonfinite_budget()
     out["validator_budget"] = validator_budget()
+    out["ptxas_agreement"] = ptxas_agreement()
     print(json.dumps(out))
 
 

@@ -34,7 +34,20 @@ PROBE = Path(__file__).with_name("_register_rule_probe.py")
 VERSION = ".".join(triton.__version__.split(".")[:2])
 # (case, kernel name prefix) -> why, per Triton version, for a case that does not meet the rule there; empty when
 # every case meets it.
-KNOWN: dict[str, dict[tuple[str, str], str]] = {}
+KNOWN: dict[str, dict[tuple[str, str], str]] = {
+    "3.9": {
+        ("validator_one", "_validate"): (
+            "ptxas at Triton 3.9's --regAllocOptLevel=2: the one-entry kernel spills nothing in its own function at 72 "
+            "registers (7 programs per SM), its twin at 64 (8); capped at 64 it spills 24 bytes. A one-entry launch "
+            "is a few programs, far fewer than the SMs: programs per SM do not bind it"
+        ),
+        ("vllm_decode_mha", "_fwd_kernel_stage1"): (
+            "ptxas at Triton 3.9's --regAllocOptLevel=2: the guarded stage 1 spills 4 bytes in its own function (two "
+            "local loads in its loop) at vLLM's 80 registers and 6 programs per SM; not measured on a GPU (the H200 "
+            "runs Triton 3.6, where the rule holds)"
+        ),
+    },
+}
 # A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
 # its twin's registers, it is within it): the rule's comparison must flag the inlined build.
 COSTLY = ("slot_mapping", "_slot_mapping")
@@ -74,6 +87,7 @@ CASES = [
     ("rope", "_rope"),
     ("decode_attention", "_decode_split"),
     ("validator", "_validate"),
+    ("validator_one", "_validate"),
     ("nonfinite", "_nonfinite_kernel"),
     ("vllm_decode_gqa", "_fwd_grouped_kernel_stage1"),
     ("vllm_decode_gqa", "_fwd_kernel_stage2"),
@@ -139,8 +153,8 @@ def test_nonfinite_within_its_twins_registers(usage: dict) -> None:
     """The non-finite counter is launched within its twin's register allocation (tripwire.triton._budget): at three
     shapes of its sweep the launch never has fewer programs per SM than the compiler's own allocation gives, nor
     spills in its entry function beyond the twin's, and at the default shape it meets the rule. The control: the same
-    launches without their ``maxnreg`` fail the rule at a shape where the launched build meets it (on Triton 3.6 the
-    default shape, 48 registers against 27; on 3.9 4096x4/w8), so the cap is what keeps the occupancy."""
+    launches without their ``maxnreg`` fail the rule at a shape where the launched build meets it (the default shape:
+    48 registers on Triton 3.6, 40 on 3.9, against the twin's 27), so the cap is what keeps the occupancy."""
     shapes = usage["nonfinite_budget"]
     for shape, v in shapes.items():
         g, u, t = v["launched"], v["uncapped"], v["twin"]
@@ -152,16 +166,46 @@ def test_nonfinite_within_its_twins_registers(usage: dict) -> None:
     assert flipped, shapes
 
 
-def test_validator_within_its_twins_registers(usage: dict) -> None:
+def test_ptxas_report_reads_the_cubin_triton_builds(usage: dict) -> None:
+    """The register caps and the tools read ptxas's report of a kernel's PTX (tripwire.triton._budget.ptxas_report):
+    it must be the allocation of the cubin Triton builds from it, so ptxas runs with the allocation options Triton's
+    own command passes. The control: where Triton passes any (3.9: ``--regAllocOptLevel=2``), ptxas without them
+    reports another allocation for some of these kernels (3.9: the validator's twin, 56 registers where the cubin
+    has 72), which is what a cap found that way would have gone by."""
+    found = usage["ptxas_agreement"]
+    for kernel, (cubin, report, plain, options) in found.items():
+        assert report == cubin, (kernel, cubin, report)
+        if not options:
+            assert plain == cubin, (kernel, plain)
+    if any(options for *_, options in found.values()):
+        assert any(plain != cubin for cubin, _, plain, _ in found.values()), found
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[VERSION][(s, "_validate")]))
+        if (s, "_validate") in KNOWN.get(VERSION, {})
+        else s
+        for s in ("validator", "validator_one")
+    ],
+)
+def test_validator_within_its_twins_registers(usage: dict, spec: str) -> None:
     """The validator is launched within its twin's register allocation (its fault paths out of line and capped:
-    tripwire.validate._triton._with_cap; the twin is ``FAULT=False``, each bad block only counted): the rule holds
-    against the twin, with no more spills in the kernel's own function. The control: the same launch without its
-    cap, the compiler's own allocation, fails the rule, so the pass is the cap's doing."""
-    v = usage["validator_budget"]
+    tripwire.validate._triton._with_cap; the twin is ``FAULT=False``, each bad block only counted) at each kernel
+    Triton compiles for its rules (the cap is found per specialisation: full sizes, and one-entry sizes at
+    misaligned addresses): the rule holds against the twin, with no more spills in the kernel's own function, and
+    where the compiler's own allocation fails the rule the launch is capped. The control: on Triton 3.6 the
+    full-size build uncapped fails the rule, so its pass is the cap's doing (the one-entry build is the twin's
+    uncapped there; on 3.9 the full-size build meets the rule uncapped)."""
+    v = usage["validator_budget"][spec]
     g, u, t = v["launched"], v["uncapped"], v["twin"]
-    assert g[4] is not None and g[1] <= g[4], v
     assert _free(g, t), v
-    assert not _free(u, t), v
+    assert g[3] >= u[3], v
+    if not _free(u, t):
+        assert g[4] is not None and g[1] <= g[4], v
+    if VERSION == "3.6" and spec == "validator":
+        assert not _free(u, t), v
 
 
 def test_adopted_cuda_reshape_costs_no_occupancy(adopted_cuda_usage):

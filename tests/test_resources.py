@@ -109,3 +109,31 @@ def test_cuda_adopted_reshape_same_registers_vote_control_more(adopted_cuda_usag
         g = found[placement]
         assert (g.regs, g.programs_per_sm) == (o.regs, o.programs_per_sm), found
     assert v.regs > o.regs and v.programs_per_sm < o.programs_per_sm, found
+
+
+def _spec_probe(x_ptr, T, N, M):  # the kernel whose signature is built: never compiled, never run
+    pass
+
+
+def test_signature_specialises_tuple_elements_as_triton_does():
+    """A tuple passed to a parameter that is ``do_not_specialize`` / ``do_not_specialize_on_alignment`` has its
+    elements specialised anyway: Triton applies its defaults to each element (a 1 becomes a constant, a multiple of
+    16 and a 16-byte aligned address are compiled as such), and the tools' signature must be the launch's, checked
+    against Triton's own ``specialize_impl``. The control: the same flags on a parameter that is not a tuple
+    (``M``) do apply, on both sides."""
+    import torch
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction
+
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    fn = JITFunction(_spec_probe, do_not_specialize=["N", "M"], do_not_specialize_on_alignment=["T"])
+    buf = torch.zeros(8, dtype=torch.int64)
+    tensors, sizes = (buf[:4], buf[1:5]), (1, 32, 7)
+    sig, consts, attrs = rs._signature(rs.Launch(fn, (buf, tensors, sizes, 32), {}))
+    assert sig == {"x_ptr": "*i64", "T": ("*i64", "*i64"), "N": ("constexpr", "i32", "i32"), "M": "i32"}
+    assert consts == {(2, 0): 1}
+    assert set(attrs) == {(0,), (1, 0), (2, 1)}
+    # Triton's own: (types, keys), a key "D" where it compiles 16-divisibility, the value where it is a constant.
+    assert native(BaseBackend, tensors, False, False, False) == (("*i64", "*i64"), ("D", ""))
+    assert native(BaseBackend, sizes, False, False, False) == (("constexpr", "i32", "i32"), (1, "D", ""))
+    assert native(BaseBackend, 32, False, False, False) == ("i32", None)

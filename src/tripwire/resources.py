@@ -181,11 +181,17 @@ def _signature(launch: Launch) -> tuple[dict[str, Any], dict[tuple[int, ...], An
 
 def _arg_type(launch: Launch, p: Any, v: Any, path: tuple[int, ...], spec: bool, align: bool, consts: dict,
               attrs: dict) -> Any:  # fmt: skip
-    """The signature entry of one (possibly tuple) argument, filling in its constants and attributes by path."""
+    """The signature entry of one (possibly tuple) argument, filling in its constants and attributes by path.
+
+    ``spec`` and ``align`` are the parameter's ``do_not_specialize`` and ``do_not_specialize_on_alignment``
+    negated; they apply to the parameter itself, not to the elements of a tuple passed to it: Triton specialises
+    each element with its defaults (a 1 is a constant, a multiple of 16 and a 16-byte aligned address are compiled
+    as such; its ``specialize_impl`` on a tuple, 3.6 to 3.9), so the elements are typed here that way too, or the
+    tools would compile a kernel the launch never runs."""
     import torch
 
     if isinstance(v, tuple):
-        return tuple(_arg_type(launch, p, x, (*path, j), spec, align, consts, attrs) for j, x in enumerate(v))
+        return tuple(_arg_type(launch, p, x, (*path, j), True, True, consts, attrs) for j, x in enumerate(v))
     if v is None:
         consts[path] = None
         return "constexpr"

@@ -64,16 +64,16 @@ def test_gpu_bound_launch_is_taken_and_counts_exactly():
     assert int(row[0]) == 4 * 2
 
 
-def _declared(name: str, mon: Monitor) -> Validator:
+def _declared(name: str, mon: Monitor, device: str = "cuda") -> Validator:
     """Every rule kind and auxiliary tensor: a padded 1-D index, a table with lengths and requests, a CSR layout."""
-    v = Validator(name, "cuda", policy="mask", monitor=mon)
+    v = Validator(name, device, policy="mask", monitor=mon)
     v.index("slots", hi=100, padding=-1, safe=0)
     v.index("table", hi=50, safe=0, lengths="lens", requests="req")
     v.csr("kv", indptr="ptr", hi=64, safe=0)
     return v
 
 
-def _inputs() -> dict[str, torch.Tensor]:
+def _inputs(device: str = "cuda") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     slots = torch.randint(-1, 100, (300,), generator=g)
     slots[[4, 150, 299]] = torch.tensor([100, -9, 1000])
@@ -86,7 +86,48 @@ def _inputs() -> dict[str, torch.Tensor]:
     ptr = torch.tensor([0, 100, 100, 250, 400, 480], dtype=torch.int32)
     req = torch.arange(1000, 1024, dtype=torch.int64)
     md = {"slots": slots, "table": table, "lens": lens, "kv": kv, "ptr": ptr, "req": req}
-    return {k: t.cuda() for k, t in md.items()}
+    return {k: t.to(device) for k, t in md.items()}
+
+
+@pytest.mark.parametrize("dtype_key", [False, True])
+def test_each_specialisation_gets_its_own_register_cap(monkeypatch, kernel_device, dtype_key):
+    """The register cap (_triton._with_cap) is found per compiled kernel: three calls that Triton compiles three
+    ways (full sizes; one-entry sizes; misaligned views with sizes off 16) ask for three caps, each under the call's
+    own spec_key. The control (``dtype_key``): the cap keyed on the tensors' dtypes alone asks once, and the other
+    two kernels would launch under the first one's allocation."""
+    from tripwire.validate import _triton
+    from tripwire.validate._launcher import Launcher
+
+    asked: list[tuple] = []
+
+    def record(key, fn, grid, args, kw, twin):  # type: ignore[no-untyped-def]
+        if key not in asked:
+            asked.append(key)
+        return None  # no cap: the launch is the compiler's own
+
+    monkeypatch.setattr(_triton, "register_cap", record)
+    if dtype_key:
+        with_cap = _triton._with_cap
+        monkeypatch.setattr(_triton, "_with_cap", lambda arena, consts, key, total, args: with_cap(
+            arena, consts, key[0], total, args))  # fmt: skip
+    v = _declared("caps", Monitor(registry=SiteRegistry(capacity=16), capacity=16), kernel_device)
+    plan = v._build_plan()
+    launch = Launcher(v._arena, plan.rules, mask=True)
+    md = _inputs(kernel_device)
+    one = {**md, "slots": md["slots"][:1].clone(), "table": md["table"][:, :1].contiguous(),
+           "lens": md["lens"].clamp(0, 1)}  # fmt: skip
+    off = {k: _misaligned(t[:-1] if k in ("slots", "kv") else t) for k, t in md.items()}
+    calls = [md, one, off]
+    for call in calls:
+        launch([call[n] for n in plan.names])
+    main = [plan.names[i] for i in plan.rules.tensor]
+    keys = [_triton.spec_key([c[n] for n in plan.names], [c[n].numel() for n in plan.names],
+                             [c[n].shape[1] if c[n].dim() == 2 else 1 for n in main]) for c in calls]  # fmt: skip
+    assert len(set(keys)) == 3
+    if dtype_key:
+        assert len(asked) == 1
+    else:
+        assert [k[3] for k in asked] == keys
 
 
 @pytest.mark.gpu

@@ -11,10 +11,12 @@ path instead, which runs only when something is wrong.
 ``twin`` overrides) and the guarded kernel are compiled, and ptxas's report of each is read (``ptxas -v``: the entry
 function's registers and spills, its callees' spills apart). The cap is the twin's registers rounded up to the
 allocation unit, raised a unit at a time while the capped entry function spills more than the twin's; none where
-the guarded kernel already fits the twin's allocation, or only fits uncapped. The cap is never a clean path that
-spills: spills in the out-of-line functions are allowed, the entry function's only as far as the twin's. A search
-that fails (no ptxas, a compile error) is logged as a warning on the ``tripwire`` logger and the launch goes
-uncapped: the cap is an optimisation, the count is the same either way.
+the guarded kernel already fits the twin's allocation spilling no more, or only fits uncapped (a build that spills
+more uncapped is also tried capped at its own allocation, where ptxas may not spill). The cap is never a clean path
+that spills: spills in the out-of-line functions are allowed, the entry function's only as far as the twin's.
+ptxas runs with the allocation options Triton's own command passes (:func:`triton_ptxas_options`): what is read is
+the cubin that runs. A search that fails (no ptxas, a compile error) is logged as a warning on the ``tripwire``
+logger and the launch goes uncapped: the cap is an optimisation, the count is the same either way.
 
 Where it compiles: on the current CUDA device (``JITFunction.warmup``: compiled, not loaded, not launched), or, while
 launches are being recorded (:func:`tripwire.resources.capture_launches`), for sm_90 as ``tripwire resources``
@@ -25,6 +27,8 @@ Triton's first launch does); later ones a dict lookup. Do the first launch befor
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import re
@@ -71,9 +75,27 @@ def ptxas_path(arch: int) -> str:
         return tool_path("ptxas")
 
 
+@functools.lru_cache(maxsize=1)
+def triton_ptxas_options() -> tuple[str, ...]:
+    """The register-allocation options the installed Triton's own ptxas command passes (``make_cubin`` of its NVIDIA
+    backend), so that what :func:`ptxas_report` reads is the allocation of the cubin Triton builds: Triton 3.9 adds
+    ``--regAllocOptLevel=2`` (a ptxas 13 workaround), which changes registers and spills (a cap found without it
+    can spill in the build that runs); 3.6 adds none. Read from the backend's source, the only place they are
+    stated; none where it cannot be read. ``tests/test_register_rule.py`` checks the result against the registers
+    of Triton's own cubin."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        src = inspect.getsource(CUDABackend.make_cubin)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return ()
+    return tuple(sorted(set(re.findall(r"--regAllocOptLevel=\d+", src))))
+
+
 def ptxas_report(ptx: str) -> PtxasReport:
     """``ptxas -v`` over ``ptx`` (one kernel, as Triton emits it: its target and any ``.maxnreg`` are in the text),
-    parsed. Raises RuntimeError with ptxas's words if it fails or reports no entry function."""
+    with the allocation options Triton's own command passes (:func:`triton_ptxas_options`), parsed. Raises
+    RuntimeError with ptxas's words if it fails or reports no entry function."""
     m = re.search(r"^\s*\.target\s+sm_(\d+)(a?)", ptx, re.MULTILINE)
     if m is None:
         raise RuntimeError("ptxas_report: the PTX names no .target sm_NN")
@@ -84,7 +106,15 @@ def ptxas_report(ptx: str) -> PtxasReport:
             f.write(ptx)
         gpu = f"sm_{arch}{m.group(2)}"
         p = subprocess.run(
-            [ptxas_path(arch), "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.cubin")],
+            [
+                ptxas_path(arch),
+                "-v",
+                *triton_ptxas_options(),
+                f"--gpu-name={gpu}",
+                src,
+                "-o",
+                os.path.join(d, "k.cubin"),
+            ],
             capture_output=True,
             text=True,
         )
@@ -156,8 +186,12 @@ def register_cap(
 def _search(fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], twin: dict[str, Any]) -> int | None:
     t = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **twin}))
     g = ptxas_report(_compiled_ptx(fn, grid, args, kwargs))
+    # Caps from the twin's allocation up, the lowest whose entry function spills no more than the twin's. Below the
+    # guarded kernel's own allocation; up to it too where the uncapped build spills more than the twin: ptxas 13 at
+    # Triton 3.9's --regAllocOptLevel=2 can spill in an uncapped build and not when capped at the same allocation.
+    top = _units(g.regs) if g.spill_bytes > t.spill_bytes else _units(g.regs) - 1
     c = _units(t.regs) * _REG_UNIT
-    while _units(g.regs) > _units(c) and c <= _MAX_REGS:
+    while _units(c) <= top and c <= _MAX_REGS:
         capped = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, "maxnreg": c}))
         if capped.spill_bytes <= t.spill_bytes and capped.regs <= c:
             return c

@@ -18,8 +18,6 @@ from ._rules import BLOCK, Rules
 
 __all__ = ["Launcher"]
 
-_I32_MAX = 2**31 - 1  # a size above it is a 64-bit parameter
-
 
 class Launcher:
     """One validator's launch with everything that does not change between its calls computed once: the tensor
@@ -38,8 +36,8 @@ class Launcher:
     sizes are tuple elements, so a kernel bound at one call could be wrong for the next: bound at a one-entry slot
     mapping (a one-token step), it would check one entry at every later call; bound at aligned tensors, it would
     issue vector loads a misaligned view cannot take. So the key is the tensors' dtypes and, for every size and
-    every tensor, what Triton specialises it on (:meth:`_key`); the arena is one fixed tensor, the rest are the
-    rules' constexprs. Same preconditions as :func:`tripwire.validate._triton.launch`.
+    every tensor, what Triton specialises it on (:func:`tripwire.validate._triton.spec_key`); the arena is one
+    fixed tensor, the rest are the rules' constexprs. Same preconditions as :func:`tripwire.validate._triton.launch`.
     """
 
     __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "arena", "mask", "rules")
@@ -81,19 +79,15 @@ class Launcher:
             # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an
             # InterpretedFunction.
             self._direct = self.arena.is_cuda and hasattr(_triton._validate, "device_caches")
+        key = self._key(tensors, numels, widths)
         if not self._direct or _hooked():
             args = self._args(tensors, numels, widths)
-            _triton._validate[(total,)](
-                *args, **_triton._with_cap(self.arena, self._consts, [t.dtype for t in tensors], total, args)
-            )
+            _triton._validate[(total,)](*args, **_triton._with_cap(self.arena, self._consts, key, total, args))
             return
-        key = self._key(tensors, numels, widths)
         bound = self._bound.get(key)
         if bound is None:
             args = self._args(tensors, numels, widths)
-            k = _triton._validate[(total,)](
-                *args, **_triton._with_cap(self.arena, self._consts, list(key[0]), total, args)
-            )
+            k = _triton._validate[(total,)](*args, **_triton._with_cap(self.arena, self._consts, key, total, args))
             # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
             if hasattr(k, "packed_metadata"):
                 self._bound[key] = (k, _c_launch(k))
@@ -110,17 +104,9 @@ class Launcher:
             return
         k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *self._consts)
 
-    @staticmethod
-    def _key(tensors: Sequence[torch.Tensor], numels: list[int], widths: list[int]) -> tuple:
-        """The bound kernel's key (the class docstring says why): the tensors' dtypes; per size (each tensor's
-        numel, each rule's width) 1 when it is 1, plus 2 when it is a multiple of 16, plus 4 when it needs 64 bits
-        (Triton types it i64); per tensor whether its address is a multiple of 16. Host arithmetic on values the call
-        reads anyway, no device access."""
-        return (
-            tuple([t.dtype for t in tensors]),
-            tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in (*numels, *widths)]),
-            tuple([(t.data_ptr() & 15) == 0 for t in tensors]),
-        )
+    # The bound kernel's key: what Triton specialises the call's kernel on (_triton.spec_key says what and why).
+    # A staticmethod of its own so that a test can key the binding otherwise (its control).
+    _key = staticmethod(_triton.spec_key)
 
     @property
     def path(self) -> str:

@@ -340,8 +340,31 @@ def launch(arena: torch.Tensor, rules: Rules, tensors: Sequence[torch.Tensor], *
         tuple(t.numel() for t in sg),
     )
     consts = _constexprs(arena, rules, mask)
-    kw = _with_cap(arena, consts, [t.dtype for t in tensors], total, args)
+    key = spec_key(tensors, [t.numel() for t in tensors], list(args[6]))
+    kw = _with_cap(arena, consts, key, total, args)
     _validate[(total,)](*args, **kw)
+
+
+_I32_MAX = 2**31 - 1  # a size above it is a 64-bit parameter
+
+
+def spec_key(tensors: Sequence[torch.Tensor], numels: Sequence[int], widths: Sequence[int]) -> tuple:
+    """What the compiled kernel is specialised on, for a call with ``tensors`` (each tensor's ``numels``, each
+    rule's ``widths``): the tensors' dtypes; per size (the numels, then the widths) 1 when it is 1, plus 2 when it
+    is a multiple of 16, plus 4 when it needs 64 bits (Triton types it i64); per tensor whether its address is a
+    multiple of 16.
+
+    Why those: Triton specialises each element of a tuple argument with its defaults, whatever
+    ``do_not_specialize`` and ``do_not_specialize_on_alignment`` say (they apply to a parameter as a whole), and
+    the rules' tensors and sizes are tuple elements: a size of 1 becomes a constant, a size divisible by 16 and an
+    address aligned to 16 are compiled as such. Two calls with equal keys run the same compiled kernel; the bound
+    launch (:class:`tripwire.validate._launcher.Launcher`) and the register cap (:func:`_with_cap`) are keyed on
+    it. Host arithmetic on values the call reads anyway, no device access."""
+    return (
+        tuple([t.dtype for t in tensors]),
+        tuple([(x == 1) + 2 * ((x & 15) == 0) + 4 * (x > _I32_MAX) for x in (*numels, *widths)]),
+        tuple([(t.data_ptr() & 15) == 0 for t in tensors]),
+    )
 
 
 def _constexprs(arena: torch.Tensor, rules: Rules, mask: bool) -> tuple:
@@ -366,15 +389,16 @@ def _constexprs(arena: torch.Tensor, rules: Rules, mask: bool) -> tuple:
     )
 
 
-def _with_cap(arena: torch.Tensor, consts: tuple, dtypes: list, total: int, args: tuple) -> dict[str, Any]:
+def _with_cap(arena: torch.Tensor, consts: tuple, key: tuple, total: int, args: tuple) -> dict[str, Any]:
     """The launch's keyword arguments: the constexprs and, where the kernel's own allocation is larger than its
     twin's (the same rules with the fault path reduced to a count: ``FAULT=False``), ``maxnreg`` at the twin's
     (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the votes
-    programs per SM). The cap is found per constexprs, tensor dtypes and device, at the first call of that key, by
-    compiling both, as Triton's first launch compiles; the other specialisations of the same rules Triton compiles
-    (a size of 1, sizes or addresses off 16: ``_launcher.Launcher`` says which) launch under that cap."""
+    programs per SM). ``key``: the call's :func:`spec_key`. The cap is found per compiled kernel (device,
+    constexprs, :func:`spec_key`), at the first call of that kernel, by compiling it and its twin at the call's own
+    specialisation, as Triton's first launch compiles it: a cap found at one specialisation (a one-entry slot
+    mapping, whose size is a constant) is not the allocation of another."""
     kw: dict[str, Any] = dict(zip(_CONST_NAMES, consts, strict=True))
-    cap = register_cap(("validate", arena.device, consts, *dtypes), _validate, (total,), args, kw, {"FAULT": False})
+    cap = register_cap(("validate", arena.device, consts, key), _validate, (total,), args, kw, {"FAULT": False})
     if cap is not None:
         kw["maxnreg"] = cap
     return kw
