@@ -89,3 +89,38 @@ def test_a_failed_search_launches_uncapped_and_says_so(monkeypatch, caplog):
     _budget._caps.pop(key)
     with pytest.raises(ValueError, match="no target"):
         _budget._search(Broken(), (1,), (), {}, {"GUARD": False})
+
+
+# The smallest kernel ptxas reports on (an entry function that returns).
+PTX = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
+
+
+def test_a_report_comes_from_the_cache_the_next_time(monkeypatch, tmp_path):
+    """ptxas runs once per PTX, options and binary: the next report of the same PTX is read from Triton's cache, so a
+    process start pays no ptxas at a compiled variant's first call when Triton's compiles come from that cache too.
+    Another PTX, other options, or another cache directory (the control: nothing kept there) run ptxas again."""
+    try:
+        _budget.ptxas_path(90)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    import subprocess
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a"))
+    runs: list = []
+    real = subprocess.run
+
+    def counted(cmd, *a, **k):  # type: ignore[no-untyped-def]
+        runs.append(cmd)
+        return real(cmd, *a, **k)
+
+    monkeypatch.setattr(_budget.subprocess, "run", counted)
+    first = _budget.ptxas_report(PTX)
+    assert _budget.ptxas_report(PTX) == first and len(runs) == 1
+    assert _budget.ptxas_report(PTX + "// another kernel's text\n") == first and len(runs) == 2
+    other = () if _budget.triton_ptxas_options() else ("--regAllocOptLevel=2",)
+    monkeypatch.setattr(_budget, "triton_ptxas_options", lambda: other)
+    _budget.ptxas_report(PTX)
+    assert len(runs) == 3 and ("--regAllocOptLevel=2" in runs[-1]) == bool(other)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "b"))
+    _budget.ptxas_report(PTX)
+    assert len(runs) == 4

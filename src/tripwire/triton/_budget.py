@@ -28,7 +28,9 @@ Triton's first launch does); later ones a dict lookup. Do the first launch befor
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -95,32 +97,51 @@ def triton_ptxas_options() -> tuple[str, ...]:
 def ptxas_report(ptx: str) -> PtxasReport:
     """``ptxas -v`` over ``ptx`` (one kernel, as Triton emits it: its target and any ``.maxnreg`` are in the text),
     with the allocation options Triton's own command passes (:func:`triton_ptxas_options`), parsed. Raises
-    RuntimeError with ptxas's words if it fails or reports no entry function."""
+    RuntimeError with ptxas's words if it fails or reports no entry function.
+
+    Kept in Triton's cache (its ``TRITON_CACHE_DIR``), keyed by the PTX, the options and the ptxas binary: the
+    report is a function of those alone, and ptxas over a large kernel takes a noticeable fraction of a second. A
+    register cap is found at the first call of every compiled variant, so without it each process start would pay
+    ptxas again at each variant's first call, though Triton's own compiles come from its cache."""
     m = re.search(r"^\s*\.target\s+sm_(\d+)(a?)", ptx, re.MULTILINE)
     if m is None:
         raise RuntimeError("ptxas_report: the PTX names no .target sm_NN")
     arch = int(m.group(1))
+    ptxas, options, gpu = ptxas_path(arch), triton_ptxas_options(), f"sm_{arch}{m.group(2)}"
+    cache = _report_cache(ptxas, options, gpu, ptx)
+    if cache is not None and (found := cache.get_file(_REPORT_FILE)) is not None:
+        with open(found) as f:
+            return PtxasReport(*json.load(f))
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        gpu = f"sm_{arch}{m.group(2)}"
-        p = subprocess.run(
-            [
-                ptxas_path(arch),
-                "-v",
-                *triton_ptxas_options(),
-                f"--gpu-name={gpu}",
-                src,
-                "-o",
-                os.path.join(d, "k.cubin"),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        out = os.path.join(d, "k.cubin")
+        p = subprocess.run([ptxas, "-v", *options, f"--gpu-name={gpu}", src, "-o", out], capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
-    return parse_ptxas(p.stderr)
+    report = parse_ptxas(p.stderr)
+    if cache is not None:
+        try:
+            cache.put(json.dumps(list(report)), _REPORT_FILE)
+        except OSError as e:  # a read-only cache: the report is still right, only not kept
+            log.debug("tripwire: ptxas report not cached: %s", e)
+    return report
+
+
+_REPORT_FILE = "tripwire_ptxas_report.json"
+
+
+def _report_cache(ptxas: str, options: tuple[str, ...], gpu: str, ptx: str) -> Any:
+    """Triton's file cache for one ptxas report, or None where there is none (it cannot be made)."""
+    try:
+        from triton.runtime.cache import get_cache_manager
+
+        st = os.stat(ptxas)
+        ident = f"tripwire-ptxas-report|{ptxas}|{st.st_size}|{st.st_mtime_ns}|{' '.join(options)}|{gpu}\n{ptx}"
+        return get_cache_manager(hashlib.sha256(ident.encode()).hexdigest())
+    except (ImportError, OSError):
+        return None
 
 
 def parse_ptxas(text: str) -> PtxasReport:
