@@ -201,14 +201,13 @@ def nonfinite_budget() -> dict:
     twin's register allocation: tripwire.triton._budget), the control (the same launch without its ``maxnreg``:
     the compiler's own allocation) and the twin (its GUARD=False build). {shape: {variant: [kernel, regs, spills,
     programs_per_sm, maxnreg]}}."""
-    import dataclasses
 
     logits = z(256, 152064, dtype=bf)
     ctr = mon.counter(nf.register_nonfinite_site("probe.budget", monitor=mon), "cpu")
     out = {}
     for b, it, w in ((2048, 4, 8), (2048, 2, 8), (4096, 4, 8)):
         launched = rs.capture_launches(functools.partial(nf._launch, logits, ctr, b, w, it))[0]
-        bare = dataclasses.replace(launched, kwargs={k: v for k, v in launched.kwargs.items() if k != "maxnreg"})
+        bare = _uncapped(launched)
         twin = rs.capture_launches(functools.partial(nf._launch, logits, ctr, b, w, it, guard=False))[0]
         out[f"{b}x{it}/w{w}"] = {
             name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
@@ -228,7 +227,7 @@ def validator_budget() -> dict:
     out = {}
     for spec in ("validator", "validator_one"):
         launched = rs.capture_launches(instruments()[spec])[0]
-        bare = dataclasses.replace(launched, kwargs={k: v for k, v in launched.kwargs.items() if k != "maxnreg"})
+        bare = _uncapped(launched)
         twin = dataclasses.replace(bare, kwargs={**bare.kwargs, "FAULT": False})
         out[spec] = {name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
                      for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}  # fmt: skip
@@ -246,7 +245,7 @@ def ptxas_agreement() -> dict:
     out = {}
     for name in ("validator", "validator_one", "nonfinite"):
         launch = rs.capture_launches(instruments()[name])[0]
-        launch = dataclasses.replace(launch, kwargs={k: v for k, v in launch.kwargs.items() if k != "maxnreg"})
+        launch = _uncapped(launch)
         twin = dataclasses.replace(
             launch, kwargs={**launch.kwargs, "FAULT" if "FAULT" in launch.kwargs else "GUARD": False}
         )
@@ -271,6 +270,13 @@ def _agreement(launch) -> list:  # type: ignore[no-untyped-def]
     finally:
         _budget.triton_ptxas_options = options  # type: ignore[assignment]
     return [cubin, report, plain, list(options())]
+
+
+def _uncapped(launch):  # type: ignore[no-untyped-def]
+    """``launch`` without its ``maxnreg``: the compiler's own allocation."""
+    import dataclasses
+
+    return dataclasses.replace(launch, kwargs={k: v for k, v in launch.kwargs.items() if k != "maxnreg"})
 
 
 def usage_of(launch) -> list:  # type: ignore[no-untyped-def]

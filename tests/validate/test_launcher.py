@@ -89,6 +89,17 @@ def _inputs(device: str = "cuda") -> dict[str, torch.Tensor]:
     return {k: t.to(device) for k, t in md.items()}
 
 
+def _one_entry(md: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``md`` as a one-token step's call: a one-entry slot mapping and a one-column table (sizes Triton compiles as
+    the constant 1), the lengths clamped to that column."""
+    return {
+        **md,
+        "slots": md["slots"][:1].clone(),
+        "table": md["table"][:, :1].contiguous(),
+        "lens": md["lens"].clamp(0, 1),
+    }
+
+
 @pytest.mark.parametrize("dtype_key", [False, True])
 def test_each_specialisation_gets_its_own_register_cap(monkeypatch, kernel_device, dtype_key):
     """The register cap (_triton._with_cap) is found per compiled kernel: three calls that Triton compiles three
@@ -114,8 +125,7 @@ def test_each_specialisation_gets_its_own_register_cap(monkeypatch, kernel_devic
     plan = v._build_plan()
     launch = Launcher(v._arena, plan.rules, mask=True)
     md = _inputs(kernel_device)
-    one = {**md, "slots": md["slots"][:1].clone(), "table": md["table"][:, :1].contiguous(),
-           "lens": md["lens"].clamp(0, 1)}  # fmt: skip
+    one = _one_entry(md)
     off = {k: _misaligned(t[:-1] if k in ("slots", "kv") else t) for k, t in md.items()}
     calls = [md, one, off]
     for call in calls:
@@ -146,12 +156,7 @@ def test_gpu_a_first_call_with_one_entry_does_not_bind_later_calls_to_one(monkey
     mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
     v = _declared("one", mon)
     md = _inputs()
-    first = {
-        **md,
-        "slots": md["slots"][:1].clone(),
-        "table": md["table"][:, :1].contiguous(),
-        "lens": md["lens"].clamp(0, 1),
-    }
+    first = _one_entry(md)
     v(**first)  # compiles and binds the one-entry kernel
     torch.cuda.synchronize()
     mon.reset()
