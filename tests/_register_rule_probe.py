@@ -272,6 +272,22 @@ def _agreement(launch) -> list:  # type: ignore[no-untyped-def]
     return [cubin, report, plain, list(options())]
 
 
+def return_saves() -> dict:
+    """vLLM's adopted kernels, guarded: per kernel, ptxas's report of its entry function (spill bytes as the rule
+    reads them, and the return-address saves taken out of ptxas's count: tripwire.triton._budget.ptxas_report).
+    {case: [[kernel, spill_bytes, return_save_bytes], ...]}."""
+    from tripwire.triton import _budget
+
+    out = {}
+    for name, fn in adopted(True).items():
+        rows = []
+        for launch in rs.capture_launches(fn):
+            r = _budget.ptxas_report(rs._compile(launch).asm["ptx"])
+            rows.append([launch.name, r.spill_bytes, r.return_save_bytes])
+        out[name] = rows
+    return out
+
+
 def _uncapped(launch):  # type: ignore[no-untyped-def]
     """``launch`` without its ``maxnreg``: the compiler's own allocation."""
     import dataclasses
@@ -313,6 +329,7 @@ def main() -> None:
     out["nonfinite_budget"] = nonfinite_budget()
     out["validator_budget"] = validator_budget()
     out["ptxas_agreement"] = ptxas_agreement()
+    out["return_saves"] = return_saves()
     print(json.dumps(out))
 
 

@@ -41,11 +41,6 @@ KNOWN: dict[str, dict[tuple[str, str], str]] = {
             "registers (7 programs per SM), its twin at 64 (8); capped at 64 it spills 24 bytes. A one-entry launch "
             "is a few programs, far fewer than the SMs: programs per SM do not bind it"
         ),
-        ("vllm_decode_mha", "_fwd_kernel_stage1"): (
-            "ptxas at Triton 3.9's --regAllocOptLevel=2: the guarded stage 1 spills 4 bytes in its own function (two "
-            "local loads in its loop) at vLLM's 80 registers and 6 programs per SM; not measured on a GPU (the H200 "
-            "runs Triton 3.6, where the rule holds)"
-        ),
     },
 }
 # A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
@@ -179,6 +174,25 @@ def test_ptxas_report_reads_the_cubin_triton_builds(usage: dict) -> None:
             assert plain == cubin, (kernel, plain)
     if any(options for *_, options in found.values()):
         assert any(plain != cubin for cubin, _, plain, _ in found.values()), found
+
+
+def test_a_saved_return_address_is_not_a_spill(usage: dict) -> None:
+    """A guarded kernel whose out-of-line fault path needs every register it is allocated saves the call's return
+    address to its stack before the call, and ptxas counts that store as a spill of the kernel; it runs only with
+    the call, so the rule does not count it (tripwire.triton._budget.return_address_saves). On Triton 3.9 vLLM's
+    adopted MHA decode stage 1 is such a kernel: it meets the rule (test_guarded_costs_no_occupancy), and the
+    control, its save counted as ptxas counts it, fails the rule. On 3.6 no adopted kernel saves one."""
+    saves = {(case, k): (spills, saved) for case, rows in usage["return_saves"].items() for k, spills, saved in rows}
+    saving = {key: v for key, v in saves.items() if v[1]}
+    if VERSION != "3.9":
+        assert not saving, saving
+        pytest.skip(f"no adopted kernel saves a return address on Triton {VERSION}: the case and its control are 3.9's")
+    assert set(saving) == {("vllm_decode_mha", "_fwd_kernel_stage1")}, saving
+    g = _rows(usage, "vllm_decode_mha", "_fwd_kernel_stage1", "guarded")
+    t = _rows(usage, "vllm_decode_mha", "_fwd_kernel_stage1", "twin")
+    spills, saved = saving[("vllm_decode_mha", "_fwd_kernel_stage1")]
+    assert g[2] == spills == 0 and _free(g, t), (g, t)
+    assert not _free([g[0], g[1], spills + saved, g[3]], t), (g, t, saved)
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,8 @@ _BLOCKS_PER_SM = 32
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    """One compiled kernel's resources. ``spill_bytes``: ptxas's spill stores plus loads per thread (None where it
-    was not reported: a cuobjdump read); ``stack``: bytes of stack frame per thread; ``smem``: static plus Triton's
+    """One compiled kernel's resources. ``spill_bytes``: ptxas's spill stores plus loads per thread of the entry
+    function, less its calls' saved return addresses (None where it was not reported: a cuobjdump read); ``stack``: bytes of stack frame per thread; ``smem``: static plus Triton's
     dynamic shared memory per block; ``limit``: what bounds ``programs_per_sm`` ("regs", "smem", "threads",
     "blocks")."""
 
@@ -241,7 +241,8 @@ def _res_usage(binary: str) -> dict[str, dict[str, int]]:
 
 def _spills(ptx: str, arch: int) -> int | None:
     """Spill stores plus loads per thread of the kernel's entry function in ``ptx``, from ``ptxas -v`` (its
-    out-of-line callees' spills are on their own paths, not counted; None if ptxas says nothing)."""
+    out-of-line callees' spills are on their own paths, not counted, nor are its calls' saved return addresses:
+    :func:`tripwire.triton._budget.ptxas_report`; None if ptxas says nothing)."""
     from .triton._budget import ptxas_report
 
     try:
@@ -389,7 +390,9 @@ def cuda_usage(binary: str, *, block_threads: int | dict[str, int] = 256, match:
 # ------------------------------------------------------------------------------------------------------ both
 def compare(guarded: Sequence[Usage], twin: Sequence[Usage]) -> list[tuple[Usage, Usage, bool]]:
     """Pair guarded and twin usages in order, each with whether the guard is free by the register rule: within one
-    allocation unit of the twin's registers, no more spills or stack, and as many programs per SM."""
+    allocation unit of the twin's registers, no more spills in the entry function (a call's saved return address
+    is not one: :func:`tripwire.triton._budget.return_address_saves`), and as many programs per SM. The stack is not
+    compared: an out-of-line fault path's call frame is stack the clean path never touches."""
     if len(guarded) != len(twin):
         raise ValueError(f"{len(guarded)} guarded kernels against {len(twin)} twins: pair them one to one")
     rows = []

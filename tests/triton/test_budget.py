@@ -38,6 +38,66 @@ ptxas info    : Used 40 registers, used 1 barriers, 48 bytes cumulative stack si
     assert _budget.parse_ptxas(callee_first) == _budget.PtxasReport(regs=40, spill_bytes=20, callee_spill_bytes=80)
 
 
+# cuobjdump -sass of a kernel calling an out-of-line function that needs every register it is allocated (vLLM's
+# MHA decode stage 1, guarded, on Triton 3.9; cut to the call and the callee's first lines, encodings dropped): the
+# caller saves the call's return address (0x780) to its stack, the callee loads it back to return.
+SASS = """
+        code for sm_90a
+                Function : k
+        .headerflags    @"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_ACCELERATORS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                                 /* 0x00000a00ff017b82 */
+                                                                                          /* 0x000fe40000000800 */
+        /*0730*/              @!P3 BRA 0x7a0 ;                                            /* 0x000000000018b947 */
+        /*0740*/                   MOV R0, 0x780 ;                                        /* 0x0000078000007802 */
+        /*0750*/                   BSSY B0, 0x790 ;                                       /* 0x0000003000007945 */
+        /*0760*/                   STL [R1+0x8], R0 ;                                     /* 0x0000080001007387 */
+        /*0770*/                   CALL.REL.NOINC 0x800 ;                                 /* 0x0000004400447944 */
+        /*0780*/                   BSYNC B0 ;                                             /* 0x0000000000007941 */
+        /*0790*/                   EXIT ;                                                 /* 0x000000000000794d */
+        /*0800*/                   STL [R1], R5 ;                                         /* 0x0000000501007387 */
+        /*0810*/                   LDL R20, [R1+0x8] ;                                    /* 0x00000800010147983 */
+        /*0820*/                   RET.REL.NODEC R20 0x0 ;                                /* 0xfffff7b014007950 */
+"""
+
+
+def test_a_calls_saved_return_address_is_told_from_a_spill():
+    """ptxas counts a call's saved return address as a spill of the kernel (4 bytes), but it runs only where the call
+    does: it is told apart by the SASS, where it stores the register a MOV set to the address after the call. The
+    controls: a store of another register before the call, or of a constant that is not the return address, is a
+    spill; a store in the callee (from the first call target on) is the callee's."""
+    assert _budget.return_address_saves(SASS) == 4
+    other_reg = SASS.replace("STL [R1+0x8], R0", "STL [R1+0x8], R2")
+    assert _budget.return_address_saves(other_reg) == 0
+    other_value = SASS.replace("MOV R0, 0x780", "MOV R0, 0x790")
+    assert _budget.return_address_saves(other_value) == 0
+    in_callee = SASS.replace("CALL.REL.NOINC 0x800", "CALL.REL.NOINC 0x700")
+    assert _budget.return_address_saves(in_callee) == 0
+    assert _budget.return_address_saves(SASS.replace("CALL.REL.NOINC 0x800", "NOP")) == 0
+
+
+def test_ptxas_report_takes_the_saves_out_of_the_entrys_spills(monkeypatch, tmp_path):
+    """ptxas_report: ptxas's count for the entry function, less the return-address saves the SASS shows (kept
+    apart in ``return_save_bytes``); where the SASS cannot be read (no cuobjdump), ptxas's count as it is."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    report = _budget.PtxasReport(regs=80, spill_bytes=4, callee_spill_bytes=20)
+    cubin = str(tmp_path / "k.cubin")
+
+    class Done:
+        stdout = SASS
+
+    monkeypatch.setattr(_budget, "tool_path", lambda name: "/bin/cuobjdump")
+    monkeypatch.setattr(_budget.subprocess, "run", lambda *a, **k: Done())
+    assert _budget._without_return_saves(report, cubin) == report._replace(spill_bytes=0, return_save_bytes=4)
+    # Never more than ptxas counted (a save ptxas did not count as a spill leaves the count alone).
+    assert _budget._without_return_saves(report._replace(spill_bytes=0), cubin).spill_bytes == 0
+
+    def missing(*a, **k):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError("no cuobjdump")
+
+    monkeypatch.setattr(_budget.subprocess, "run", missing)
+    assert _budget._without_return_saves(report, cubin) == report
+
+
 def test_a_report_without_an_entry_is_an_error():
     with pytest.raises(RuntimeError, match="no entry function"):
         _budget.parse_ptxas("ptxas fatal   : Unresolved extern function 'f'\n")

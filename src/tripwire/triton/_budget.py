@@ -9,7 +9,8 @@ path instead, which runs only when something is wrong.
 
 :func:`register_cap` finds that cap for one launch: the twin (the kernel's own ``GUARD=False`` build, or whatever
 ``twin`` overrides) and the guarded kernel are compiled, and ptxas's report of each is read (``ptxas -v``: the entry
-function's registers and spills, its callees' spills apart). The cap is the twin's registers rounded up to the
+function's registers and spills, its callees' spills apart, its calls' saved return addresses not counted as
+spills: :func:`return_address_saves`). The cap is the twin's registers rounded up to the
 allocation unit, raised a unit at a time while the capped entry function spills more than the twin's; none where
 the guarded kernel already fits the twin's allocation spilling no more, or only fits uncapped (a build that spills
 more uncapped is also tried capped at its own allocation, where ptxas may not spill). The cap is never a clean path
@@ -47,11 +48,17 @@ _caps: dict[Any, int | None] = {}
 
 class PtxasReport(NamedTuple):
     """What ``ptxas -v`` said of one kernel: the entry function's registers (its callees' included: they run in
-    its allocation) and spill bytes (stores plus loads per thread), and the spill bytes of its callees together."""
+    its allocation) and spill bytes (stores plus loads per thread), and the spill bytes of its callees together.
+
+    ``return_save_bytes``: what of ptxas's count for the entry function is its calls saving their return address
+    to the stack (:func:`return_address_saves`), taken out of ``spill_bytes`` by :func:`ptxas_report`. ptxas
+    counts that store as a spill, but it runs only where the call does (an out-of-line fault path: only when
+    something is wrong) and holds no value of the caller's: the clean path keeps every register it had."""
 
     regs: int
     spill_bytes: int
     callee_spill_bytes: int
+    return_save_bytes: int = 0
 
 
 def tool_path(name: str) -> str:
@@ -118,9 +125,12 @@ def ptxas_report(ptx: str) -> PtxasReport:
             f.write(ptx)
         out = os.path.join(d, "k.cubin")
         p = subprocess.run([ptxas, "-v", *options, f"--gpu-name={gpu}", src, "-o", out], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
-    report = parse_ptxas(p.stderr)
+        if p.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
+        report = parse_ptxas(p.stderr)
+        if report.spill_bytes and "Function properties for" in p.stderr.split("Compiling entry function", 1)[-1]:
+            # The entry spills and has callees: some of it may be its calls' saved return addresses (SASS only).
+            report = _without_return_saves(report, out)
     if cache is not None:
         try:
             cache.put(json.dumps(list(report)), _REPORT_FILE)
@@ -132,13 +142,65 @@ def ptxas_report(ptx: str) -> PtxasReport:
 _REPORT_FILE = "tripwire_ptxas_report.json"
 
 
+def _without_return_saves(report: PtxasReport, cubin: str) -> PtxasReport:
+    """``report`` with its entry function's return-address saves (read from ``cubin``'s SASS) out of its spills;
+    ``report`` itself where the SASS cannot be read (no cuobjdump): counted as spills, the cautious reading."""
+    try:
+        sass = subprocess.run([tool_path("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        log.debug("tripwire: no SASS to tell return-address saves from spills: %s", e)
+        return report
+    saved = min(return_address_saves(sass.stdout), report.spill_bytes)
+    return report._replace(spill_bytes=report.spill_bytes - saved, return_save_bytes=saved)
+
+
+_SASS = re.compile(r"/\*([0-9a-f]+)\*/\s+([^;]*?)\s*;")
+_CALL = re.compile(r"CALL\.REL(?:\.NOINC)?\s+(?:`\()?0x([0-9a-f]+)")
+_STL = re.compile(r"STL(\.64|\.128)?\s+\[R1(?:\+0x[0-9a-f]+)?\],\s*(R\d+)$")
+_MOV_IMM = re.compile(r"(?:MOV|IMAD\.MOV\.U32)\s+(R\d+),\s*(?:RZ,\s*RZ,\s*)?0x([0-9a-f]+)$")
+
+
+def return_address_saves(sass: str) -> int:
+    """Bytes the entry function of one kernel's SASS (``cuobjdump -sass``) stores to its stack to save a call's
+    return address: a ``STL [R1+k], Rn`` before a ``CALL.REL``, of a register that a ``MOV Rn, <address>`` set to
+    the address of the instruction after that call. ptxas does that, and counts the store as a spill, where the
+    callee needs every register the caller is allocated (its return-address register too); the callee loads it
+    back before it returns. The entry function is the code before the first callee's (the lowest call target:
+    Triton places the kernel first). Other stores to the stack are spills and are not counted here."""
+    code = [(int(a, 16), text.strip()) for a, text in _SASS.findall(sass)]
+    calls = [(i, int(m.group(1), 16)) for i, (_, t) in enumerate(code) if (m := _CALL.search(t))]
+    if not calls:
+        return 0
+    end = min(target for _, target in calls)
+    total = 0
+    for i, _ in calls:
+        if code[i][0] >= end or i + 1 >= len(code):
+            continue
+        ret = code[i + 1][0]
+        # The save sits just before its call, in the call's own block: look back to the previous branch or call.
+        for j in range(i - 1, max(-1, i - 9), -1):
+            t = code[j][1]
+            if _CALL.search(t) or re.match(r"(?:@!?U?P\w+\s+)?(?:BRA|EXIT|RET)", t):
+                break
+            st = _STL.match(t)
+            if st is None:
+                continue
+            if any((mv := _MOV_IMM.match(code[k][1])) and mv.group(1) == st.group(2) and int(mv.group(2), 16) == ret
+                   for k in range(max(0, j - 8), j)):  # fmt: skip
+                total += {None: 4, ".64": 8, ".128": 16}[st.group(1)]
+                break
+    return total
+
+
 def _report_cache(ptxas: str, options: tuple[str, ...], gpu: str, ptx: str) -> Any:
     """Triton's file cache for one ptxas report, or None where there is none (it cannot be made)."""
     try:
         from triton.runtime.cache import get_cache_manager
 
         st = os.stat(ptxas)
-        ident = f"tripwire-ptxas-report|{ptxas}|{st.st_size}|{st.st_mtime_ns}|{' '.join(options)}|{gpu}\n{ptx}"
+        # The prefix names how the report is read (the return-address saves taken out of the spills): a report
+        # cached by another reading is not reused.
+        ident = f"tripwire-ptxas-report-2|{ptxas}|{st.st_size}|{st.st_mtime_ns}|{' '.join(options)}|{gpu}\n{ptx}"
         return get_cache_manager(hashlib.sha256(ident.encode()).hexdigest())
     except (ImportError, OSError):
         return None
