@@ -56,9 +56,9 @@ _BLOCKS_PER_SM = 32
 @dataclasses.dataclass(frozen=True)
 class Usage:
     """One compiled kernel's resources. ``spill_bytes``: ptxas's spill stores plus loads per thread of the entry
-    function, less its calls' saved return addresses (None where it was not reported: a cuobjdump read); ``stack``: bytes of stack frame per thread; ``smem``: static plus Triton's
-    dynamic shared memory per block; ``limit``: what bounds ``programs_per_sm`` ("regs", "smem", "threads",
-    "blocks")."""
+    function, less its calls' saved return addresses (None where it was not reported: a cuobjdump read);
+    ``stack``: bytes of stack frame per thread; ``smem``: static plus Triton's dynamic shared memory per block;
+    ``limit``: what bounds ``programs_per_sm`` ("regs", "smem", "threads", "blocks")."""
 
     kernel: str
     regs: int
