@@ -305,8 +305,12 @@ def test_stop_joins_the_native_thread(registry, monkeypatch, close):
     m.start()
     assert _native_threads() == before + 1
     m.stop()
-    assert _native_threads() == before + (0 if close else 1)
     assert m.native_tick == "stopped"
+    # A joined thread's /proc entry can outlive the join by a moment (the kernel wakes the joiner before it reaps the
+    # task; the exit test below waits for the same reason): the count is waited for. The control's thread, never
+    # told to stop, stays.
+    gone = _wait_for(lambda: _native_threads() == before, timeout=1.0 if close else 0.2)
+    assert gone == close, _native_threads() - before
 
 
 _EXIT_SCRIPT = textwrap.dedent(
