@@ -33,6 +33,7 @@ rc=0
 wait "$tests"; t=$?; [ $t = 0 ] || rc=1
 echo "== pytest rc=$t" >>"$SUM"; tail -4 "$OUT/pytest.log" >>"$SUM"
 grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/pytest.log" | sort -u >>"$SUM"
+grep -E "^E   " "$OUT/pytest.log" | head -40 >>"$SUM"  # what each failure asserted (the log stays on the host)
 for p in "${parts[@]}"; do
   name=${p%%:*}; wait "${p#*:}"; s=$?; [ $s = 0 ] || rc=1
   echo "== $name rc=$s" >>"$SUM"; tail -6 "$OUT/$name.log" >>"$SUM"

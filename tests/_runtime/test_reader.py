@@ -115,8 +115,12 @@ def test_tick_from_reader_thread_never_waits(registry, native_tick):
     finally:
         m.stop()
     torch.cuda.synchronize()
-    assert busy_still and len(durations) > 50
-    assert max(durations) < 1e-3, max(durations)
+    assert busy_still and len(durations) > 50, (busy_still, len(durations))
+    # Never waits: a tick that waited for the stream would last until the parked kernel ends, hundreds of ms after
+    # these ticks (the control below blocks > 100 ms). The bound is far from that and far above a tick's own time,
+    # which a host under load stretches (a preempted thread, other processes' work): a tick's latency is the
+    # benchmark's (q2, benchmarks/RESULTS.md), not this test's.
+    assert max(durations) < 0.05, sorted(durations)[-5:]
 
 
 def test_control_synchronous_read_blocks_for_the_kernel():
