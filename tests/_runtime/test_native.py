@@ -297,7 +297,16 @@ def test_failing_native_call_falls_back_without_losing_counts(registry, caplog, 
 @pytest.mark.parametrize("close", [True, False])
 def test_stop_joins_the_native_thread(registry, monkeypatch, close):
     before = _native_threads()
-    if not close:  # the control: a stop() that leaves the native thread running
+    joined: list[bool] = []
+    if close:
+        real_close = NativeTicker.close
+
+        def spied(self, timeout=None):  # type: ignore[no-untyped-def]
+            joined.append(real_close(self, timeout))  # True once tw_stop joined the thread
+            return joined[-1]
+
+        monkeypatch.setattr(NativeTicker, "close", spied)
+    else:  # the control: a stop() that leaves the native thread running
         monkeypatch.setattr(NativeTicker, "close", lambda self, timeout=None: True)
         monkeypatch.setattr(NativeTicker, "__del__", lambda self: None)  # nor frees it when it is collected
     m = _quiet_monitor(registry)
@@ -311,6 +320,7 @@ def test_stop_joins_the_native_thread(registry, monkeypatch, close):
     # told to stop, stays.
     gone = _wait_for(lambda: _native_threads() == before, timeout=1.0 if close else 0.2)
     assert gone == close, _native_threads() - before
+    assert joined == ([True] if close else [])  # stop() closed the ticker once, and the join succeeded
 
 
 _EXIT_SCRIPT = textwrap.dedent(

@@ -73,9 +73,10 @@ def test_tick_never_waits_on_busy_stream(registry, cuda_monitor):
     elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
     assert busy_still, "the compute stream finished early: the test did not overlap"
-    # Well under 1 ms: a tick queries an event and starts a copy, it never waits (benchmarks/RESULTS.md, q2, has the
-    # distribution; the control below blocks for the whole parked sleep)
-    assert max(lat) < 1e-3 and statistics.median(lat) < 5e-4, (max(lat), statistics.median(lat))
+    # Never waits: a tick queries an event and starts a copy; one that waited would last until the parked sleep ends
+    # (the control below blocks for it, > 100 ms). The bounds are far from that and above what a loaded host makes
+    # of a tick's own time: its latency is the benchmark's (q2, benchmarks/RESULTS.md), not this test's.
+    assert max(lat) < 0.05 and statistics.median(lat) < 5e-3, (max(lat), statistics.median(lat))
     assert elapsed < 0.5
     # ... and the copies did land while the compute stream was busy
     assert cuda_monitor.readers()["cuda:0"].copies >= 2

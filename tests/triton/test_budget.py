@@ -39,8 +39,9 @@ ptxas info    : Used 40 registers, used 1 barriers, 48 bytes cumulative stack si
 
 
 # cuobjdump -sass of a kernel calling an out-of-line function that needs every register it is allocated (vLLM's
-# MHA decode stage 1, guarded, on Triton 3.9; cut to the call and the callee's first lines, encodings dropped): the
-# caller saves the call's return address (0x780) to its stack, the callee loads it back to return.
+# MHA decode stage 1, guarded, on Triton 3.9), cut to the call and a callee, which here follows at once (the
+# callee's address and the block after the call shortened): the caller saves the call's return address (0x780) to
+# its stack, the callee loads it back to return.
 SASS = """
         code for sm_90a
                 Function : k
@@ -95,7 +96,12 @@ def test_ptxas_report_takes_the_saves_out_of_the_entrys_spills(monkeypatch, tmp_
         raise FileNotFoundError("no cuobjdump")
 
     monkeypatch.setattr(_budget.subprocess, "run", missing)
-    assert _budget._without_return_saves(report, cubin) == report
+    assert _budget._without_return_saves(report, cubin) is None  # unread: ptxas's count stands, not cached
+    # The SASS is read only for a kernel that calls: ptxas lists a function besides the entry (REPORT's callees);
+    # the control, the entry's own properties alone.
+    assert _budget._has_callees(REPORT)
+    entry_only = REPORT.split("ptxas info    : Compile time")[0]
+    assert not _budget._has_callees(entry_only)
 
 
 def test_a_report_without_an_entry_is_an_error():

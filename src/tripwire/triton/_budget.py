@@ -52,8 +52,9 @@ class PtxasReport(NamedTuple):
 
     ``return_save_bytes``: what of ptxas's count for the entry function is its calls saving their return address
     to the stack (:func:`return_address_saves`), taken out of ``spill_bytes`` by :func:`ptxas_report`. ptxas
-    counts that store as a spill, but it runs only where the call does (an out-of-line fault path: only when
-    something is wrong) and holds no value of the caller's: the clean path keeps every register it had."""
+    counts that store as a spill, but it runs only where the call does and holds no value of the caller's. In a
+    guarded kernel the calls are its out-of-line fault paths, so the clean path keeps every register it had; a
+    kernel that calls a noinline function on its clean path runs that store there, once per call."""
 
     regs: int
     spill_bytes: int
@@ -128,10 +129,14 @@ def ptxas_report(ptx: str) -> PtxasReport:
         if p.returncode != 0:
             raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
         report = parse_ptxas(p.stderr)
-        if report.spill_bytes and "Function properties for" in p.stderr.split("Compiling entry function", 1)[-1]:
-            # The entry spills and has callees: some of it may be its calls' saved return addresses (SASS only).
-            report = _without_return_saves(report, out)
-    if cache is not None:
+        keep = True
+        if report.spill_bytes and _has_callees(p.stderr):
+            # The entry spills and calls: some of it may be its calls' saved return addresses (SASS only).
+            read = _without_return_saves(report, out)
+            # Unread (no cuobjdump), ptxas's count stands for this call and is not kept: a later call may read it.
+            keep = read is not None
+            report = read or report
+    if cache is not None and keep:
         try:
             cache.put(json.dumps(list(report)), _REPORT_FILE)
         except OSError as e:  # a read-only cache: the report is still right, only not kept
@@ -142,14 +147,21 @@ def ptxas_report(ptx: str) -> PtxasReport:
 _REPORT_FILE = "tripwire_ptxas_report.json"
 
 
-def _without_return_saves(report: PtxasReport, cubin: str) -> PtxasReport:
+def _has_callees(ptxas_output: str) -> bool:
+    """Whether ``ptxas -v`` reported a function besides the entry (a noinline callee)."""
+    entry = re.search(r"Compiling entry function '([^']+)'", ptxas_output)
+    names = set(re.findall(r"Function properties for (\S+)", ptxas_output))
+    return bool(names - {entry.group(1) if entry else ""})
+
+
+def _without_return_saves(report: PtxasReport, cubin: str) -> PtxasReport | None:
     """``report`` with its entry function's return-address saves (read from ``cubin``'s SASS) out of its spills;
-    ``report`` itself where the SASS cannot be read (no cuobjdump): counted as spills, the cautious reading."""
+    None where the SASS cannot be read (no cuobjdump): the caller keeps ptxas's count, the cautious reading."""
     try:
         sass = subprocess.run([tool_path("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         log.debug("tripwire: no SASS to tell return-address saves from spills: %s", e)
-        return report
+        return None
     saved = min(return_address_saves(sass.stdout), report.spill_bytes)
     return report._replace(spill_bytes=report.spill_bytes - saved, return_save_bytes=saved)
 
