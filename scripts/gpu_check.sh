@@ -15,8 +15,9 @@ SUM="$OUT/summary.txt"
   python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"; } >"$SUM" 2>&1
 # A per-test limit needs pytest-timeout, workers need pytest-xdist (the dev extra has both; the host has no network:
 # carry their wheels); without them, the part's LIMIT alone bounds the run, serially.
-# -rsxfE (one -r: pytest keeps the last) names skips, xfails and failures in the closing summary; with workers, -v (instead of -q, which would cancel it) names each
-# result as it lands too, so a part cut off by its LIMIT (no closing summary) still says which tests failed.
+# -rsxfE (one -r: pytest keeps the last) names skips, xfails and failures in the closing summary; with workers, -v
+# (instead of -q, which would cancel it) names each result as it lands too, so a part cut off by its LIMIT (no
+# closing summary) still says which tests failed.
 opts=(-p no:cacheprovider -rsxfE)
 python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 240)
 if python3 -c "import xdist" 2>/dev/null && [ "$JOBS" -gt 1 ]; then opts+=(-n "$JOBS" -v); else opts+=(-q); fi

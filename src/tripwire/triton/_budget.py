@@ -147,11 +147,15 @@ def ptxas_report(ptx: str) -> PtxasReport:
 _REPORT_FILE = "tripwire_ptxas_report.json"
 
 
+# ptxas -v's lines naming the entry function and each function's properties (parse_ptxas and _has_callees).
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPERTIES = re.compile(r"Function properties for (\S+)")
+
+
 def _has_callees(ptxas_output: str) -> bool:
     """Whether ``ptxas -v`` reported a function besides the entry (a noinline callee)."""
-    entry = re.search(r"Compiling entry function '([^']+)'", ptxas_output)
-    names = set(re.findall(r"Function properties for (\S+)", ptxas_output))
-    return bool(names - {entry.group(1) if entry else ""})
+    entry = _ENTRY.search(ptxas_output)
+    return bool(set(_PROPERTIES.findall(ptxas_output)) - {entry.group(1) if entry else ""})
 
 
 def _without_return_saves(report: PtxasReport, cubin: str) -> PtxasReport | None:
@@ -170,6 +174,7 @@ _SASS = re.compile(r"/\*([0-9a-f]+)\*/\s+([^;]*?)\s*;")
 _CALL = re.compile(r"CALL\.REL(?:\.NOINC)?\s+(?:`\()?0x([0-9a-f]+)")
 _STL = re.compile(r"STL(\.64|\.128)?\s+\[R1(?:\+0x[0-9a-f]+)?\],\s*(R\d+)$")
 _MOV_IMM = re.compile(r"(?:MOV|IMAD\.MOV\.U32)\s+(R\d+),\s*(?:RZ,\s*RZ,\s*)?0x([0-9a-f]+)$")
+_BLOCK_END = re.compile(r"(?:@!?U?P\w+\s+)?(?:BRA|EXIT|RET)")
 
 
 def return_address_saves(sass: str) -> int:
@@ -192,7 +197,7 @@ def return_address_saves(sass: str) -> int:
         # The save sits just before its call, in the call's own block: look back to the previous branch or call.
         for j in range(i - 1, max(-1, i - 9), -1):
             t = code[j][1]
-            if _CALL.search(t) or re.match(r"(?:@!?U?P\w+\s+)?(?:BRA|EXIT|RET)", t):
+            if _CALL.search(t) or _BLOCK_END.match(t):
                 break
             st = _STL.match(t)
             if st is None:
@@ -220,7 +225,7 @@ def _report_cache(ptxas: str, options: tuple[str, ...], gpu: str, ptx: str) -> A
 
 def parse_ptxas(text: str) -> PtxasReport:
     """``ptxas -v``'s report of one module with one entry function, parsed (see :func:`ptxas_report`)."""
-    entry = re.search(r"Compiling entry function '([^']+)'", text)
+    entry = _ENTRY.search(text)
     regs = re.search(r"Used (\d+) registers", text)
     if entry is None or regs is None:
         raise RuntimeError(f"ptxas reported no entry function: {text[-2000:]}")
