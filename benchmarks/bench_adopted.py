@@ -10,14 +10,18 @@ both checked before timing):
   permutation of a cache 4x the tokens.
 * ``reshape_cuda_{256,4096}``: vLLM's CUDA reshape_and_cache_flash_kernel (and its guarded copy), same shapes.
 
-Timing (``_common.paired_replay_ms``): each variant captured ``per_graph`` calls to a CUDA graph; each round times
-every graph (do_bench median), in an order alternating between rounds; the cost is the median over rounds of the
-per-round ratio guarded / original - 1. The noise floor is an A/A: a second graph of the original timed the same
-way (``aa_pct``). Target: ``cost_pct`` <= 1 % each. Resources: registers, spills, shared memory and programs per SM
+Timing (``_common.pooled_replay_ms``): each variant is its code loaded ``--copies`` times (modules of their own,
+so the code sits at as many addresses: where it lands moves a kernel's time by a few tenths of a percent, persistently,
+see benchmarks/RESULTS.md), each load captured ``per_graph`` calls to a CUDA graph; each round times every graph
+(do_bench median), the copies interleaved, in an order alternating between rounds; the cost is the median over
+rounds of the per-round ratio median(guarded copies) / median(original copies) - 1. The noise floor is an A/A: as
+many more loads of the original timed the same way (``aa_pct``). Beside them: ``one_load_cost_pct``, the same
+ratio between the first load of each side alone (what a comparison of one build each measures), and each side's
+``copy_spread_pct``. Target: ``cost_pct`` <= 1 % each. Resources: registers, spills, shared memory and programs per SM
 of every kernel, guarded and original (``tripwire.resources``: Triton kernels compiled for sm_90, the CUDA
 extension read with cuobjdump).
 
-    python benchmarks/bench_adopted.py --out $OUT/adopted.json [--rounds 41] [--only decode_gqa,reshape_cuda_4096]
+    python benchmarks/bench_adopted.py --out $OUT/adopted.json [--rounds 41] [--copies 6] [--only decode_gqa,...]
 """
 
 from __future__ import annotations
@@ -33,18 +37,36 @@ from typing import Any
 
 import torch
 
-from tripwire.cli.bench.common import env_info, finish, paired_replay_ms
+from tripwire.cli.bench.common import (
+    copy_levels_ms,
+    copy_spread_pct,
+    env_info,
+    finish,
+    pooled_cost_pct,
+    pooled_replay_ms,
+)
 
 TARGET_PCT = 1.0
 DECODE = dict(batch=64, head_dim=128, context=2048, page=16, splits=8)
 CACHE = dict(kv_heads=8, head_dim=128, page=16)
 
 
-def _decode_case(q_heads: int, kv_heads: int) -> tuple[dict[str, Callable[[], Any]], Callable[[], list[tuple]]]:
+Bodies = dict[str, list[Callable[[], Any]]]  # per variant, one body per load of its code
+Case = tuple[Bodies, Callable[[], list[tuple]]]
+
+
+def _variants(copies: int) -> dict[str, tuple[str, range]]:
+    """Each timed variant: the code it runs (original or guarded) and which of that code's loads (copies)."""
+    return {
+        "original": ("original", range(copies)),
+        "guarded": ("guarded", range(copies)),
+        "original_b": ("original", range(copies, 2 * copies)),  # the A/A: as many further loads of the original
+    }
+
+
+def _decode_case(q_heads: int, kv_heads: int, copies: int) -> Case:
     from adopted_vllm import load
 
-    orig = load("original", "triton_decode_attention")
-    guard = load("guarded", "triton_decode_attention")
     B, D, ctx, PS, S = (DECODE[k] for k in ("batch", "head_dim", "context", "page", "splits"))
     W = ctx // PS
     N = B * W + 64
@@ -55,14 +77,19 @@ def _decode_case(q_heads: int, kv_heads: int) -> tuple[dict[str, Callable[[], An
     table = torch.randperm(N, device="cuda", generator=g)[: B * W].reshape(B, W).to(torch.int32)
     lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
     scale = D**-0.5
-    outs = {n: torch.empty_like(q) for n in ("original", "guarded", "original_b")}
-    lse = {n: torch.empty(B, q_heads, device="cuda", dtype=torch.float32) for n in outs}
-    logits = {n: torch.empty(B, q_heads, S, D + 1, device="cuda", dtype=torch.float32) for n in outs}
+    variants = _variants(copies)
+    outs = {n: torch.empty_like(q) for n in variants}
+    lse = {n: torch.empty(B, q_heads, device="cuda", dtype=torch.float32) for n in variants}
+    logits = {n: torch.empty(B, q_heads, S, D + 1, device="cuda", dtype=torch.float32) for n in variants}
     one = torch.ones((), device="cuda", dtype=torch.float32)
-    ctr = _counters(guard.SITES)
+    ctr = _counters(load("guarded", "triton_decode_attention").SITES)
 
-    def body(mod: Any, name: str, **kw: Any) -> Callable[[], None]:
+    def body(code: str, i: int, name: str) -> Callable[[], None]:
+        mod = load(code, "triton_decode_attention", copy=i)
+        kw = {"ctr": ctr} if code == "guarded" else {}
+
         def run() -> None:
+            # Each variant writes its own outputs (its copies the same values): the check compares them.
             mod.decode_attention_fwd(
                 q, kb, vb, outs[name], lse[name], table, lens, logits[name], S, scale, PS,
                 k_scale=one, v_scale=one, **kw,
@@ -70,15 +97,12 @@ def _decode_case(q_heads: int, kv_heads: int) -> tuple[dict[str, Callable[[], An
 
         return run
 
-    bodies = {
-        "original": body(orig, "original"),
-        "guarded": body(guard, "guarded", ctr=ctr),
-        "original_b": body(orig, "original_b"),
-    }
+    bodies = {n: [body(code, i, n) for i in loads] for n, (code, loads) in variants.items()}
 
     def check() -> list[tuple]:
-        for b in bodies.values():
-            b()
+        for runs in bodies.values():
+            for b in runs:
+                b()
         torch.cuda.synchronize()
         # Not bitwise: the guarded kernel's -inf-safe softmax may be scheduled (contracted) differently.
         torch.testing.assert_close(outs["guarded"], outs["original"], rtol=2e-2, atol=2e-3, equal_nan=True)
@@ -87,7 +111,7 @@ def _decode_case(q_heads: int, kv_heads: int) -> tuple[dict[str, Callable[[], An
 
         usage = []
         for name in ("original", "guarded"):
-            launches = rs.capture_launches(bodies[name])
+            launches = rs.capture_launches(bodies[name][0])
             usage += [(name, rs.triton_usage(launch)) for launch in launches]
         return usage
 
@@ -115,49 +139,52 @@ def _caches(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]], Callable[[], list[tuple]]]:
+def _reshape_case(tokens: int, cuda: bool, copies: int) -> Case:
     c = _cache_inputs(tokens)
     one = torch.ones(1, device="cuda", dtype=torch.float32)
-    make: Callable[[tuple[torch.Tensor, torch.Tensor], Any], Callable[[], None]]
+    variants = _variants(copies)
+    make: Callable[[tuple[torch.Tensor, torch.Tensor], str, int], Callable[[], None]]
     if cuda:
         from adopted_vllm import cuda_ext
 
-        cuda_ext.build()
+        for i in range(2 * copies):
+            cuda_ext.build(copy=i)
         ctr = _counters((cuda_ext.SITE,))
+        # One library holds both sides: its copy i runs original copy i and guarded copy i (and the vote control's).
+        guards = {"original": False, "guarded": True, "vote": "vote"}
+        variants["vote"] = ("vote", range(copies))  # the profiler's control (adopted_vllm/vote_variant.cuh)
 
-        def make(cache: tuple[torch.Tensor, torch.Tensor], guard: Any) -> Callable[[], None]:
+        def make(cache: tuple[torch.Tensor, torch.Tensor], code: str, i: int) -> Callable[[], None]:
             kc, vc = cache
             return lambda: cuda_ext.reshape_and_cache_flash(
-                c["key"], c["value"], kc, vc, c["slots"], one, one, guard=guard, ctr=ctr
+                c["key"], c["value"], kc, vc, c["slots"], one, one, guard=guards[code], ctr=ctr, copy=i
             )
 
-        # vote: the profiler's control (adopted_vllm/vote_variant.cuh)
-        specs: dict[str, Any] = {"original": False, "guarded": True, "original_b": False, "vote": "vote"}
     else:
         from adopted_vllm import load
 
-        orig = load("original", "triton_reshape_and_cache_flash")
-        guard = load("guarded", "triton_reshape_and_cache_flash")
-        ctr = _counters((guard.SITE_SLOT,))
+        ctr = _counters((load("guarded", "triton_reshape_and_cache_flash").SITE_SLOT,))
 
-        def make(cache: tuple[torch.Tensor, torch.Tensor], spec: Any) -> Callable[[], None]:
-            (kc, vc), (mod, kw) = cache, spec
+        def make(cache: tuple[torch.Tensor, torch.Tensor], code: str, i: int) -> Callable[[], None]:
+            kc, vc = cache
+            mod = load(code, "triton_reshape_and_cache_flash", copy=i)
+            kw = {"ctr": ctr} if code == "guarded" else {}
             return lambda: mod.triton_reshape_and_cache_flash(
                 c["key"], c["value"], kc, vc, c["slots"], "auto", one, one, **kw
             )
 
-        specs = {"original": (orig, {}), "guarded": (guard, {"ctr": ctr}), "original_b": (orig, {})}
     # The check writes each variant's own caches (and compares them); the timed bodies all write one pair: the
     # variants write the same bytes to the same slots, and caches of their own would time each variant against
     # its own pages (where a 32 MiB cache lands in memory moved an A/A pair by over 1 %).
-    caches = {n: _caches(c) for n in specs}
+    caches = {n: _caches(c) for n in variants}
     timed = _caches(c)
-    own = {n: make(caches[n], spec) for n, spec in specs.items()}
-    bodies = {n: make(timed, spec) for n, spec in specs.items()}
+    own = {n: [make(caches[n], code, i) for i in loads] for n, (code, loads) in variants.items()}
+    bodies = {n: [make(timed, code, i) for i in loads] for n, (code, loads) in variants.items()}
 
     def check() -> list[tuple]:
-        for b in own.values():
-            b()
+        for runs in own.values():
+            for b in runs:
+                b()
         torch.cuda.synchronize()
         for a, b in zip(caches["original"], caches["guarded"], strict=True):
             assert torch.equal(a, b), "guarded reshape_and_cache differs on clean input"
@@ -172,7 +199,7 @@ def _reshape_case(tokens: int, cuda: bool) -> tuple[dict[str, Callable[[], Any]]
             return [(cuda_ext.variant_of(u.kernel), u) for u in found]
         usage = []
         for name in ("original", "guarded"):
-            usage += [(name, rs.triton_usage(launch)) for launch in rs.capture_launches(bodies[name])]
+            usage += [(name, rs.triton_usage(launch)) for launch in rs.capture_launches(bodies[name][0])]
         return usage
 
     return bodies, check
@@ -184,42 +211,49 @@ def _counters(sites: tuple) -> torch.Tensor:
     return counters(sites, "cuda")
 
 
-CASES: dict[str, Callable[[], tuple[dict[str, Callable[[], Any]], Callable[[], list[tuple]]]]] = {
-    "decode_gqa": lambda: _decode_case(32, 8),
-    "decode_mha": lambda: _decode_case(32, 32),
-    "reshape_triton_256": lambda: _reshape_case(256, cuda=False),
-    "reshape_triton_4096": lambda: _reshape_case(4096, cuda=False),
-    "reshape_cuda_256": lambda: _reshape_case(256, cuda=True),
-    "reshape_cuda_4096": lambda: _reshape_case(4096, cuda=True),
+CASES: dict[str, Callable[[int], Case]] = {
+    "decode_gqa": lambda k: _decode_case(32, 8, k),
+    "decode_mha": lambda k: _decode_case(32, 32, k),
+    "reshape_triton_256": lambda k: _reshape_case(256, cuda=False, copies=k),
+    "reshape_triton_4096": lambda k: _reshape_case(4096, cuda=False, copies=k),
+    "reshape_cuda_256": lambda k: _reshape_case(256, cuda=True, copies=k),
+    "reshape_cuda_4096": lambda k: _reshape_case(4096, cuda=True, copies=k),
 }
 PER_GRAPH = {"decode_gqa": 5, "decode_mha": 5}  # the reshape cases: 20 (a few microseconds each)
 
 
-def _pct(num: list[float], den: list[float]) -> list[float]:
-    return [100.0 * (a / b - 1.0) for a, b in zip(num, den, strict=True)]
+def _one_load_pct(times: dict[str, list[list[float]]], num: str, den: str) -> list[float]:
+    """Per round, the first load of ``num`` over the first of ``den``: the comparison of one build each."""
+    return [100.0 * (a[0] / b[0] - 1.0) for a, b in zip(times[num], times[den], strict=True)]
 
 
-def run_case(name: str, rounds: int, rep_ms: int) -> dict:
-    bodies, check = CASES[name]()
+def run_case(name: str, rounds: int, rep_ms: int, copies: int) -> dict:
+    bodies, check = CASES[name](copies)
     usage = check()
-    times = paired_replay_ms(bodies, per_graph=PER_GRAPH.get(name, 20), repeats=rounds, rep_ms=rep_ms)
-    cost = _pct(times["guarded"], times["original"])
-    aa = _pct(times["original_b"], times["original"])
-    vote = _pct(times["vote"], times["original"]) if "vote" in times else None
+    times = pooled_replay_ms(bodies, per_graph=PER_GRAPH.get(name, 20), repeats=rounds, rep_ms=rep_ms)
+    cost = pooled_cost_pct(times, "guarded", "original")
+    aa = pooled_cost_pct(times, "original_b", "original")
+    med = {n: statistics.median(statistics.median(r) for r in t) for n, t in times.items()}
     res = {
-        "original_us": statistics.median(times["original"]) * 1e3,
-        "guarded_us": statistics.median(times["guarded"]) * 1e3,
+        "original_us": med["original"] * 1e3,
+        "guarded_us": med["guarded"] * 1e3,
         "cost_pct": statistics.median(cost),
+        "cost_spread_pct": [min(cost), max(cost)],
         "aa_pct": statistics.median(aa),
         "aa_spread_pct": [min(aa), max(aa)],
+        "one_load_cost_pct": statistics.median(_one_load_pct(times, "guarded", "original")),
+        "one_load_aa_pct": statistics.median(_one_load_pct(times, "original_b", "original")),
+        "copies": copies,
+        "copy_levels_us": {n: [x * 1e3 for x in copy_levels_ms(t)] for n, t in times.items()},
+        "copy_spread_pct": {n: copy_spread_pct(t) for n, t in times.items()},
         "rounds": rounds,
         "target_pct": TARGET_PCT,
         "pass": statistics.median(cost) <= TARGET_PCT,
         "resources": [dict(variant=v, **dataclasses.asdict(u)) for v, u in usage],
     }
-    if vote is not None:
-        res["vote_us"] = statistics.median(times["vote"]) * 1e3
-        res["vote_cost_pct"] = statistics.median(vote)
+    if "vote" in times:
+        res["vote_us"] = med["vote"] * 1e3
+        res["vote_cost_pct"] = statistics.median(pooled_cost_pct(times, "vote", "original"))
     by: dict[str, list] = {}
     for v, u in usage:
         by.setdefault(v, []).append(u)
@@ -242,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=41)
     p.add_argument("--rep-ms", type=int, default=40)
+    p.add_argument("--copies", type=int, default=6, help="loads of each side's code (at least 1)")
     p.add_argument("--only", default="", help="comma-separated case names")
     args = p.parse_args(argv)
+    if args.copies < 1:
+        p.error(f"--copies must be at least 1, got {args.copies}")
     if not torch.cuda.is_available():
         print("bench_adopted: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -256,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         t = time.time()
         try:
-            out["cases"][name] = r = run_case(name, args.rounds, args.rep_ms)
+            out["cases"][name] = r = run_case(name, args.rounds, args.rep_ms, args.copies)
             regs = ", ".join(
                 f"{x['variant']}:{x['kernel'][-24:]}={x['regs']}r/{x['programs_per_sm']}p" for x in r["resources"]
             )
@@ -264,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:22s} original {r['original_us']:8.2f} us  guarded {r['guarded_us']:8.2f} us  "
                 f"cost {r['cost_pct']:+6.2f} %  A/A {r['aa_pct']:+6.2f} %"
                 + (f"  vote control {r['vote_cost_pct']:+6.2f} %" if "vote_cost_pct" in r else "")
+                + f"  one load {r['one_load_cost_pct']:+6.2f} % (A/A {r['one_load_aa_pct']:+6.2f} %)"
+                + f"  copies {r['copies']}, original's spread {r['copy_spread_pct']['original']:.2f} %"
                 + f"  [{regs}]  ({time.time() - t:.0f} s)",
                 flush=True,
             )

@@ -225,12 +225,59 @@ def test_gpu_cuda_reshape_picks_the_test_by_waves():
     assert int(ctr[0]) == 0
 
 
+def test_load_copy_is_the_same_code_loaded_again():
+    """load(copy=i) imports the file again as a module of its own (the benchmark pools loads of each side's code):
+    its kernels are other JITFunctions of the same Python functions, its sites the same rows. The control: the same
+    copy asked twice is one module."""
+    a = load("guarded", "triton_reshape_and_cache_flash")
+    b = load("guarded", "triton_reshape_and_cache_flash", copy=1)
+    assert b is not a and load("guarded", "triton_reshape_and_cache_flash", copy=1) is b
+    assert load("guarded", "triton_reshape_and_cache_flash", copy=0) is a
+    ka, kb = a.reshape_and_cache_kernel_flash, b.reshape_and_cache_kernel_flash
+    assert ka is not kb and ka.fn.__code__.co_code == kb.fn.__code__.co_code
+    assert a.SITE_SLOT is b.SITE_SLOT
+    for bad in (-1, 1.0, "1"):
+        with pytest.raises(ValueError, match="copy must be an int"):
+            load("original", "triton_decode_attention", copy=bad)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_ext_copy_is_a_second_load():
+    """build(copy=1) maps a copy of the built library a second time (its kernels registered again, at other
+    addresses) and writes what copy 0 writes. The control: importing that copy as a module, the ordinary way,
+    gives back copy 0's module object (pybind11 keeps one per name), whose calls would launch copy 0's kernels."""
+    from adopted_vllm import cuda_ext
+
+    first, again, second = cuda_ext.build(), cuda_ext.build(copy=0), cuda_ext.build(copy=1)
+    assert again is first and second is not first
+    assert second.__file__ != first.__file__
+    assert Path(second.__file__).read_bytes() == Path(first.__file__).read_bytes()
+    with open("/proc/self/maps") as f:
+        assert second.__file__ in f.read()  # mapped from its own file
+    assert cuda_ext._import(Path(second.__file__)) is first  # the control
+    k = torch.randn(32, 8, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64, device="cuda")[:32]
+    one = torch.ones(1, device="cuda")
+    ctr = torch.zeros(8, dtype=torch.int64, device="cuda")
+    out = []
+    for copy in (0, 1):
+        kc = torch.zeros(4, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        cuda_ext.reshape_and_cache_flash(k, k, kc, kc.clone(), slots, one, one, guard=True, ctr=ctr, copy=copy)
+        out.append(kc)
+    assert torch.equal(out[0], out[1]) and out[0].abs().sum() > 0
+    assert int(ctr[0]) == 0
+    with pytest.raises(RuntimeError, match="slot_mapping must be int64"):  # the copy's checks are the module's
+        second.reshape_and_cache_flash(k, k, out[0], out[0], slots.int(), one, one, 1, ctr, None)
+    with pytest.raises(ValueError, match="copy must be an int"):
+        cuda_ext.build(copy=-1)
+
+
 def test_cuda_ext_names_and_guards(monkeypatch):
     """The extension's kernel names map to their variants (bench_adopted and the register rule classify by them),
     and a guard it does not know is refused before anything is built or launched."""
     from adopted_vllm import cuda_ext
 
-    monkeypatch.setattr(cuda_ext, "build", lambda: pytest.fail("built for a refused guard"))
+    monkeypatch.setattr(cuda_ext, "build", lambda **kw: pytest.fail("built for a refused guard"))
     names = {
         "_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LNS_18Fp8KVCacheDataTypeE0EEEvPKT_": "original",
         "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0ELb1EEEv": (

@@ -4,13 +4,16 @@ torch)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -27,15 +30,60 @@ SITE = tripwire.register_site(
     fatal=True,
 )
 
-_module: ModuleType | None = None
+_modules: dict[int, Any] = {}
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile (once; cached on disk by cpp_extension) and load. Before any capture: it may run nvcc."""
-    global _module
-    if _module is None:
-        _module = _build(verbose)
-    return _module
+def build(verbose: bool = False, copy: int = 0) -> Any:
+    """Compile (once; cached on disk by cpp_extension) and load. Before any capture: it may run nvcc.
+
+    ``copy`` > 0: the built library copied to a directory of its own and loaded from there, a second time in this
+    process (:class:`_Copy`): its kernels are registered with the CUDA runtime as a module of their own, at other
+    addresses than copy 0's. It has the module's ``reshape_and_cache_flash`` and ``__file__``."""
+    if not isinstance(copy, int) or copy < 0:
+        raise ValueError(f"copy must be an int >= 0, got {copy!r}")
+    mod = _modules.get(copy)
+    if mod is None:
+        mod = _build(verbose) if copy == 0 else _load_copy(Path(str(build(verbose).__file__)), copy)
+        _modules[copy] = mod
+    return mod
+
+
+def _load_copy(so: Path, copy: int) -> Any:
+    dst = so.parent / f"copy{copy}" / so.name
+    if not dst.exists() or dst.stat().st_mtime < so.stat().st_mtime:
+        dst.parent.mkdir(exist_ok=True)
+        tmp = dst.with_suffix(".tmp")
+        shutil.copyfile(so, tmp)
+        os.replace(tmp, dst)  # whole or absent: another process may be loading it
+    return _Copy(dst)
+
+
+class _Copy:
+    """A second load of the library: the copied file opened by the dynamic loader (a new mapping: it maps a file by
+    its identity), its kernels registered again by its own static constructors. Its function is called through its
+    C symbol, ``tw_reshape_and_cache_flash_call`` (reshape_and_cache.cu): importing the copy as a module would give
+    back copy 0's module object, whose functions launch copy 0's kernels (pybind11 keeps one module per name)."""
+
+    def __init__(self, path: Path) -> None:
+        self.__file__ = str(path)
+        lib = ctypes.PyDLL(str(path), mode=ctypes.RTLD_LOCAL)  # PyDLL: called with the GIL held, errors raised
+        self._call = lib.tw_reshape_and_cache_flash_call
+        self._call.restype = ctypes.py_object
+        self._call.argtypes = [ctypes.py_object]
+
+    def reshape_and_cache_flash(self, *args: Any) -> None:
+        self._call(args)
+
+
+def _import(so: Path) -> ModuleType:
+    # Under the library's own module name (its init function's), not registered in sys.modules, as cpp_extension
+    # loads a built library. Not a way to a second load: for a copy of the file it returns this module (_Copy).
+    spec = importlib.util.spec_from_file_location(NAME, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the built extension {so}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _build(verbose: bool) -> ModuleType:
@@ -73,12 +121,7 @@ def _build(verbose: bool) -> ModuleType:
             cmdclass={"build_ext": ce.BuildExtension.with_options(use_ninja=False)},
             script_args=[*([] if verbose else ["-q"]), *args],
         )
-    spec = importlib.util.spec_from_file_location(NAME, so)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the built extension {so}")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _import(so)
 
 
 def library_path() -> str:
@@ -112,16 +155,17 @@ def reshape_and_cache_flash(
     guard: bool | str,
     ctr: torch.Tensor | None = None,
     requests: torch.Tensor | None = None,
+    copy: int = 0,
 ) -> None:
     """vLLM's kernel (``guard=False``), the guarded copy (``guard=True``: ``ctr`` defaults to SITE's row of the
     default monitor; ``requests``: int64, one per token) or ``guard="vote"``, the profiler's control
     (vote_variant.cuh). The guarded copy tests the slot where the grid makes it cheapest (one wave: first; several:
-    after the index arithmetic); ``guard="first"`` or ``"late"`` forces one. No sync, no allocation once built:
-    capturable."""
+    after the index arithmetic); ``guard="first"`` or ``"late"`` forces one. ``copy``: which load of the extension
+    runs it (:func:`build`). No sync, no allocation once built: capturable."""
     variants = {False: 0, True: 1, "vote": 2, "first": 3, "late": 4}
     if not isinstance(guard, (bool, str)) or guard not in variants:
         raise ValueError(f"guard must be one of False, True, 'vote', 'first', 'late'; got {guard!r}")
-    mod = build()
+    mod = build(copy=copy)
     variant = variants[guard]
     if variant and ctr is None:
         ctr = tripwire.counter(SITE, key.device)

@@ -93,6 +93,27 @@ void reshape_and_cache_flash(const torch::Tensor& key, const torch::Tensor& valu
 
 }  // namespace
 
+// The same call as a C symbol, for a second load of this library (cuda_ext.build(copy=i)): its kernels registered
+// with the CUDA runtime again, from its own copy of the code. Reached through ctypes, not the module: pybind11 hands
+// out one module object per module name, so importing a copy gives back the first load's functions. Called with the
+// GIL held (ctypes.PyDLL); `args` is the tuple the module's function takes.
+extern "C" PyObject* tw_reshape_and_cache_flash_call(PyObject* args) {
+  try {
+    const auto t = pybind11::reinterpret_borrow<pybind11::tuple>(args);
+    TORCH_CHECK(t.size() == 10, "tw_reshape_and_cache_flash_call: 10 arguments, got ", t.size());
+    auto key_cache = t[2].cast<torch::Tensor>();
+    auto value_cache = t[3].cast<torch::Tensor>();
+    reshape_and_cache_flash(t[0].cast<torch::Tensor>(), t[1].cast<torch::Tensor>(), key_cache, value_cache,
+                            t[4].cast<torch::Tensor>(), t[5].cast<torch::Tensor>(), t[6].cast<torch::Tensor>(),
+                            t[7].cast<int64_t>(), t[8].cast<torch::Tensor>(),
+                            t[9].cast<c10::optional<torch::Tensor>>());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache_flash", &reshape_and_cache_flash,
         "vLLM's reshape_and_cache_flash (variant 0), its guarded copy (1; 3 and 4: the test's place forced) or the vote "

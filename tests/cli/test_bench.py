@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 # The measurements run by hand (bench_decode_attention.py and the others) are scripts in the repository's benchmarks/.
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -606,3 +608,105 @@ def test_bench_cuda_gather_harness_on_cpu(monkeypatch):
     assert r["outputs_equal"] and r["row_bytes"] == 32 and r["overhead_pct"] == 0.0
     assert [t["pass"] for t in res["targets"]] == [True, True]
     assert calls == ["guarded", "twin"]
+
+
+# ---------------------------------------------------------------------------------------------- code placement
+def _fake_graphs(monkeypatch, levels: dict[str, list[float]]):
+    """pooled_replay_ms with its GPU parts replaced: each body's "graph" replays as the tag it was made with, and
+    do_bench_ms returns that copy's level (ms per graph), recording the order it was asked in."""
+    from tripwire.cli.bench import common
+
+    asked: list[tuple[str, int]] = []
+
+    class Graph:
+        def __init__(self, tag):
+            self.replay = tag
+
+    def fake_capture(body, *, warm, repeat):
+        return Graph(body())
+
+    def fake_bench(fn, *, rep_ms):
+        asked.append(fn)
+        name, i = fn
+        return levels[name][i]
+
+    monkeypatch.setattr(common, "capture", fake_capture)
+    monkeypatch.setattr(common, "do_bench_ms", fake_bench)
+    bodies = {n: [lambda n=n, i=i: (n, i) for i in range(len(v))] for n, v in levels.items()}
+    return common, bodies, asked
+
+
+def test_pooled_replay_times_every_copy_interleaved_and_alternating(monkeypatch):
+    common, bodies, asked = _fake_graphs(monkeypatch, {"original": [2.0, 4.0], "guarded": [6.0, 8.0], "one": [10.0]})
+    out = common.pooled_replay_ms(bodies, per_graph=2, repeats=3, rep_ms=1)
+    first = [("original", 0), ("guarded", 0), ("one", 0), ("original", 1), ("guarded", 1)]
+    assert asked == first + first[::-1] + first
+    # Per variant, per round, one per-call time per copy (the graph's time over its calls).
+    assert out == {"original": [[1.0, 2.0]] * 3, "guarded": [[3.0, 4.0]] * 3, "one": [[5.0]] * 3}
+    # The single-copy form is the same timing, one sample per round.
+    assert common.paired_replay_ms({"one": bodies["one"][0]}, per_graph=2, repeats=2, rep_ms=1) == {"one": [5.0, 5.0]}
+    with pytest.raises(ValueError, match="at least one body"):
+        common.pooled_replay_ms({"empty": []}, per_graph=1, repeats=1, rep_ms=1)
+
+
+def test_pooled_cost_reads_the_code_not_where_one_load_landed():
+    """The same code loaded at three addresses times at three levels (a placement offset, persistent over rounds).
+    Pooled over the loads, a guard that costs nothing reads 0 %, and one that costs 2 % reads 2 %; the control
+    compares one load of each side, as a comparison of one build each does, and reads the offset as a cost."""
+    from tripwire.cli.bench.common import copy_levels_ms, copy_spread_pct, pooled_cost_pct
+
+    place_o = [1.000, 1.010, 1.005]  # the original's three loads
+    place_g = [1.010, 1.000, 1.005]  # the same offsets, drawn in another order
+    rounds = 5
+    for cost in (0.0, 2.0):
+        times = {
+            "original": [list(place_o) for _ in range(rounds)],
+            "guarded": [[x * (1 + cost / 100) for x in place_g] for _ in range(rounds)],
+        }
+        assert pooled_cost_pct(times, "guarded", "original") == pytest.approx([cost] * rounds, abs=1e-9)
+        # The control: the first load of each carries its placement (+1 %) into the figure.
+        one_load = 100 * (times["guarded"][0][0] / times["original"][0][0] - 1)
+        assert one_load == pytest.approx(cost + 1.0 + cost / 100, abs=1e-9)
+    assert copy_levels_ms(times["original"]) == place_o
+    assert copy_spread_pct(times["original"]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="different rounds"):
+        pooled_cost_pct({"a": [[1.0]], "b": [[1.0], [1.0]]}, "a", "b")
+
+
+def test_jit_copy_is_the_same_kernel_under_another_function(kernel_device):
+    """A copy runs the same Python function with the same options, and computes what the kernel does."""
+    from tripwire.cli.bench.common import jit_copy
+
+    copy = jit_copy(_add_one)
+    assert copy is not _add_one and copy.fn is _add_one.fn
+    for opt in ("do_not_specialize", "noinline"):
+        assert getattr(copy, opt, None) == getattr(_add_one, opt, None)
+    x = torch.arange(8, device=kernel_device, dtype=torch.int32)
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    _add_one[(1,)](x, a, 8, BLOCK=8)
+    copy[(1,)](x, b, 8, BLOCK=8)
+    assert torch.equal(a, x + 1) and torch.equal(b, a)
+
+
+@pytest.mark.gpu
+def test_gpu_jit_copy_loads_the_code_apart():
+    """The copy's compiled kernel is a module of its own (another CUfunction) with the kernel's binary; the control:
+    the kernel launched again is the same function of the same module."""
+    from tripwire.cli.bench.common import jit_copy
+
+    copy = jit_copy(_add_one)
+    x = torch.arange(8, device="cuda", dtype=torch.int32)
+    y = torch.empty_like(x)
+    k1 = _add_one[(1,)](x, y, 8, BLOCK=8)
+    k2 = _add_one[(1,)](x, y, 8, BLOCK=8)
+    kc = copy[(1,)](x, y, 8, BLOCK=8)
+    torch.cuda.synchronize()
+    assert k1.function == k2.function and k1.module == k2.module  # the control: one load
+    assert kc.function != k1.function and kc.module != k1.module
+    assert kc.asm["cubin"] == k1.asm["cubin"]  # the same binary, loaded twice
+
+
+@triton.jit(do_not_specialize=["n"])
+def _add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1, mask=o < n)

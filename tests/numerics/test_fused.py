@@ -208,6 +208,26 @@ def test_count_false_writes_the_same_cache_and_counts_nothing(monitor, kernel_de
     assert c.totals()["k"] > 0  # control: the same call with counting on counts
 
 
+def test_launch_runs_a_copy_of_the_kernel(monitor, kernel_device):
+    """``_launch(kernel=...)``: another JITFunction of the kernel (the benchmark's loads of the code at other
+    addresses) writes the same bits and counts the same as the module's kernel."""
+    from tripwire.cli.bench.common import jit_copy
+    from tripwire.numerics import _fused_kernel
+
+    fmt = "e4m3"
+    key = exact_kv(fmt, torch.bfloat16, 1.0, 6, seed=5).to(kernel_device)
+    slots = slots_for(6, kernel_device)
+    copy = jit_copy(_fused_kernel._fp8_kv_cache_kernel)
+    out = []
+    for kernel in (None, copy):
+        c = ClipCounter(f"copy{kernel is None}", kernel_device, fmt, monitor=monitor)
+        kc, vc = caches(fmt, kernel_device)
+        _launch(key, key, kc, vc, slots, 1.0, 1.0, c, count=True, guard=True, kernel=kernel)
+        out.append((kc.view(torch.uint8).clone(), c.totals()))
+    assert torch.equal(out[0][0], out[1][0]) and out[0][1] == out[1][1]
+    assert out[0][1]["k"] > 0  # something clipped: the counts compared are not both zero
+
+
 def test_slot_past_the_cache_is_masked_and_counted(monitor, kernel_device, caplog):
     fmt = "e4m3"
     num_slots = BLOCKS * BLOCK_SIZE

@@ -37,6 +37,8 @@ differ from torch's (count them with :func:`tripwire.numerics.count_nonfinite`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import triton
@@ -212,6 +214,7 @@ def _launch(
     tail_last: bool | None = None,
     tail_override: tuple[str, str, int] | None = None,
     rne_cast: bool | None = None,
+    kernel: Any = None,
 ) -> None:
     """The launch behind :func:`quantize_kv_to_fp8_cache`. ``count``/``guard`` compile the counting and the slot
     guard in or out (the benchmark's twins); ``vec`` overrides the running max's in-thread chunk (tests: any power
@@ -222,7 +225,9 @@ def _launch(
     after the token's stores (True) or before them (False) instead of by the batch's size (``_small_batch``);
     ``tail_override`` = ``(asm, constraints, pack)`` replaces the generated tail (tests' controls only);
     ``rne_cast=False`` forces the clamp and the float32 grid rounding before the cast on sm_89+ (what older GPUs and
-    the interpreter run; ``True`` raises where the cast is not the hardware's direct round-to-nearest-even)."""
+    the interpreter run; ``True`` raises where the cast is not the hardware's direct round-to-nearest-even); ``kernel``
+    launches another JITFunction of the same kernel (the benchmark's loads of the code at other addresses:
+    ``tripwire.cli.bench.common.jit_copy``) instead of the module's."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
@@ -274,7 +279,7 @@ def _launch(
             tail_asm, tail_con, tail_pack = tail_override
     else:
         tail_pack, tail_asm, tail_con, limit_asm = 1, "", "", ""
-    _fp8_kv_cache_kernel[(triton.cdiv(tokens, tpp),)](
+    (_fp8_kv_cache_kernel if kernel is None else kernel)[(triton.cdiv(tokens, tpp),)](
         key,
         value,
         k_cache,

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,13 +284,70 @@ def paired_replay_ms(
     CUDA graph (so Python's launch overhead is not measured), then every repeat times every graph with do_bench,
     in an order that alternates between repeats (drift -- clocks, temperature -- hits every body alike). Returns
     ``repeats`` samples per body, each a median over do_bench's runs divided by ``per_graph``."""
-    graphs = {name: capture(body, warm=2, repeat=per_graph) for name, body in bodies.items()}
-    names = list(graphs)
-    out: dict[str, list[float]] = {n: [] for n in names}
+    rounds = pooled_replay_ms({n: [b] for n, b in bodies.items()}, per_graph=per_graph, repeats=repeats,
+                              rep_ms=rep_ms)  # fmt: skip
+    return {n: [copies[0] for copies in r] for n, r in rounds.items()}
+
+
+# ------------------------------------------------------------------------------------------ code placement
+# Where a kernel's code lands in device memory moves its time: the same binary, loaded as K separate modules (each
+# one graph), times as K persistent levels a few tenths of a percent apart (benchmarks/RESULTS.md, "Where the code
+# lands"), as large as the costs a 1 % target judges. A comparison of one load of each side measures the guard plus
+# one draw of that offset; the pooled comparison below measures each side over K loads.
+def jit_copy(fn: Any) -> Any:
+    """A new ``triton.JITFunction`` of ``fn``'s Python function and options: it compiles to the same binary (from
+    Triton's cache) but keeps its own compiled kernels, each loaded as a module of its own, so its code sits at
+    another address than ``fn``'s. Under the interpreter (nothing is compiled or loaded) a new interpreted
+    function of the same Python function."""
+    import triton
+
+    # The interpreter's functions carry no compile options (nothing to keep); a JITFunction's are kept as they are.
+    opts = {
+        k: getattr(fn, k)
+        for k in ("do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline")
+        if getattr(fn, k, None) is not None
+    }
+    return triton.jit(fn.fn, **opts)
+
+
+def pooled_replay_ms(
+    bodies: Mapping[str, Sequence[Callable[[], Any]]], *, per_graph: int, repeats: int, rep_ms: int
+) -> dict[str, list[list[float]]]:
+    """:func:`paired_replay_ms` over copies of the code: each variant is a list of bodies that run the same code
+    loaded again (:func:`jit_copy`, a module imported again), each captured in a graph of its own. Every round times
+    every graph, the variants' copies interleaved (each variant's copy 0, then each one's copy 1, ...), in an order
+    that alternates between rounds. Returns, per variant, ``repeats`` rounds of one per-call time (ms) per copy."""
+    width = {len(v) for v in bodies.values()}
+    if not bodies or 0 in width:
+        raise ValueError("pooled_replay_ms: every variant needs at least one body")
+    order = [(n, i) for i in range(max(width)) for n in bodies if i < len(bodies[n])]
+    graphs = {key: capture(bodies[key[0]][key[1]], warm=2, repeat=per_graph) for key in order}
+    out: dict[str, list[list[float]]] = {n: [[0.0] * len(v) for _ in range(repeats)] for n, v in bodies.items()}
     for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            out[name].append(do_bench_ms(graphs[name].replay, rep_ms=rep_ms) / per_graph)
+        for n, i in order if r % 2 == 0 else order[::-1]:
+            out[n][r][i] = do_bench_ms(graphs[(n, i)].replay, rep_ms=rep_ms) / per_graph
     return out
+
+
+def pooled_cost_pct(times: dict[str, list[list[float]]], num: str, den: str) -> list[float]:
+    """Per round, ``num`` over ``den`` in percent, each side the median of its copies' times (``times`` from
+    :func:`pooled_replay_ms`). The figure is the median of these rounds; their spread is the round-to-round noise."""
+    if len(times[num]) != len(times[den]):
+        raise ValueError(f"{num} and {den} were timed over different rounds")
+    return [100.0 * (statistics.median(a) / statistics.median(b) - 1.0) for a, b in zip(times[num], times[den],
+                                                                                     strict=True)]  # fmt: skip
+
+
+def copy_levels_ms(times: list[list[float]]) -> list[float]:
+    """Each copy's median over the rounds (``times``: one variant's rounds from :func:`pooled_replay_ms`): the
+    levels the placements give the same code."""
+    return [statistics.median(r[i] for r in times) for i in range(len(times[0]))]
+
+
+def copy_spread_pct(times: list[list[float]]) -> float:
+    """How far apart the copies' levels are: the slowest over the fastest, in percent."""
+    levels = copy_levels_ms(times)
+    return 100.0 * (max(levels) / min(levels) - 1.0)
 
 
 def calibrate_spin(target_us: float) -> Callable[[], list[int]]:
