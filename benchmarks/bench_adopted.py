@@ -64,25 +64,25 @@ def _variants(copies: int) -> dict[str, tuple[str, range]]:
     }
 
 
-def _decode_case(q_heads: int, kv_heads: int, copies: int) -> Case:
+def _decode_case(q_heads: int, kv_heads: int, copies: int, device: str = "cuda") -> Case:
     from adopted_vllm import load
 
     B, D, ctx, PS, S = (DECODE[k] for k in ("batch", "head_dim", "context", "page", "splits"))
     W = ctx // PS
     N = B * W + 64
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, q_heads, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    kb = torch.randn(N, PS, kv_heads, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    vb = torch.randn(N, PS, kv_heads, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    table = torch.randperm(N, device="cuda", generator=g)[: B * W].reshape(B, W).to(torch.int32)
-    lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, q_heads, D, device=device, generator=g, dtype=torch.bfloat16)
+    kb = torch.randn(N, PS, kv_heads, D, device=device, generator=g, dtype=torch.bfloat16)
+    vb = torch.randn(N, PS, kv_heads, D, device=device, generator=g, dtype=torch.bfloat16)
+    table = torch.randperm(N, device=device, generator=g)[: B * W].reshape(B, W).to(torch.int32)
+    lens = torch.full((B,), ctx, device=device, dtype=torch.int32)
     scale = D**-0.5
     variants = _variants(copies)
     outs = {n: torch.empty_like(q) for n in variants}
-    lse = {n: torch.empty(B, q_heads, device="cuda", dtype=torch.float32) for n in variants}
-    logits = {n: torch.empty(B, q_heads, S, D + 1, device="cuda", dtype=torch.float32) for n in variants}
-    one = torch.ones((), device="cuda", dtype=torch.float32)
-    ctr = _counters(load("guarded", "triton_decode_attention").SITES)
+    lse = {n: torch.empty(B, q_heads, device=device, dtype=torch.float32) for n in variants}
+    logits = {n: torch.empty(B, q_heads, S, D + 1, device=device, dtype=torch.float32) for n in variants}
+    one = torch.ones((), device=device, dtype=torch.float32)
+    ctr = _counters(load("guarded", "triton_decode_attention").SITES, device)
 
     def body(code: str, i: int, name: str) -> Callable[[], None]:
         mod = load(code, "triton_decode_attention", copy=i)
@@ -100,12 +100,19 @@ def _decode_case(q_heads: int, kv_heads: int, copies: int) -> Case:
     bodies = {n: [body(code, i, n) for i in loads] for n, (code, loads) in variants.items()}
 
     def check() -> list[tuple]:
-        for runs in bodies.values():
-            for b in runs:
+        # Every load of every variant against the original's first, each into outputs filled with NaN first: a load
+        # that wrote nothing (or launched another load's kernel wrongly) fails here instead of timing as a fast one.
+        ref = None
+        for name, runs in bodies.items():
+            for i, b in enumerate(runs):
+                outs[name].fill_(float("nan"))
                 b()
-        torch.cuda.synchronize()
-        # Not bitwise: the guarded kernel's -inf-safe softmax may be scheduled (contracted) differently.
-        torch.testing.assert_close(outs["guarded"], outs["original"], rtol=2e-2, atol=2e-3, equal_nan=True)
+                _sync(device)
+                if ref is None:
+                    ref = outs[name].clone()
+                    assert not ref.isnan().any(), "the original wrote NaN on clean input"
+                # Not bitwise: the guarded kernel's -inf-safe softmax may be scheduled (contracted) differently.
+                torch.testing.assert_close(outs[name], ref, rtol=2e-2, atol=2e-3, msg=f"{name} load {i}")
         assert int(ctr[:, 0].sum()) == 0, ctr
         from tripwire import resources as rs
 
@@ -118,30 +125,30 @@ def _decode_case(q_heads: int, kv_heads: int, copies: int) -> Case:
     return bodies, check
 
 
-def _cache_inputs(tokens: int) -> dict[str, torch.Tensor]:
+def _cache_inputs(tokens: int, device: str = "cuda") -> dict[str, torch.Tensor]:
     H, D, PS = CACHE["kv_heads"], CACHE["head_dim"], CACHE["page"]
     blocks = 4 * tokens // PS
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(1)
     return dict(
-        key=torch.randn(tokens, H, D, device="cuda", generator=g, dtype=torch.bfloat16),
-        value=torch.randn(tokens, H, D, device="cuda", generator=g, dtype=torch.bfloat16),
-        slots=torch.randperm(blocks * PS, device="cuda", generator=g)[:tokens].to(torch.int64),
+        key=torch.randn(tokens, H, D, device=device, generator=g, dtype=torch.bfloat16),
+        value=torch.randn(tokens, H, D, device=device, generator=g, dtype=torch.bfloat16),
+        slots=torch.randperm(blocks * PS, device=device, generator=g)[:tokens].to(torch.int64),
         blocks=torch.tensor(blocks),
     )
 
 
-def _caches(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _caches(c: dict[str, torch.Tensor], device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     blocks = int(c["blocks"])
     shape = (blocks, CACHE["page"], CACHE["kv_heads"], CACHE["head_dim"])
     return (
-        torch.zeros(shape, device="cuda", dtype=torch.bfloat16),
-        torch.zeros(shape, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(shape, device=device, dtype=torch.bfloat16),
+        torch.zeros(shape, device=device, dtype=torch.bfloat16),
     )
 
 
-def _reshape_case(tokens: int, cuda: bool, copies: int) -> Case:
-    c = _cache_inputs(tokens)
-    one = torch.ones(1, device="cuda", dtype=torch.float32)
+def _reshape_case(tokens: int, cuda: bool, copies: int, device: str = "cuda") -> Case:
+    c = _cache_inputs(tokens, device)
+    one = torch.ones(1, device=device, dtype=torch.float32)
     variants = _variants(copies)
     make: Callable[[tuple[torch.Tensor, torch.Tensor], str, int], Callable[[], None]]
     if cuda:
@@ -151,7 +158,7 @@ def _reshape_case(tokens: int, cuda: bool, copies: int) -> Case:
             cuda_ext.build(copy=i)
         ctr = _counters((cuda_ext.SITE,))
         # One library holds both sides: its copy i runs original copy i and guarded copy i (and the vote control's).
-        guards = {"original": False, "guarded": True, "vote": "vote"}
+        guards: dict[str, bool | str] = {"original": False, "guarded": True, "vote": "vote"}
         variants["vote"] = ("vote", range(copies))  # the profiler's control (adopted_vllm/vote_variant.cuh)
 
         def make(cache: tuple[torch.Tensor, torch.Tensor], code: str, i: int) -> Callable[[], None]:
@@ -163,7 +170,7 @@ def _reshape_case(tokens: int, cuda: bool, copies: int) -> Case:
     else:
         from adopted_vllm import load
 
-        ctr = _counters((load("guarded", "triton_reshape_and_cache_flash").SITE_SLOT,))
+        ctr = _counters((load("guarded", "triton_reshape_and_cache_flash").SITE_SLOT,), device)
 
         def make(cache: tuple[torch.Tensor, torch.Tensor], code: str, i: int) -> Callable[[], None]:
             kc, vc = cache
@@ -176,18 +183,26 @@ def _reshape_case(tokens: int, cuda: bool, copies: int) -> Case:
     # The check writes each variant's own caches (and compares them); the timed bodies all write one pair: the
     # variants write the same bytes to the same slots, and caches of their own would time each variant against
     # its own pages (where a 32 MiB cache lands in memory moved an A/A pair by over 1 %).
-    caches = {n: _caches(c) for n in variants}
-    timed = _caches(c)
+    caches = {n: _caches(c, device) for n in variants}
+    timed = _caches(c, device)
     own = {n: [make(caches[n], code, i) for i in loads] for n, (code, loads) in variants.items()}
     bodies = {n: [make(timed, code, i) for i in loads] for n, (code, loads) in variants.items()}
 
     def check() -> list[tuple]:
-        for runs in own.values():
-            for b in runs:
+        # Every load of every variant into zeroed caches, against the original's first load, bit for bit: a load
+        # that wrote nothing (or another load's kernel) fails here instead of timing as a fast one.
+        ref = None
+        for name, runs in own.items():
+            for i, b in enumerate(runs):
+                for t in caches[name]:
+                    t.zero_()
                 b()
-        torch.cuda.synchronize()
-        for a, b in zip(caches["original"], caches["guarded"], strict=True):
-            assert torch.equal(a, b), "guarded reshape_and_cache differs on clean input"
+                _sync(device)
+                if ref is None:
+                    ref = tuple(t.clone() for t in caches[name])
+                    assert all(t.any() for t in ref), "the original wrote nothing"
+                for a, r in zip(caches[name], ref, strict=True):
+                    assert torch.equal(a, r), f"{name} load {i} differs from the original on clean input"
         assert int(ctr.reshape(-1, 8)[:, 0].sum()) == 0, ctr
         from tripwire import resources as rs
 
@@ -205,19 +220,25 @@ def _reshape_case(tokens: int, cuda: bool, copies: int) -> Case:
     return bodies, check
 
 
-def _counters(sites: tuple) -> torch.Tensor:
+def _sync(device: str) -> None:
+    if device != "cpu":  # the kernels' device in the CPU harness test (the interpreter) runs synchronously
+        torch.cuda.synchronize()
+
+
+def _counters(sites: tuple, device: str = "cuda") -> torch.Tensor:
     from tripwire.kernels import counters
 
-    return counters(sites, "cuda")
+    return counters(sites, device)
 
 
-CASES: dict[str, Callable[[int], Case]] = {
-    "decode_gqa": lambda k: _decode_case(32, 8, k),
-    "decode_mha": lambda k: _decode_case(32, 32, k),
-    "reshape_triton_256": lambda k: _reshape_case(256, cuda=False, copies=k),
-    "reshape_triton_4096": lambda k: _reshape_case(4096, cuda=False, copies=k),
-    "reshape_cuda_256": lambda k: _reshape_case(256, cuda=True, copies=k),
-    "reshape_cuda_4096": lambda k: _reshape_case(4096, cuda=True, copies=k),
+# name -> (copies, device) -> the case
+CASES: dict[str, Callable[[int, str], Case]] = {
+    "decode_gqa": lambda k, d: _decode_case(32, 8, k, d),
+    "decode_mha": lambda k, d: _decode_case(32, 32, k, d),
+    "reshape_triton_256": lambda k, d: _reshape_case(256, cuda=False, copies=k, device=d),
+    "reshape_triton_4096": lambda k, d: _reshape_case(4096, cuda=False, copies=k, device=d),
+    "reshape_cuda_256": lambda k, d: _reshape_case(256, cuda=True, copies=k, device=d),
+    "reshape_cuda_4096": lambda k, d: _reshape_case(4096, cuda=True, copies=k, device=d),
 }
 PER_GRAPH = {"decode_gqa": 5, "decode_mha": 5}  # the reshape cases: 20 (a few microseconds each)
 
@@ -227,8 +248,11 @@ def _one_load_pct(times: dict[str, list[list[float]]], num: str, den: str) -> li
     return [100.0 * (a[0] / b[0] - 1.0) for a, b in zip(times[num], times[den], strict=True)]
 
 
-def run_case(name: str, rounds: int, rep_ms: int, copies: int) -> dict:
-    bodies, check = CASES[name](copies)
+def run_case(name: str, rounds: int, rep_ms: int, copies: int, device: str = "cuda") -> dict:
+    """One case: its check (every load against the original's first), then the pooled timing. ``device``: where
+    the case's tensors live (the harness test runs the Triton cases on the CPU, under the interpreter, its timers
+    replaced)."""
+    bodies, check = CASES[name](copies, device)
     usage = check()
     times = pooled_replay_ms(bodies, per_graph=PER_GRAPH.get(name, 20), repeats=rounds, rep_ms=rep_ms)
     cost = pooled_cost_pct(times, "guarded", "original")

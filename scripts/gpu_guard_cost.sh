@@ -35,11 +35,11 @@ step build_ext 240 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); fro
 #    interleaved rounds, the A/A noise floor, registers and programs per SM of each.
 #    Six loads of each side's code, pooled (benchmarks/RESULTS.md, "Where the code lands").
 step bench_adopted 420 python3 benchmarks/bench_adopted.py --rounds 41 --rep-ms 30 --out "$OUT/adopted.json"
-grep -sE "cost|ERROR" "$OUT/bench_adopted.log" | cut -c1-240 >>"$SUM"
+want bench_adopted && grep -E "cost|ERROR" "$OUT/bench_adopted.log" | cut -c1-240 >>"$SUM"
 
 # 2b. tripwire's slot_mapping at engine batch sizes (256 / 4096 / 32768 tokens): guarded against its twin.
 step bench_slot_mapping 90 python3 benchmarks/bench_slot_mapping.py --out "$OUT/slot_mapping.json"
-grep -sE "cost" "$OUT/bench_slot_mapping.log" >>"$SUM"
+want bench_slot_mapping && grep -E "cost" "$OUT/bench_slot_mapping.log" >>"$SUM"
 
 # 3. ncu on the CUDA reshape_and_cache at 4096 tokens: the original, the guarded copy, the vote control; launch
 #    registers, the occupancy limit and achieved occupancy, the time. Clocks not locked (--clock-control none).
@@ -73,13 +73,13 @@ fi
 
 # 4. The validator's host cost per eager call (target <= 20 us) and its graph-replayed device time.
 step bench_validate 90 python3 benchmarks/bench_validate.py --repeats 3 --json "$OUT/validate.json"
-grep -sE "host|per call" "$OUT/bench_validate.log" >>"$SUM"
+want bench_validate && grep -E "host|per call" "$OUT/bench_validate.log" >>"$SUM"
 
 # 5. The numeric kernels: the non-finite counter's sweep against a copy (target >= 90 % everywhere) and the fused FP8
 #    counter against count=False (target <= 2 % at 2048 tokens; six loads of each side's kernel, pooled). The launch
 #    shapes' sweep of the fused kernel (benchmarks/sweep_fused.py: one load each) is a design record, not run here.
 step bench_numerics 200 python3 -m tripwire.cli.bench.numerics --fused-tokens 2048 --out "$OUT/numerics.json"
-grep -sE "non-finite|sweep|2048x8x128" "$OUT/bench_numerics.log" | head -30 >>"$SUM"
+want bench_numerics && grep -E "^(non-finite counter|  sweep|2048x8x128)" "$OUT/bench_numerics.log" >>"$SUM"
 
 # Last, not timed, side by side: the GPU tests and compute-sanitizer (neither disturbs a measurement any more).
 # The GPU tests: the adopted kernels (counts, masking, graph replay, the CUDA extension and its second loads), the

@@ -52,7 +52,7 @@ def _load_copy(so: Path, copy: int) -> Any:
     dst = so.parent / f"copy{copy}" / so.name
     if not dst.exists() or dst.stat().st_mtime < so.stat().st_mtime:
         dst.parent.mkdir(exist_ok=True)
-        tmp = dst.with_suffix(".tmp")
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
         shutil.copyfile(so, tmp)
         os.replace(tmp, dst)  # whole or absent: another process may be loading it
     return _Copy(dst)

@@ -546,6 +546,23 @@ def test_bench_numerics_folds_each_sizes_sweep_as_a_target_of_its_slowest_shape(
     assert "sweep (target >= 0.9 at every shape: SHORT)" in table and "at every shape: PASS" in table
 
 
+def test_bench_numerics_merge_refuses_a_partial_run(tmp_path):
+    """merge() replaces every numerics figure of q1: a run that measured a part (some fused batches, no non-finite
+    counter) is refused, the record untouched; the control: the same result marked whole merges."""
+    from tripwire.cli.bench import numerics as bench_numerics
+
+    path = tmp_path / "bench.json"
+    record = {"questions": {"q1": {"title": "q1", "figures": {"keep": {}}, "targets": [], "notes": []}}}
+    path.write_text(json.dumps(record))
+    res = {"quick": False, "device": "fake", "torch": "t", "triton": "tr", "repeats": 5, "fused_fp8": [],
+           "partial": True}  # fmt: skip
+    with pytest.raises(ValueError, match="whole numerics run"):
+        bench_numerics.merge(res, path)
+    assert json.loads(path.read_text()) == record
+    bench_numerics.merge({**res, "partial": False}, path)
+    assert json.loads(path.read_text()) != record
+
+
 # ---------------------------------------------------------------------------------------------- guard benchmarks
 def _fake_timers(module, monkeypatch):
     """Replace a guard benchmark's GPU timers: every body still runs (twice), every time is 1 ms, so the harness's
@@ -582,6 +599,53 @@ def test_bench_decode_attention_harness_on_cpu(monkeypatch, tmp_path, kernel_dev
     assert calls.count("guarded") == 3 and calls.count("twin") == 6
     kv, total = bench._bytes(bench._case(shape, "cpu"), 2)
     assert kv == 17 * 64 * 2 * 16 * 2 * 2 and total > kv
+
+
+def _small_adopted(monkeypatch, kernel_device):
+    """bench_adopted at small shapes, its timer replaced (every body runs; every time 1 ms), its resource reading
+    left out (it compiles for sm_90: tests/test_register_rule.py holds the adopted kernels to the rule)."""
+    import bench_adopted as bench
+    from tripwire import resources
+
+    def replay(bodies, *, per_graph, repeats, rep_ms):
+        for runs in bodies.values():
+            for body in runs:
+                body()
+        return {n: [[1.0] * len(runs) for _ in range(repeats)] for n, runs in bodies.items()}
+
+    monkeypatch.setattr(bench, "pooled_replay_ms", replay)
+    monkeypatch.setattr(resources, "capture_launches", lambda fn: [])
+    monkeypatch.setattr(bench, "CACHE", dict(kv_heads=2, head_dim=16, page=16))
+    monkeypatch.setattr(bench, "DECODE", dict(batch=2, head_dim=16, context=64, page=16, splits=2))
+    if kernel_device == "cpu":  # vLLM's reshape launcher asks the device's capability: answer for an H200
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    return bench
+
+
+@pytest.mark.parametrize("case", ["reshape_triton_256", "decode_gqa"])
+def test_bench_adopted_harness_on_cpu(monkeypatch, kernel_device, case):
+    """bench_adopted's plumbing on the kernels' device (the interpreter on the CPU): each variant is its copies'
+    loads (the original's first the reference every load is checked against), the A/A further loads of the
+    original, the figures pooled."""
+    bench = _small_adopted(monkeypatch, kernel_device)
+    res = bench.run_case(case, rounds=3, rep_ms=1, copies=2, device=kernel_device)
+    json.dumps(res)
+    assert res["copies"] == 2 and res["rounds"] == 3
+    assert res["cost_pct"] == res["aa_pct"] == res["one_load_cost_pct"] == 0.0
+    assert set(res["copy_levels_us"]) == {"original", "guarded", "original_b"}
+    assert all(v == [1000.0, 1000.0] for v in res["copy_levels_us"].values())
+
+
+def test_bench_adopted_check_catches_a_load_that_writes_nothing(monkeypatch, kernel_device):
+    """The control of the per-load check: a guarded load that launches nothing (what a copy that is not one would
+    time as: fast, and wrong) fails the case's check, naming the load."""
+    bench = _small_adopted(monkeypatch, kernel_device)
+    from adopted_vllm import load
+
+    mod = load("guarded", "triton_reshape_and_cache_flash", copy=1)
+    monkeypatch.setattr(mod, "triton_reshape_and_cache_flash", lambda *a, **k: None)
+    with pytest.raises(AssertionError, match="guarded load 1 differs"):
+        bench.run_case("reshape_triton_256", rounds=1, rep_ms=1, copies=2, device=kernel_device)
 
 
 def test_bench_cuda_gather_harness_on_cpu(monkeypatch):
@@ -674,18 +738,46 @@ def test_pooled_cost_reads_the_code_not_where_one_load_landed():
 
 
 def test_jit_copy_is_the_same_kernel_under_another_function(kernel_device):
-    """A copy runs the same Python function with the same options, and computes what the kernel does."""
+    """A copy runs the same Python function with the same options (the interpreter keeps them as given, a
+    JITFunction as attributes), computes what the kernel does, and leaves the kernel its name in Triton's registry."""
+    import triton.runtime.jit as triton_jit
+
     from tripwire.cli.bench.common import jit_copy
 
     copy = jit_copy(_add_one)
     assert copy is not _add_one and copy.fn is _add_one.fn
-    for opt in ("do_not_specialize", "noinline"):
-        assert getattr(copy, opt, None) == getattr(_add_one, opt, None)
+    if hasattr(_add_one, "kwargs"):  # the interpreter
+        assert copy.kwargs == _add_one.kwargs and copy.kwargs["do_not_specialize"] == ["n"]
+    else:
+        assert copy.do_not_specialize == _add_one.do_not_specialize == ["n"]
+    registry = getattr(triton_jit, "_triton_jit_function_registry", {})
+    assert all(v is not copy for v in registry.values())
     x = torch.arange(8, device=kernel_device, dtype=torch.int32)
     a, b = torch.empty_like(x), torch.empty_like(x)
     _add_one[(1,)](x, a, 8, BLOCK=8)
     copy[(1,)](x, b, 8, BLOCK=8)
     assert torch.equal(a, x + 1) and torch.equal(b, a)
+
+
+def test_jit_copy_leaves_the_kernel_its_registry_entry(monkeypatch):
+    """Triton 3.9 registers every JITFunction under its module and name, the last one made winning (the control: a
+    plain second ``triton.jit`` of the function takes the entry); ``jit_copy`` gives the entry back to the kernel."""
+    import triton.runtime.jit as triton_jit
+
+    from tripwire.cli.bench.common import jit_copy
+
+    registry = getattr(triton_jit, "_triton_jit_function_registry", None)
+    if registry is None:
+        pytest.skip(f"Triton {triton.__version__} keeps no registry of its JITFunctions (3.9 does)")
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)  # JITFunctions, not interpreted functions
+    key = f"{_add_one.fn.__module__}:{_add_one.fn.__qualname__}"
+    monkeypatch.setitem(registry, key, registry.get(key))  # the entry as it was, after the test
+    kernel = triton.jit(_add_one.fn)
+    plain = triton.jit(_add_one.fn)
+    assert registry[key] is plain  # the control
+    registry[key] = kernel
+    copy = jit_copy(kernel)
+    assert copy is not kernel and registry[key] is kernel
 
 
 @pytest.mark.gpu

@@ -218,12 +218,20 @@ def test_launch_runs_a_copy_of_the_kernel(monitor, kernel_device):
     key = exact_kv(fmt, torch.bfloat16, 1.0, 6, seed=5).to(kernel_device)
     slots = slots_for(6, kernel_device)
     copy = jit_copy(_fused_kernel._fp8_kv_cache_kernel)
+    launched = []
+
+    class Seen:  # the copy, recording that the launch went through it (a launcher ignoring kernel= fails below)
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return copy[grid]
+
     out = []
-    for kernel in (None, copy):
+    for kernel in (None, Seen()):
         c = ClipCounter(f"copy{kernel is None}", kernel_device, fmt, monitor=monitor)
         kc, vc = caches(fmt, kernel_device)
         _launch(key, key, kc, vc, slots, 1.0, 1.0, c, count=True, guard=True, kernel=kernel)
         out.append((kc.view(torch.uint8).clone(), c.totals()))
+    assert len(launched) == 1
     assert torch.equal(out[0][0], out[1][0]) and out[0][1] == out[1][1]
     assert out[0][1]["k"] > 0  # something clipped: the counts compared are not both zero
 

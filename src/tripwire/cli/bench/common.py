@@ -295,19 +295,34 @@ def paired_replay_ms(
 # lands"), as large as the costs a 1 % target judges. A comparison of one load of each side measures the guard plus
 # one draw of that offset; the pooled comparison below measures each side over K loads.
 def jit_copy(fn: Any) -> Any:
-    """A new ``triton.JITFunction`` of ``fn``'s Python function and options: it compiles to the same binary (from
-    Triton's cache) but keeps its own compiled kernels, each loaded as a module of its own, so its code sits at
-    another address than ``fn``'s. Under the interpreter (nothing is compiled or loaded) a new interpreted
-    function of the same Python function."""
+    """A new ``triton.JITFunction`` of ``fn``'s Python function with ``fn``'s options: it compiles to the same binary
+    (from Triton's cache) but keeps its own compiled kernels, each loaded as a module of its own, so its code sits at
+    another address than ``fn``'s. Under the interpreter (nothing is compiled or loaded) a new interpreted function
+    of the same Python function and options."""
     import triton
+    import triton.runtime.jit as triton_jit
 
-    # The interpreter's functions carry no compile options (nothing to keep); a JITFunction's are kept as they are.
-    opts = {
-        k: getattr(fn, k)
-        for k in ("do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline")
-        if getattr(fn, k, None) is not None
-    }
-    return triton.jit(fn.fn, **opts)
+    given = getattr(fn, "kwargs", None)
+    if isinstance(given, dict):
+        copy = triton.jit(fn.fn, **given)  # the interpreter's function keeps its options as they were given
+    else:
+        copy = triton.jit(
+            fn.fn,
+            version=fn.version,
+            repr=fn._repr,
+            launch_metadata=fn.launch_metadata,
+            do_not_specialize=list(fn.do_not_specialize),
+            do_not_specialize_on_alignment=list(fn.do_not_specialize_on_alignment),
+            debug=fn.debug,
+            noinline=fn.noinline,
+        )
+    # Triton 3.9 registers every JITFunction under its module and name, the last one made winning: the copy must not
+    # take the original's entry.
+    registry = getattr(triton_jit, "_triton_jit_function_registry", None)
+    key = f"{fn.fn.__module__}:{fn.fn.__qualname__}"
+    if isinstance(registry, dict) and registry.get(key) is copy:
+        registry[key] = fn
+    return copy
 
 
 def pooled_replay_ms(

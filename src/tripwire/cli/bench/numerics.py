@@ -249,8 +249,7 @@ def run(
     copies = copies if copies is not None else (2 if quick else 6)
     if copies < 1:
         raise ValueError(f"copies must be at least 1, got {copies}")
-    if fused_tokens is None:
-        fused_tokens = (4096,) if quick else (2048, 16384, 32768)
+    fused_tokens = tuple(fused_tokens) if fused_tokens is not None else ((4096,) if quick else (2048, 16384, 32768))
     if not fused_tokens or min(fused_tokens) < 1:
         raise ValueError(f"fused_tokens must be batches of at least one token, got {fused_tokens}")
     shapes = [(t, 8, 128) for t in fused_tokens]
@@ -261,6 +260,8 @@ def run(
     return {
         "name": "numerics",
         "quick": quick,
+        # A part of the measure (some batches, or no non-finite counter): merge() refuses it (it replaces them all).
+        "partial": fused_tokens != ((4096,) if quick else (2048, 16384, 32768)) or not nonfinite,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -406,6 +407,8 @@ def merge(res: dict, bench_json: Path) -> None:
     were: only the numerics kernels are re-measured. Then ``results_md.py --update`` renders the record."""
     import time
 
+    if res.get("partial"):
+        raise ValueError("merge() takes a whole numerics run: this one measured a part (fused_tokens or nonfinite)")
     data = json.loads(bench_json.read_text())
     q1 = data["questions"][label("guard_cost")]
     fresh = Result(
@@ -435,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tokens = tuple(int(t) for t in args.fused_tokens.split(",") if t) or None
     if args.merge and (tokens or args.fused_only):
-        # merge() replaces every numerics figure of q1: a partial run would drop the ones it did not measure.
+        # merge() replaces every numerics figure of q1: a partial run would drop the ones it did not measure (merge
+        # refuses one too; here before anything is measured).
         p.error("--merge takes a whole run: not with --fused-tokens or --fused-only")
     res = run(args.quick, args.copies, tokens, nonfinite=not args.fused_only)
     print(_table(res))
