@@ -42,7 +42,9 @@ from tripwire.cli.bench.common import (
     copy_spread_pct,
     env_info,
     finish,
+    one_load_pct,
     pooled_cost_pct,
+    pooled_ms,
     pooled_replay_ms,
 )
 
@@ -243,11 +245,6 @@ CASES: dict[str, Callable[[int, str], Case]] = {
 PER_GRAPH = {"decode_gqa": 5, "decode_mha": 5}  # the reshape cases: 20 (a few microseconds each)
 
 
-def _one_load_pct(times: dict[str, list[list[float]]], num: str, den: str) -> list[float]:
-    """Per round, the first load of ``num`` over the first of ``den``: the comparison of one build each."""
-    return [100.0 * (a[0] / b[0] - 1.0) for a, b in zip(times[num], times[den], strict=True)]
-
-
 def run_case(name: str, rounds: int, rep_ms: int, copies: int, device: str = "cuda") -> dict:
     """One case: its check (every load against the original's first), then the pooled timing. ``device``: where
     the case's tensors live (the harness test runs the Triton cases on the CPU, under the interpreter, its timers
@@ -257,7 +254,7 @@ def run_case(name: str, rounds: int, rep_ms: int, copies: int, device: str = "cu
     times = pooled_replay_ms(bodies, per_graph=PER_GRAPH.get(name, 20), repeats=rounds, rep_ms=rep_ms)
     cost = pooled_cost_pct(times, "guarded", "original")
     aa = pooled_cost_pct(times, "original_b", "original")
-    med = {n: statistics.median(statistics.median(r) for r in t) for n, t in times.items()}
+    med = {n: pooled_ms(t) for n, t in times.items()}
     res = {
         "original_us": med["original"] * 1e3,
         "guarded_us": med["guarded"] * 1e3,
@@ -265,8 +262,8 @@ def run_case(name: str, rounds: int, rep_ms: int, copies: int, device: str = "cu
         "cost_spread_pct": [min(cost), max(cost)],
         "aa_pct": statistics.median(aa),
         "aa_spread_pct": [min(aa), max(aa)],
-        "one_load_cost_pct": statistics.median(_one_load_pct(times, "guarded", "original")),
-        "one_load_aa_pct": statistics.median(_one_load_pct(times, "original_b", "original")),
+        "one_load_cost_pct": statistics.median(one_load_pct(times, "guarded", "original")),
+        "one_load_aa_pct": statistics.median(one_load_pct(times, "original_b", "original")),
         "copies": copies,
         "copy_levels_us": {n: [x * 1e3 for x in copy_levels_ms(t)] for n, t in times.items()},
         "copy_spread_pct": {n: copy_spread_pct(t) for n, t in times.items()},

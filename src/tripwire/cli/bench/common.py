@@ -353,6 +353,18 @@ def pooled_cost_pct(times: dict[str, list[list[float]]], num: str, den: str) -> 
                                                                                      strict=True)]  # fmt: skip
 
 
+def pooled_ms(times: list[list[float]]) -> float:
+    """One variant's time (ms): the median over rounds of its copies' median (``times``: its rounds from
+    :func:`pooled_replay_ms`)."""
+    return statistics.median(statistics.median(r) for r in times)
+
+
+def one_load_pct(times: dict[str, list[list[float]]], num: str, den: str) -> list[float]:
+    """Per round, the first load of ``num`` over the first of ``den``, in percent: what a comparison of one build
+    of each side measures (placement draw included), reported beside :func:`pooled_cost_pct`."""
+    return [100.0 * (a[0] / b[0] - 1.0) for a, b in zip(times[num], times[den], strict=True)]
+
+
 def copy_levels_ms(times: list[list[float]]) -> list[float]:
     """Each copy's median over the rounds (``times``: one variant's rounds from :func:`pooled_replay_ms`): the
     levels the placements give the same code."""

@@ -38,7 +38,18 @@ from tripwire.numerics import ClipCounter, count_nonfinite, reference_quantize, 
 from tripwire.numerics import fused as fused_mod
 from tripwire.numerics import nonfinite as nonfinite_mod
 
-from .common import Ctx, Result, capture, copy_spread_pct, jit_copy, pooled_cost_pct, pooled_replay_ms, single
+from .common import (
+    Ctx,
+    Result,
+    capture,
+    copy_spread_pct,
+    jit_copy,
+    one_load_pct,
+    pooled_cost_pct,
+    pooled_ms,
+    pooled_replay_ms,
+    single,
+)
 from .questions import label
 
 FUSED_TARGET_PCT = 5.0
@@ -129,7 +140,7 @@ def _fused_case(
             fn()  # compile, and let the max slots settle
     clipped = c.totals()  # a synchronous read
     rounds = pooled_replay_ms(fns, per_graph=20, repeats=repeats, rep_ms=rep_ms)
-    t = {k: statistics.median(statistics.median(r) for r in v) for k, v in rounds.items()}
+    t = {k: pooled_ms(v) for k, v in rounds.items()}
 
     def pct(num: str, den: str) -> float:
         return statistics.median(pooled_cost_pct(rounds, num, den))
@@ -159,9 +170,7 @@ def _fused_case(
         # Each variant's loads: how far apart the same code times where it lands (the spread a single load carries).
         "copy_spread_pct": {k: copy_spread_pct(v) for k, v in rounds.items() if len(v[0]) > 1},
         # What one load of each side gives (a comparison of one build each): per round, the median.
-        "count_only_one_load_pct": statistics.median(
-            100.0 * (a[0] / b[0] - 1.0) for a, b in zip(rounds["counted"], rounds["guard_only"], strict=True)
-        ),
+        "count_only_one_load_pct": statistics.median(one_load_pct(rounds, "counted", "guard_only")),
         "torch_count_over_fused": t["torch_count"] / t["counted"],
         "torch_full_over_fused": t["torch_full"] / t["counted"],
         "target_pct": FUSED_TARGET_PCT,
@@ -249,7 +258,8 @@ def run(
     copies = copies if copies is not None else (2 if quick else 6)
     if copies < 1:
         raise ValueError(f"copies must be at least 1, got {copies}")
-    fused_tokens = tuple(fused_tokens) if fused_tokens is not None else ((4096,) if quick else (2048, 16384, 32768))
+    whole = (4096,) if quick else (2048, 16384, 32768)
+    fused_tokens = tuple(fused_tokens) if fused_tokens is not None else whole
     if not fused_tokens or min(fused_tokens) < 1:
         raise ValueError(f"fused_tokens must be batches of at least one token, got {fused_tokens}")
     shapes = [(t, 8, 128) for t in fused_tokens]
@@ -261,7 +271,7 @@ def run(
         "name": "numerics",
         "quick": quick,
         # A part of the measure (some batches, or no non-finite counter): merge() refuses it (it replaces them all).
-        "partial": fused_tokens != ((4096,) if quick else (2048, 16384, 32768)) or not nonfinite,
+        "partial": fused_tokens != whole or not nonfinite,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
