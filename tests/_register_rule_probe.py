@@ -220,17 +220,33 @@ def validator_budget() -> dict:
     """The validator's launch (the instruments' rules) at two of the kernels Triton compiles for them (full sizes;
     one-entry sizes at misaligned addresses): as launched (within its twin's registers:
     tripwire.validate._triton._with_cap), the control (the same launch without its ``maxnreg``) and the twin
-    (``FAULT=False``: each bad block only counted). {spec: {variant: [kernel, regs, spills, programs_per_sm,
-    maxnreg]}}."""
+    (``FAULT=False``: each bad block only counted); and each of the launcher's two builds as it would launch it
+    alone (``calls``: the fault functions call the record's atomics; ``inlined``: they inline them; each with its
+    own cap), of which the launch is the one the budget chose. {spec: {variant: [kernel, regs, spills,
+    programs_per_sm, maxnreg, CALLS]}}."""
     import dataclasses
 
+    from tripwire.validate import _triton
+
+    def row(launch: rs.Launch) -> list:
+        return [*usage_of(launch), launch.kwargs.get("maxnreg"), launch.kwargs.get("CALLS")]
+
+    choose = _triton.budget_choice
     out = {}
     for spec in ("validator", "validator_one"):
         launched = rs.capture_launches(instruments()[spec])[0]
         bare = _uncapped(launched)
         twin = dataclasses.replace(bare, kwargs={**bare.kwargs, "FAULT": False})
-        out[spec] = {name: [*usage_of(launch), launch.kwargs.get("maxnreg")]
-                     for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}  # fmt: skip
+        out[spec] = {name: row(launch) for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}
+        for name, calls in (("calls", True), ("inlined", False)):
+            # The launcher offered this build alone (its own cache key, so nothing of the choice above is reused).
+            _triton.budget_choice = lambda key, fn, grid, args, kw, t, options, calls=calls: choose(  # type: ignore[misc]
+                (key, "alone", calls), fn, grid, args, kw, t, [{"CALLS": calls}]
+            )
+            try:
+                out[spec][name] = row(rs.capture_launches(instruments()[spec])[0])
+            finally:
+                _triton.budget_choice = choose
     return out
 
 

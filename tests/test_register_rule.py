@@ -34,15 +34,7 @@ PROBE = Path(__file__).with_name("_register_rule_probe.py")
 VERSION = ".".join(triton.__version__.split(".")[:2])
 # (case, kernel name prefix) -> why, per Triton version, for a case that does not meet the rule there; empty when
 # every case meets it.
-KNOWN: dict[str, dict[tuple[str, str], str]] = {
-    "3.9": {
-        ("validator_one", "_validate"): (
-            "ptxas at Triton 3.9's --regAllocOptLevel=2: the one-entry kernel spills nothing in its own function at 72 "
-            "registers (7 programs per SM), its twin at 64 (8); capped at 64 it spills 24 bytes. A one-entry launch "
-            "is a few programs, far fewer than the SMs: programs per SM do not bind it"
-        ),
-    },
-}
+KNOWN: dict[str, dict[tuple[str, str], str]] = {}
 # A kernel whose fault path, inlined, costs registers and programs per SM beyond the rule (out of line, and within
 # its twin's registers, it is within it): the rule's comparison must flag the inlined build.
 COSTLY = ("slot_mapping", "_slot_mapping")
@@ -209,17 +201,31 @@ def test_validator_within_its_twins_registers(usage: dict, spec: str) -> None:
     tripwire.validate._triton._with_cap; the twin is ``FAULT=False``, each bad block only counted) at each kernel
     Triton compiles for its rules (the cap is found per specialisation: full sizes, and one-entry sizes at
     misaligned addresses): the rule holds against the twin, with no more spills in the kernel's own function, and
-    where the compiler's own allocation fails the rule the launch is capped. The control: on Triton 3.6 the
-    full-size build uncapped fails the rule, so its pass is the cap's doing (the one-entry build is the twin's
-    uncapped there; on 3.9 the full-size build meets the rule uncapped)."""
+    where the compiler's own allocation fails the rule the launch is capped.
+
+    Of its two builds (the fault functions calling the record's atomics, or inlining them: ``CALLS``) the launch is
+    the calling one where it fits the twin's allocation, else the one allocated fewer register units, spilling no
+    more than the twin (ties: calling). The controls, where
+    one build fails the rule and the choice is what passes: on Triton 3.9 the one-entry build calling (72
+    registers, 7 programs per SM against the twin's 64 and 8: the nested calls' registers), on 3.6 the full-size
+    build uncapped (the cap's doing) and its inlining build (more registers than calling, capped)."""
     v = usage["validator_budget"][spec]
     g, u, t = v["launched"], v["uncapped"], v["twin"]
     assert _free(g, t), v
     assert g[3] >= u[3], v
     if not _free(u, t):
         assert g[4] is not None and g[1] <= g[4], v
+    calls, inlined = v["calls"], v["inlined"]
+    if _units(calls[1]) <= _units(t[1]) and (calls[2] or 0) <= (t[2] or 0):
+        assert g[5] is True and g[1:5] == calls[1:5], v  # calling fits the twin's allocation: it is launched
+    else:
+        assert g[5] is (not (_units(inlined[1]) < _units(calls[1]) and (inlined[2] or 0) <= (t[2] or 0))), v
+        assert g[1:5] == (calls if g[5] else inlined)[1:5], v
+    if VERSION == "3.9" and spec == "validator_one":
+        assert not _free(v["calls"], t), v
     if VERSION == "3.6" and spec == "validator":
         assert not _free(u, t), v
+        assert _units(v["inlined"][1]) > _units(v["calls"][1]), v
 
 
 def test_adopted_cuda_reshape_costs_no_occupancy(adopted_cuda_usage):

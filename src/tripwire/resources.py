@@ -312,7 +312,7 @@ def fault_path(mode: str) -> Iterator[None]:
 
     For tests and tools, never for kernels that run: compiles inside the block go to a private cache and always
     recompile (a kernel's cache key does not see the helpers swapped), the launchers' register caps
-    (tripwire.triton._budget) are found again for the swapped helpers, and both are restored after it.
+    (tripwire.triton._budget) and their choices are found again for the swapped helpers, and both are restored after it.
     """
     import triton
     import triton.language as tl
@@ -324,7 +324,7 @@ def fault_path(mode: str) -> Iterator[None]:
         # The count alone (one atomic): the vote and the data it reads stay live, as in a kernel that counts and
         # keeps nothing else; a stub doing nothing would let the compiler drop the checks with it.
         @triton.jit
-        def _fault(ctr_ptr, n, b, r, v, qb):  # type: ignore[no-untyped-def]
+        def _fault(ctr_ptr, n, b, r, v, qb, CALLS: tl.constexpr = True):  # type: ignore[no-untyped-def]
             tl.atomic_add(ctr_ptr, n)
 
         @triton.jit
@@ -343,8 +343,9 @@ def fault_path(mode: str) -> Iterator[None]:
     else:
         raise ValueError(f"fault_path mode must be 'stub' or 'inline', got {mode!r}")
     saved = {name: getattr(tt, name) for name in swap}
-    caps = dict(_budget._caps)
+    caps, choices = dict(_budget._caps), dict(_budget._choices)
     _budget._caps.clear()
+    _budget._choices.clear()
     env = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")}
     with tempfile.TemporaryDirectory(prefix="tripwire-fault-path-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
@@ -358,6 +359,8 @@ def fault_path(mode: str) -> Iterator[None]:
                 setattr(tt, name, fn)
             _budget._caps.clear()
             _budget._caps.update(caps)
+            _budget._choices.clear()
+            _budget._choices.update(choices)
             for k, v in env.items():
                 if v is None:
                     os.environ.pop(k, None)

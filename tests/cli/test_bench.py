@@ -674,6 +674,33 @@ def test_bench_cuda_gather_harness_on_cpu(monkeypatch):
     assert calls == ["guarded", "twin"]
 
 
+def _sweep_nonfinite_input(kernel_device):
+    # 3 x 5000 bf16: 15000 elements, four 4096-element spans at the default shape (more spans than the interpreter's
+    # 4 resident programs at 1024x1, so a persistent program loops).
+    return torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(kernel_device)
+
+
+def test_sweep_nonfinite_layouts_flag_exactly(kernel_device):
+    """Every layout the non-finite sweep times reads every element: nothing flagged on finite data, the programs
+    holding a NaN in the first and the last element flagged, at the sweep's shapes and at one where a persistent
+    program's loop holds both (1024x1/w8: 15 spans over 4 programs)."""
+    import sweep_nonfinite as sweep
+
+    x = _sweep_nonfinite_input(kernel_device)
+    sweep.check(x, [*sweep.SHAPES[:4], (1024, 1, 8)])
+
+
+def test_sweep_nonfinite_check_catches_a_layout_that_skips_elements(monkeypatch, kernel_device):
+    """The control: a launcher that reads all but the last element (a layout whose last span is short) fails the
+    check, naming the layout and the shape."""
+    import sweep_nonfinite as sweep
+
+    real = sweep.launcher
+    monkeypatch.setattr(sweep, "launcher", lambda x, ctr, shape, layout: real(x.view(-1)[:-1], ctr, shape, layout))
+    with pytest.raises(AssertionError, match=r"\('step', \(1024, 8, 8\), 1, 2\)"):
+        sweep.check(_sweep_nonfinite_input(kernel_device), sweep.SHAPES[:1])
+
+
 # ---------------------------------------------------------------------------------------------- code placement
 def _fake_graphs(monkeypatch, levels: dict[str, list[float]]):
     """pooled_replay_ms with its GPU parts replaced: each body's "graph" replays as the tag it was made with, and

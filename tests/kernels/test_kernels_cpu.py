@@ -52,3 +52,30 @@ print("recorded", [launch.name for launch in capture_launches(lambda: pg.paged_g
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("TRIPWIRE_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0 and "recorded ['_paged_gather']" in p.stdout, p.stderr[-2000:]
+
+
+def test_the_launchers_ask_whether_triton_interprets_at_each_call(monkeypatch):
+    """Which of the two above a call gets is decided at the call, from tripwire.triton._callee: a stand-in set there
+    (as the register budget's tests set one) is seen while it is set and gone once it is undone, whichever module
+    was imported first. The control: a launcher holding the stand-in (as a name bound at its import under the
+    stand-in would) refuses CPU tensors after the undo too, which is what the budget tests did to later tests."""
+    import types
+
+    import pytest
+    import torch
+
+    from tripwire.kernels import _common
+    from tripwire.kernels import paged_gather as pg
+    from tripwire.triton import _callee
+
+    if not _callee.interpreting():
+        pytest.skip("in-process under the interpreter (CI's); the subprocess tests above cover a compiling process")
+    cache, table, out = torch.randn(64, 16), torch.randint(0, 64, (8, 4)), torch.empty(8, 4, 16)
+    with monkeypatch.context() as m:
+        m.setattr(_callee, "interpreting", lambda: False)
+        with pytest.raises(RuntimeError, match="cache is on the CPU"):
+            pg.paged_gather(cache, table, out)
+    pg.paged_gather(cache, table, out)  # runs: the stand-in is gone
+    monkeypatch.setattr(_common, "_callee", types.SimpleNamespace(interpreting=lambda: False))
+    with pytest.raises(RuntimeError, match="cache is on the CPU"):
+        pg.paged_gather(cache, table, out)

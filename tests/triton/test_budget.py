@@ -1,5 +1,5 @@
-"""The register budget of a guarded launch (tripwire.triton._budget): ptxas's report read per function, and the cap
-left alone where there is nothing to compile. What the cap does to a real kernel (the non-finite counter, compiled
+"""The register budget of a guarded launch (tripwire.triton._budget): ptxas's report read per function, the cap
+left alone where there is nothing to compile, and the choice between builds (compiles replaced by reports). What the cap does to a real kernel (the non-finite counter, compiled
 for sm_90) is tests/test_register_rule.py's; that its fault path still counts exactly under the cap is
 tests/numerics/test_nonfinite.py's (GPU)."""
 
@@ -155,6 +155,113 @@ def test_a_failed_search_launches_uncapped_and_says_so(monkeypatch, caplog):
     _budget._caps.pop(key)
     with pytest.raises(ValueError, match="no target"):
         _budget._search(Broken(), (1,), (), {}, {"GUARD": False})
+
+
+def _fake_builds(monkeypatch, report):
+    """Compiles replaced: ``report(kwargs)`` is ptxas's report of the build with those keyword arguments; returns
+    the list of the keyword arguments compiled, in order."""
+    from tripwire.triton import _callee
+
+    compiled: list[dict] = []
+
+    def compile_(fn, grid, args, kw):  # type: ignore[no-untyped-def]
+        compiled.append(dict(kw))
+        return len(compiled) - 1
+
+    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    monkeypatch.setattr(_budget, "_compiled_ptx", compile_)
+    monkeypatch.setattr(_budget, "ptxas_report", lambda i: report(compiled[i]))
+    return compiled
+
+
+def _report(regs, spills=0):
+    return _budget.PtxasReport(regs=regs, spill_bytes=spills, callee_spill_bytes=0)
+
+
+OPTIONS = [{"CALLS": True}, {"CALLS": False}]
+
+
+def _calls_costs(kw):
+    # The twin 64 registers; calling: 72, and capped at 64 its entry spills; inlining: 64 as compiled.
+    if kw.get("FAULT") is False:
+        return _report(64)
+    if kw["CALLS"]:
+        return _report(72) if "maxnreg" not in kw else _report(kw["maxnreg"], 24)
+    return _report(64)
+
+
+def test_budget_choice_takes_the_build_that_fits_the_twin(monkeypatch):
+    """Calling costs a register unit the cap cannot take back without a spill in the entry; inlining fits the
+    twin's 64: the launch inlines, uncapped. The control: calling alone is what the launch would be otherwise."""
+    compiled = _fake_builds(monkeypatch, _calls_costs)
+    key = ("test_budget_choice", object())
+    assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": False}
+    assert [k.get("CALLS") for k in compiled] == [True, True, True, False]  # twin, calling, calling at 64, inlining
+    assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": False}
+    assert len(compiled) == 4  # cached
+    _budget._choices.pop(key)
+    alone = ("test_budget_choice_alone", object())
+    assert _budget.budget_choice(alone, None, (1,), (), {}, {"FAULT": False}, OPTIONS[:1]) == {"CALLS": True}
+    _budget._choices.pop(alone)
+
+
+def test_budget_choice_stops_at_the_first_build_that_fits(monkeypatch):
+    """Calling fits the twin's allocation once capped (no spill at 64): it launches capped, and the inlining build
+    is never compiled."""
+    compiled = _fake_builds(monkeypatch, lambda kw: _report(kw.get("maxnreg", 72) if kw.get("FAULT") is not False
+                                                           else 64))  # fmt: skip
+    key = ("test_budget_first", object())
+    assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True, "maxnreg": 64}
+    assert all(k["CALLS"] for k in compiled)
+    _budget._choices.pop(key)
+
+
+def test_budget_choice_never_takes_a_build_that_spills_more(monkeypatch):
+    """Where neither fits, the fewest register units among builds spilling no more than the twin: inlining's 72
+    registers spill 16 bytes in the entry, so the launch calls at 80 (the control: with the spill gone it would
+    inline)."""
+
+    def costs(spill):  # type: ignore[no-untyped-def]
+        def report(kw):  # type: ignore[no-untyped-def]
+            if kw.get("FAULT") is False:
+                return _report(64)
+            if "maxnreg" in kw:
+                return _report(kw["maxnreg"], 8)
+            return _report(80) if kw["CALLS"] else _report(72, spill)
+
+        return report
+
+    for spill, want in ((16, True), (0, False)):
+        _fake_builds(monkeypatch, costs(spill))
+        key = ("test_budget_spill", spill, object())
+        assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS)["CALLS"] is want
+        _budget._choices.pop(key)
+
+
+def test_budget_choice_under_the_interpreter_and_on_failure(monkeypatch, caplog):
+    """Nothing compiled under the interpreter, and a failed search, both launch the first option uncapped; the
+    failure says so once. No options at all is an error."""
+    from tripwire.triton import _callee
+
+    class Broken:
+        __name__ = "broken_kernel"
+
+        def warmup(self, *a, **k):
+            raise ValueError("no target")
+
+    monkeypatch.setattr(_callee, "interpreting", lambda: True)
+    key = ("test_budget_interp", object())
+    assert _budget.budget_choice(key, Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
+    _budget._choices.pop(key)
+    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    key = ("test_budget_broken_choice", object())
+    with caplog.at_level("WARNING", logger="tripwire"):
+        assert _budget.budget_choice(key, Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
+    warned = [r.getMessage() for r in caplog.records if "budget choice" in r.getMessage()]
+    assert len(warned) == 1 and "broken_kernel" in warned[0] and "ValueError: no target" in warned[0], warned
+    _budget._choices.pop(key)
+    with pytest.raises(ValueError, match="at least one option"):
+        _budget.budget_choice(("test_budget_none",), Broken(), (1,), (), {}, {}, [])
 
 
 # The smallest kernel ptxas reports on (an entry function that returns).

@@ -816,13 +816,13 @@ _ER, _EV, _EQ = tl.constexpr(layout.E_ROW), tl.constexpr(layout.E_VALUE), tl.con
 
 
 @triton.jit
-def no_offenders(ctr_ptr, b, rb, vb, qb):
+def no_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     # The baseline: the fault path's count, extremes and first pair, no offenders.
     tl.atomic_add(ctr_ptr + 6, rb.to(tl.int64).sum() * 0)
 
 
 @triton.jit
-def per_lane_offenders(ctr_ptr, b, rb, vb, qb):
+def per_lane_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     # The control: every lane claims at once (a key and a compare-and-swap result per lane, live across the block).
     addr = tl.load(ctr_ptr + 7)
     if addr != 0:

@@ -53,7 +53,7 @@ def test_gpu_bound_launch_is_taken_and_counts_exactly():
     plan = v._plan
     assert plan is not None and len(plan.launch._bound) == 1
     # On the releases whose launcher's C function is known (Triton 3.6), the bound call is that function's.
-    ((_, c_launch),) = plan.launch._bound.values()
+    ((_, c_launch, _),) = plan.launch._bound.values()
     assert plan.launch.path == ("triton-c" if c_launch is not None else "triton")
     assert (c_launch is not None) == (_version(triton.__version__) in _C_LAUNCH_RELEASES)
     fixed = slots.clone()
@@ -101,22 +101,22 @@ def _one_entry(md: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype_key", [False, True])
-def test_each_specialisation_gets_its_own_register_cap(monkeypatch, kernel_device, dtype_key):
-    """The register cap (_triton._with_cap) is found per compiled kernel: three calls that Triton compiles three
-    ways (full sizes; one-entry sizes; misaligned views with sizes off 16) ask for three caps, each under the call's
-    own spec_key. The control (``dtype_key``): the cap keyed on the tensors' dtypes alone asks once, and the other
-    two kernels would launch under the first one's allocation."""
+def test_each_specialisation_gets_its_own_register_budget(monkeypatch, kernel_device, dtype_key):
+    """The register budget (_triton._with_cap: its cap and CALLS) is found per compiled kernel: three calls that
+    Triton compiles three ways (full sizes; one-entry sizes; misaligned views with sizes off 16) ask three times,
+    each under the call's own spec_key. The control (``dtype_key``): the budget keyed on the tensors' dtypes alone
+    asks once, and the other two kernels would launch under the first one's allocation."""
     from tripwire.validate import _triton
     from tripwire.validate._launcher import Launcher
 
     asked: list[tuple] = []
 
-    def record(key, fn, grid, args, kw, twin):  # type: ignore[no-untyped-def]
+    def record(key, fn, grid, args, kw, twin, options):  # type: ignore[no-untyped-def]
         if key not in asked:
             asked.append(key)
-        return None  # no cap: the launch is the compiler's own
+        return dict(options[0])  # no cap: the launch is the compiler's own
 
-    monkeypatch.setattr(_triton, "register_cap", record)
+    monkeypatch.setattr(_triton, "budget_choice", record)
     if dtype_key:
         with_cap = _triton._with_cap
         monkeypatch.setattr(_triton, "_with_cap", lambda arena, consts, key, total, args: with_cap(
@@ -229,7 +229,7 @@ def test_gpu_misaligned_views_and_sizes_off_16_get_their_own_kernel():
     assert counts == want
     launch = v._plan.launch
     assert len(launch._bound) == 2
-    (k_first, _), (k_later, _) = launch._bound.values()
+    (k_first, _, _), (k_later, _, _) = launch._bound.values()
     assert k_first.src.attrs != k_later.src.attrs
     names = v._plan.names
 

@@ -142,6 +142,58 @@ metadata = st.fixed_dictionaries(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(md=metadata)
 def test_matches_reference(md, mon, kernel_device):
+    _matches_reference(md, mon, kernel_device)
+
+
+@pytest.mark.parametrize("calls", [True, False])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(md=metadata)
+def test_each_fault_build_matches_reference(md, mon, kernel_device, backend, monkeypatch, calls):
+    """Both builds the launcher chooses between (tripwire.triton._budget.budget_choice: the out-of-line fault
+    functions calling the record's atomics, or inlining them) record and repair exactly as the reference, each
+    forced in turn; the launches are seen to be of the forced build."""
+    if backend == "torch":
+        pytest.skip("the Triton kernel's two builds: the interpreter and cuda backends run them")
+    from tripwire.triton._budget import budget_choice as choose
+    from tripwire.validate import _triton
+
+    seen: set[bool] = set()
+
+    def forced(key, fn, grid, args, kw, twin, options):  # type: ignore[no-untyped-def]
+        assert {"CALLS": True} in options and {"CALLS": False} in options
+        out = choose((key, "forced", calls), fn, grid, args, kw, twin, [{"CALLS": calls}])
+        seen.add(out["CALLS"])
+        return out
+
+    monkeypatch.setattr(_triton, "budget_choice", forced)
+    _matches_reference(md, mon, kernel_device)
+    assert seen == {calls}  # every call launches (the indptr's own program at least), each the forced build
+
+
+def test_each_fault_build_control_a_miscount_fails(mon, kernel_device, backend, monkeypatch):
+    """The control of the test above, under the interpreter (which resolves a kernel's helpers when it calls them):
+    the inlined build's count written one too high fails the reference on a call with a bad entry."""
+    if backend != "interpreter":
+        pytest.skip("the interpreter resolves the patched helper at the call; a compiled kernel is cached")
+    import tripwire.triton as tt
+    from tripwire.triton._budget import budget_choice as choose
+    from tripwire.validate import _triton
+
+    write = tt._write_words
+
+    def one_more(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):  # type: ignore[no-untyped-def]
+        write(ctr_ptr, n + 1, max_rb, max_vb, neg_min, first_rb, first_vb)
+
+    monkeypatch.setattr(tt, "_write_words", one_more)
+    monkeypatch.setattr(_triton, "budget_choice", lambda key, fn, grid, args, kw, twin, options: choose(
+        (key, "control"), fn, grid, args, kw, twin, [{"CALLS": False}]))  # fmt: skip
+    md = {"dtype": torch.int32, "policy": "mask", "hi": 5, "slots": [1, 9, 2], "rows": 0, "width": 0,
+          "table": [0] * 45, "lengths": [0] * 5, "indptr": [0], "indices": []}  # fmt: skip
+    with pytest.raises(AssertionError, match=r"^assert 2 == 1\n"):  # the slot rule's one bad entry, counted twice
+        _matches_reference(md, mon, kernel_device)
+
+
+def _matches_reference(md, mon, kernel_device):
     dt, hi = md["dtype"], md["hi"]
     v = Validator("ref", kernel_device, policy=md["policy"], monitor=mon)
     v.index("slots", hi=hi, padding=-1, fatal=True)

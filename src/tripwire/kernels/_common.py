@@ -19,7 +19,7 @@ from .._runtime.default import default_monitor
 from ..layout import SLOTS
 from ..monitor import Monitor
 from ..sites import Site
-from ..triton._callee import interpreting as interpreting
+from ..triton import _callee
 
 # Metadata (ids, rows, columns, positions) may be int32 (what engines store) or int64 (what torch indexing makes).
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -64,7 +64,9 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {dev}; all arguments must share a device")
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"tripwire kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), got {dev}")
-    if dev.type == "cpu" and not interpreting() and not _recording:
+    # _callee's function looked up at the call, not bound at import: a stand-in a test sets on _callee is seen while
+    # it is set and gone after, whichever module was imported first.
+    if dev.type == "cpu" and not _callee.interpreting() and not _recording:
         # Else Triton's own error, "0 active drivers", says neither what is wrong nor what to do.
         raise RuntimeError(
             f"{first_name} is on the CPU, but tripwire's reference kernels are Triton kernels and Triton compiles "

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..sites import register_site
-from ..triton._callee import interpreting
+from ..triton import _callee  # the module: see tripwire.kernels._common
 from ._fused_kernel import _fp8_kv_cache_kernel
 from ._fused_ptx import _cvt_asm, _limit_asm, _tail_asm
 from .clip import FP8_MAX, SLOT_SITE_DESCRIPTION, SLOT_SITE_NAME, ClipCounter
@@ -192,7 +192,7 @@ def _thread_tail_ok(
 def _inline_ptx(device: torch.device) -> bool:
     """Whether the kernel may use inline PTX: an NVIDIA GPU, compiled (the interpreter cannot run PTX; ROCm has
     none)."""
-    return device.type == "cuda" and torch.version.hip is None and not interpreting()
+    return device.type == "cuda" and torch.version.hip is None and not _callee.interpreting()
 
 
 def _launch(

@@ -71,7 +71,7 @@ from ._callee import _PTX as _PTX
 from ._callee import CALLEE_SMEM_SAFE as CALLEE_SMEM_SAFE
 from ._callee import _bound, _claim_walk_ptx, _cold, _cold_block, _first_pair_ptx
 from ._lanes import _lane_records
-from ._offenders import _ENTRY, _HEADER, _claim, _offender_block, _offenders_done, _room
+from ._offenders import _ENTRY, _HEADER, _claim, _mark_done, _offender_addr, _offender_block, _offenders_done, _room
 from ._precheck import any_outside as any_outside
 from ._words import _VMAX, _VMIN, _offender_key, _req_words, _saturate
 from ._words import GUARD_BIAS as GUARD_BIAS
@@ -149,14 +149,17 @@ def _record_one(ctr_ptr, r, v, qb):
 
 
 @triton.jit
-def _claim_offenders(ctr_ptr, b, rb, vb, qb):
+def _claim_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     """The program's distinct offenders one at a time, lowest (row, value, request) first like the first pair: each
     candidate is three reductions over the block, then a scalar claim (inlined: see _claim). Scalar, not one claim per
     lane: per-lane keys and compare-and-swap results are live across the whole block, and in a kernel whose hot path
     is a wide read that extra register pressure (a compiled-in fault path counts, taken or not) cut the occupancy.
     At most 2k candidates matter: each either takes an empty entry (k of them) or repeats a kept key (k distinct);
-    the loop stops once the block is full or the lanes are used up."""
-    addr = _offender_block(ctr_ptr)
+    the loop stops once the block is full or the lanes are used up. ``CALLS``: as :func:`record_hits`'."""
+    if CALLS:
+        addr = _offender_block(ctr_ptr)
+    else:
+        addr = _offender_addr(ctr_ptr)
     if addr != 0:
         if _room(addr):
             k = tl.load(addr.to(tl.pointer_type(tl.int64)) + 1)
@@ -174,10 +177,11 @@ def _claim_offenders(ctr_ptr, b, rb, vb, qb):
 
 
 @triton.jit
-def _fault(ctr_ptr, n, b, r, v, qb):
+def _fault(ctr_ptr, n, b, r, v, qb, CALLS: tl.constexpr = True):
     """The fault path of the block helpers: ``n`` (> 0) hits, the true lanes of ``b``, at saturated rows ``r`` and
     values ``v``, requests ``qb`` (biased words, 0 = not known); all one block shape, at least 1-D. The reductions
-    run here, in the caller's code; the atomics out of line."""
+    run here, in the caller's code; the atomics out of line (``CALLS``), or inline where the caller is itself out
+    of line (see :func:`record_hits`)."""
     rb = r + GUARD_BIAS
     vb = v + GUARD_BIAS
     # A real pair: the lowest bad row, and the lowest bad value within that row.
@@ -186,9 +190,15 @@ def _fault(ctr_ptr, n, b, r, v, qb):
     max_r = tl.max(tl.where(b, rb, 0), axis=None)
     max_v = tl.max(tl.where(b, vb, 0), axis=None)
     neg_min = tl.max(tl.where(b, GUARD_BIAS - v, 0), axis=None)
-    _record_words(ctr_ptr, n, max_r, max_v, neg_min, first_r, first_v)
-    _claim_offenders(ctr_ptr, b, rb, vb, qb)
-    _offenders_done(ctr_ptr, n)
+    if CALLS:
+        _record_words(ctr_ptr, n, max_r, max_v, neg_min, first_r, first_v)
+    else:
+        _write_words(ctr_ptr, n, max_r, max_v, neg_min, first_r, first_v)
+    _claim_offenders(ctr_ptr, b, rb, vb, qb, CALLS)
+    if CALLS:
+        _offenders_done(ctr_ptr, n)
+    else:
+        _mark_done(ctr_ptr, n)
 
 
 @triton.jit
@@ -207,10 +217,15 @@ def record_hit(ctr_ptr, row, value, req=None):
 
 
 @triton.jit
-def record_hits(ctr_ptr, bad, rows, values, reqs=None):
+def record_hits(ctr_ptr, bad, rows, values, reqs=None, CALLS: tl.constexpr = True):
     """Record every true lane of ``bad``. ``bad``, ``rows`` and ``values`` (and ``reqs``, the request of each lane,
     when given) broadcast against each other (a scalar row with a block of values is fine); the count is the number
     of true lanes AFTER broadcasting, in this program.
+
+    ``CALLS``: whether the atomics are called out of line (the default, for a caller whose clean path this is) or
+    inlined into the caller, for a caller that is itself an out-of-line fault path: there a nested call only adds
+    the call's own registers to the kernel's allocation, or saves nothing, depending on the compiler; a launcher
+    that compiles both picks (tripwire.triton._budget.budget_choice). The records are the same either way.
 
     One reduction per call; atomics (one set, for all lanes together) only when some lane is bad. Each program
     counts its own lanes: an entry held by several lanes or read by several programs counts once per lane and
@@ -227,7 +242,7 @@ def record_hits(ctr_ptr, bad, rows, values, reqs=None):
     b = (b64 + zero) != 0
     n = tl.sum(b.to(tl.int64), axis=None)
     if n > 0:
-        _fault(ctr_ptr, n, b, r, v, _req_words(reqs, zero))
+        _fault(ctr_ptr, n, b, r, v, _req_words(reqs, zero), CALLS)
 
 
 @triton.jit

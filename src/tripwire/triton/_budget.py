@@ -44,6 +44,7 @@ log = logging.getLogger("tripwire")
 _REG_UNIT = 8  # registers per thread are allocated in units of 8
 _MAX_REGS = 255
 _caps: dict[Any, int | None] = {}
+_choices: dict[Any, dict[str, Any]] = {}  # budget_choice's, per key
 
 
 class PtxasReport(NamedTuple):
@@ -283,8 +284,74 @@ def register_cap(
     return cap
 
 
+def budget_choice(
+    key: Any,
+    fn: Any,
+    grid: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    twin: dict[str, Any],
+    options: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The keyword arguments to add to ``fn[grid](*args, **kwargs)``: one of ``options`` (constexpr overrides, each
+    a build of the same kernel that records the same, e.g. its fault paths' atomics called or inlined:
+    ``tripwire.triton.record_hits``' ``CALLS``), plus ``maxnreg`` where that build is capped as
+    :func:`register_cap` caps it. The option chosen is the first whose build, so capped, fits the twin's
+    allocation (no more register units, its entry function spilling no more): the later options are compiled only
+    when the earlier ones do not fit. Where none fits, the one allocated the fewest units among those spilling no
+    more than the twin, ties to the earlier. Where nothing is compiled (the interpreter) or a search fails (logged
+    as register_cap logs it), the first option, uncapped.
+
+    Why compile both: which placement of a fault path costs a kernel less is the compiler's to say, not a rule. A
+    nested call out of an out-of-line function adds the call's registers on one Triton and ptxas, inlining its
+    atomics costs more on another (benchmarks/RESULTS.md, register rule). Cached per ``key``: the first launch of
+    a compiled variant pays the compiles, later ones a dict lookup."""
+    if not options:
+        raise ValueError("budget_choice needs at least one option")
+    if key in _choices:
+        return _choices[key]
+    from ._callee import interpreting
+
+    choice = dict(options[0])
+    if not interpreting():
+        try:
+            choice = _choose(fn, grid, args, kwargs, twin, options)
+        except Exception as e:  # as register_cap: the choice is an optimisation, the records are the same
+            log.warning(
+                "tripwire: no register budget choice for %s (%s: %s); it launches as its first option, uncapped",
+                getattr(fn, "__name__", fn), type(e).__name__, str(e)[:300],
+            )  # fmt: skip
+    _choices[key] = choice
+    return choice
+
+
+def _choose(
+    fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], twin: dict[str, Any], options: list[dict]
+) -> dict[str, Any]:
+    t = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **options[0], **twin}))
+    best: tuple[tuple[bool, int], dict[str, Any]] | None = None
+    for opt in options:
+        cap, report = _search_against(fn, grid, args, {**kwargs, **opt}, t)
+        score = (report.spill_bytes > t.spill_bytes, _units(report.regs))
+        launch = {**opt, **({"maxnreg": cap} if cap is not None else {})}
+        if score <= (False, _units(t.regs)):
+            return launch  # within the twin's allocation: no later option can cost the clean path less
+        if best is None or score < best[0]:
+            best = (score, launch)
+    assert best is not None
+    return best[1]
+
+
 def _search(fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], twin: dict[str, Any]) -> int | None:
-    t = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **twin}))
+    """The cap for the launch (None: none), its twin compiled with ``twin``."""
+    return _search_against(fn, grid, args, kwargs, ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **twin})))[0]
+
+
+def _search_against(
+    fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t: PtxasReport
+) -> tuple[int | None, PtxasReport]:
+    """The cap for the launch against the twin's report ``t``, and the report of the build that runs (capped or
+    not)."""
     g = ptxas_report(_compiled_ptx(fn, grid, args, kwargs))
     # Caps from the twin's allocation up, the lowest whose entry function spills no more than the twin's. Below the
     # guarded kernel's own allocation; up to it too where the uncapped build spills more than the twin: ptxas 13 at
@@ -294,6 +361,6 @@ def _search(fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t
     while _units(c) <= top and c <= _MAX_REGS:
         capped = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, "maxnreg": c}))
         if capped.spill_bytes <= t.spill_bytes and capped.regs <= c:
-            return c
+            return c, capped
         c += _REG_UNIT
-    return None
+    return None, g

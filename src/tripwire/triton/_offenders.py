@@ -23,10 +23,16 @@ _EREQ = tl.constexpr(E_REQ)
 
 @_cold
 def _offender_block(ctr_ptr):
+    """:func:`_offender_addr`, out of line (for a hot-path caller)."""
+    return _offender_addr(ctr_ptr)
+
+
+@triton.jit
+def _offender_addr(ctr_ptr):
     """The address of the row's offender block (tripwire.layout), or 0 for a counter row that is not an arena's (a
     caller's own [8] tensor). Slot 7 is layout, written by the host: every thread reads the same word, so a branch
     on it is uniform. Whether the block still has room is :func:`_room`'s (its keys change under other programs'
-    claims)."""
+    claims). Inline, for a caller that is itself out of line (tripwire.triton's ``CALLS``)."""
     return tl.load(ctr_ptr + _OFF_SLOT)
 
 
@@ -87,8 +93,14 @@ def _claim(addr, rb, vb, qb):
 
 @_cold
 def _offenders_done(ctr_ptr, n):
+    """:func:`_mark_done`, out of line (for a hot-path caller)."""
+    _mark_done(ctr_ptr, n)
+
+
+@triton.jit
+def _mark_done(ctr_ptr, n):
     """Last, after the claims and their words (an atomic: ordered after them): these ``n`` hits' offenders are in
-    (the block's OFF_DONE count, the reader's sign)."""
+    (the block's OFF_DONE count, the reader's sign). Inline, for a caller that is itself out of line."""
     addr = tl.load(ctr_ptr + _OFF_SLOT)
     if addr != 0:
         tl.atomic_add(addr.to(tl.pointer_type(tl.int64)) + _DONE, n)

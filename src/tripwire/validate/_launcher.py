@@ -87,12 +87,14 @@ class Launcher:
         bound = self._bound.get(key)
         if bound is None:
             args = self._args(tensors, numels, widths)
-            k = _triton._validate[(total,)](*args, **_triton._with_cap(self.arena, self._consts, key, total, args))
-            # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter).
+            kw = _triton._with_cap(self.arena, self._consts, key, total, args)
+            k = _triton._validate[(total,)](*args, **kw)
+            # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter), with the
+            # constexprs it was compiled with: the rules' and the CALLS the register budget chose for this key.
             if hasattr(k, "packed_metadata"):
-                self._bound[key] = (k, _c_launch(k))
+                self._bound[key] = (k, _c_launch(k), (*self._consts, kw["CALLS"]))
             return
-        k, c = bound
+        k, c, consts = bound
         # The stream straight from torch (what Triton's driver asks too), on the arena's device; no launch metadata
         # and no hooks (_hooked() said none is set).
         stream = torch._C._cuda_getCurrentRawStream(self._dev)
@@ -100,9 +102,9 @@ class Launcher:
         if c is not None:
             # The launcher's C function itself (see _c_launch): no scratch buffers to allocate first.
             c[0](total, 1, 1, stream, k.function, c[1], c[2], None, None, k.packed_metadata, None, None, None, *args,
-                 *self._consts)  # fmt: skip
+                 *consts)  # fmt: skip
             return
-        k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *self._consts)
+        k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *consts)
 
     # The bound kernel's key: what Triton specialises the call's kernel on (_triton.spec_key says what and why).
     # A staticmethod of its own so that a test can key the binding otherwise (its control).
@@ -114,7 +116,7 @@ class Launcher:
         ``"jit"`` (nothing bound yet, or no compiled kernel: the interpreter)."""
         if not self._bound:
             return "jit"
-        _, c = next(iter(self._bound.values()))
+        _, c, _ = next(iter(self._bound.values()))
         return "triton-c" if c is not None else "triton"
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton._budget import register_cap
+from ..triton._budget import budget_choice
 from ._rules import ABLOCK, BLOCK, Rules
 from ._triton_fault import _entries_fault, _indptr_bad, _indptr_fault, _lengths_fault
 
@@ -58,6 +58,7 @@ def _check(
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     FAULT: tl.constexpr,
+    CALLS: tl.constexpr,
 ):
     """The bounds rule over one block of entries ``v`` (live lanes ``m``): an entry outside ``[LO, HI)`` that is not
     the padding value is bad. One vote; a block with a bad entry is counted (against the row of each entry, for
@@ -70,7 +71,7 @@ def _check(
         if FAULT:
             _entries_fault(
                 ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND, HAS_PAD, HAS_LEN, REQ, LO, HI,
-                PAD, SAFE, MASK, BLOCK,
+                PAD, SAFE, MASK, BLOCK, CALLS,
             )  # fmt: skip
         else:
             tl.atomic_add(ctr_ptr, 1)  # the twin (see _validate's FAULT)
@@ -98,6 +99,7 @@ def _index_block(
     MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     FAULT: tl.constexpr,
+    CALLS: tl.constexpr,
 ):
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -109,7 +111,7 @@ def _index_block(
         m = m & ((offs - row * w) < ln)
     _check(
         ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, n, w, rq_ptr, rqn, sg_ptr, sgn, 1, HAS_PAD, HAS_LEN, REQ,
-        lo, hi, pad, safe, MASK, BLOCK, FAULT,
+        lo, hi, pad, safe, MASK, BLOCK, FAULT, CALLS,
     )  # fmt: skip
 
 
@@ -145,6 +147,7 @@ def _csr_block(
     BLOCK: tl.constexpr,
     ABLOCK: tl.constexpr,
     FAULT: tl.constexpr,
+    CALLS: tl.constexpr,
 ):
     used = _csr_used_end(a_ptr, an, n, ABLOCK)
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -153,7 +156,7 @@ def _csr_block(
     # A CSR rule's requests are per row of its layout: the segments are its own indptr.
     _check(
         ctr_ptr, t_ptr, a_ptr, m, v, blk.to(tl.int64) * BLOCK, used, 1, rq_ptr, rqn, a_ptr, an, 2, HAS_PAD, False,
-        REQ, lo, hi, pad, safe, MASK, BLOCK, FAULT,
+        REQ, lo, hi, pad, safe, MASK, BLOCK, FAULT, CALLS,
     )  # fmt: skip
 
 
@@ -171,6 +174,7 @@ def _lengths_check(
     MASK: tl.constexpr,
     ABLOCK: tl.constexpr,
     FAULT: tl.constexpr,
+    CALLS: tl.constexpr,
 ):
     """A per-row count outside ``[0, W]`` is bad (row = the table row, with the table rule's request of that row);
     mask clamps it into the range. One out-of-line call after the loop, for the whole tensor, when a chunk had a
@@ -183,13 +187,14 @@ def _lengths_check(
         nbad += tl.max((valid & ((ln < 0) | (ln > w))).to(tl.int32), axis=0)
     if nbad > 0:  # counted and repaired out of line, from the tensor read again
         if FAULT:
-            _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, an, w, rqn, sgn, REQ, MASK)
+            _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, an, w, rqn, sgn, REQ, MASK, CALLS)
         else:
             tl.atomic_add(ctr_ptr, 1)  # the twin
 
 
 @triton.jit
-def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constexpr, FAULT: tl.constexpr):
+def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constexpr, FAULT: tl.constexpr,
+                  CALLS: tl.constexpr):  # fmt: skip
     """Entry ``k`` of the indptr is bad when ``k == 0`` and it is not 0, or ``k >= 1`` and it is outside
     ``[0, len(indices)]`` or below the last good entry before it. Mask replaces a bad entry by the last good entry
     before it (0 for ``k == 0``): the row that ends there becomes empty and every row stays in range.
@@ -208,7 +213,7 @@ def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constex
         nbad += tl.max(bad.to(tl.int32), axis=0)
     if nbad > 0:  # counted and repaired out of line, from the tensor read again
         if FAULT:
-            _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK)
+            _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK, CALLS)
         else:
             tl.atomic_add(ctr_ptr, 1)  # the twin
 
@@ -243,6 +248,7 @@ def _validate(
     BLOCK: tl.constexpr,
     ABLOCK: tl.constexpr,
     FAULT: tl.constexpr,
+    CALLS: tl.constexpr,
 ):
     # A rule's bounds, values and counter rows are constexprs (fixed when its validator's rules are); only the
     # tensors and their sizes are runtime arguments, which keeps the host-side launch cheap. FAULT=False builds the
@@ -275,6 +281,7 @@ def _validate(
                     MASK,
                     BLOCK,
                     FAULT,
+                    CALLS,
                 )
             else:
                 _csr_block(
@@ -296,15 +303,17 @@ def _validate(
                     BLOCK,
                     ABLOCK,
                     FAULT,
+                    CALLS,
                 )
         if OWN_AUX[i]:
             if local == nb:
                 if KIND[i] == 1:
                     _lengths_check(
-                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK, FAULT
-                    )
+                        ctr_ptr + AC[i], A[i], AN[i], W[i], RQ[i], RQN[i], SG[i], SGN[i], REQ[i], MASK, ABLOCK, FAULT,
+                        CALLS,
+                    )  # fmt: skip
                 else:
-                    _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK, FAULT)
+                    _indptr_check(ctr_ptr + AC[i], A[i], AN[i], N[i], MASK, ABLOCK, FAULT, CALLS)
         beg += nb + OWN_AUX[i]
 
 
@@ -390,17 +399,23 @@ def _constexprs(arena: torch.Tensor, rules: Rules, mask: bool) -> tuple:
 
 
 def _with_cap(arena: torch.Tensor, consts: tuple, key: tuple, total: int, args: tuple) -> dict[str, Any]:
-    """The launch's keyword arguments: the constexprs and, where the kernel's own allocation is larger than its
-    twin's (the same rules with the fault path reduced to a count: ``FAULT=False``), ``maxnreg`` at the twin's
-    (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the votes
-    programs per SM). ``key``: the call's :func:`spec_key`. The cap is found per compiled kernel (device,
+    """The launch's keyword arguments: the constexprs, ``CALLS`` and, where the kernel's own allocation is larger
+    than its twin's (the same rules with the fault path reduced to a count: ``FAULT=False``), ``maxnreg`` at the
+    twin's (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the
+    votes programs per SM). ``CALLS``: whether the out-of-line fault functions call the record's atomics
+    (``tripwire.triton.record_hits``) or inline them; both are compiled and the build allocated fewer registers
+    launches (:func:`tripwire.triton._budget.budget_choice`: which one that is depends on the Triton version and
+    the rules). ``key``: the call's :func:`spec_key`. The choice and the cap are found per compiled kernel (device,
     constexprs, :func:`spec_key`), at the first call of that kernel, by compiling it and its twin at the call's own
     specialisation, as Triton's first launch compiles it: a cap found at one specialisation (a one-entry slot
     mapping, whose size is a constant) is not the allocation of another."""
     kw: dict[str, Any] = dict(zip(_CONST_NAMES, consts, strict=True))
-    cap = register_cap(("validate", arena.device, consts, key), _validate, (total,), args, kw, {"FAULT": False})
-    if cap is not None:
-        kw["maxnreg"] = cap
+    kw.update(
+        budget_choice(
+            ("validate", arena.device, consts, key), _validate, (total,), args, kw, {"FAULT": False},
+            [{"CALLS": True}, {"CALLS": False}],
+        )
+    )  # fmt: skip
     return kw
 
 

@@ -50,11 +50,12 @@ def _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
 
 
 @triton.jit
-def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr):
+def _record(ctr_ptr, bad, rows, v, rq_ptr, rqn, sg_ptr, sgn, REQ: tl.constexpr, CALLS: tl.constexpr):
+    """``CALLS``: record_hits' (these functions are out of line; the launcher picks: _triton._with_cap)."""
     if REQ == 0:
-        record_hits(ctr_ptr, bad, rows, v)
+        record_hits(ctr_ptr, bad, rows, v, None, CALLS)
     elif tl.sum(bad.to(tl.int32), axis=0) > 0:  # the request lookups only for a tile with a bad entry
-        record_hits(ctr_ptr, bad, rows, v, _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ))
+        record_hits(ctr_ptr, bad, rows, v, _requests_of(rows, bad, rq_ptr, rqn, sg_ptr, sgn, REQ), CALLS)
 
 
 # The fault paths: a block with a bad entry, or an auxiliary tensor with a bad chunk, is recorded and repaired by one
@@ -70,7 +71,7 @@ _TILE = tl.constexpr(128)
 def _entries_fault(ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sgn, KIND: tl.constexpr,
                    HAS_PAD: tl.constexpr, HAS_LEN: tl.constexpr, REQ: tl.constexpr, LO: tl.constexpr,
                    HI: tl.constexpr, PAD: tl.constexpr, SAFE: tl.constexpr, MASK: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, CALLS: tl.constexpr):  # fmt: skip
     """The bounds rule's fault path over the block ``[start, start + BLOCK)`` of entries below ``end`` (an INDEX
     rule's size, a CSR rule's used end)."""
     for s0 in tl.range(0, BLOCK, _TILE, loop_unroll_factor=1):
@@ -87,20 +88,21 @@ def _entries_fault(ctr_ptr, t_ptr, a_ptr, rq_ptr, sg_ptr, start, end, w, rqn, sg
         bad = m & ((v < LO) | (v >= HI))
         if HAS_PAD:
             bad = bad & (v != PAD)
-        _record(ctr_ptr, bad, row, v, rq_ptr, rqn, sg_ptr, sgn, REQ)
+        _record(ctr_ptr, bad, row, v, rq_ptr, rqn, sg_ptr, sgn, REQ, CALLS)
         if MASK:
             tl.store(t_ptr + offs, (v * 0 + SAFE).to(t_ptr.dtype.element_ty), mask=bad)
 
 
 @triton.jit(noinline=True)
-def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, an, w, rqn, sgn, REQ: tl.constexpr, MASK: tl.constexpr):
+def _lengths_fault(ctr_ptr, a_ptr, rq_ptr, sg_ptr, an, w, rqn, sgn, REQ: tl.constexpr, MASK: tl.constexpr,
+                   CALLS: tl.constexpr):  # fmt: skip
     """The lengths rule's fault path over the whole lengths tensor (``an`` entries)."""
     for s0 in tl.range(0, an, _TILE, loop_unroll_factor=1):
         k = s0 + tl.arange(0, _TILE).to(tl.int64)
         valid = k < an
         ln = tl.load(a_ptr + k, mask=valid, other=0).to(tl.int64)
         bad = valid & ((ln < 0) | (ln > w))
-        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ)
+        _record(ctr_ptr, bad, k, ln, rq_ptr, rqn, sg_ptr, sgn, REQ, CALLS)
         if MASK:
             tl.store(a_ptr + k, tl.minimum(tl.maximum(ln, 0), w).to(a_ptr.dtype.element_ty), mask=bad)
 
@@ -122,7 +124,7 @@ def _indptr_bad(a_ptr, k, valid, lo, ni, carry):
 
 
 @triton.jit(noinline=True)
-def _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr):
+def _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, CALLS: tl.constexpr):
     """The indptr rule's fault path over the whole indptr (``an`` entries). The tiles run in order and carry the
     last good entry before each (a repaired entry is the last good one before it, so reading it again never raises
     the max)."""
@@ -131,7 +133,7 @@ def _indptr_fault(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr):
         k = s0 + tl.arange(0, _TILE).to(tl.int64)
         valid = k < an
         v, in_range, last_good, bad = _indptr_bad(a_ptr, k, valid, s0, ni, carry)
-        record_hits(ctr_ptr, bad, k, v)
+        record_hits(ctr_ptr, bad, k, v, None, CALLS)
         if MASK:
             tl.store(a_ptr + k, tl.where(k == 0, 0, last_good).to(a_ptr.dtype.element_ty), mask=bad)
         carry = tl.maximum(carry, tl.max(tl.where(valid & (k >= 1) & in_range, v, -1), axis=0))
