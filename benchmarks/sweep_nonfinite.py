@@ -30,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tripwire.cli.bench.numerics import SWEEP_SHAPES
 from tripwire.numerics import nonfinite as nf
 
-# The sweep's shapes (tripwire.cli.bench.numerics._nonfinite): (elements per load step, steps per program, warps).
-SHAPES = [(1024, 8, 8), (2048, 2, 8), (2048, 4, 4), (2048, 4, 8), (2048, 8, 8), (4096, 4, 8), (8192, 1, 8)]
+# The sweep's shapes: (elements per load step, steps per program, warps).
+SHAPES = list(SWEEP_SHAPES)
 # name -> (TILE, PERSISTENT, CG)
 LAYOUTS = {"step": (False, False, False), "tile": (True, False, False), "cg": (False, False, True),
            "persistent": (False, True, False)}  # fmt: skip

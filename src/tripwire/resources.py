@@ -312,7 +312,8 @@ def fault_path(mode: str) -> Iterator[None]:
 
     For tests and tools, never for kernels that run: compiles inside the block go to a private cache and always
     recompile (a kernel's cache key does not see the helpers swapped), the launchers' register caps
-    (tripwire.triton._budget) and their choices are found again for the swapped helpers, and both are restored after it.
+    (tripwire.triton._budget) and their choices are found again for the swapped helpers, and all three are restored
+    after it.
     """
     import triton
     import triton.language as tl

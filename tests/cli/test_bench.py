@@ -674,20 +674,22 @@ def test_bench_cuda_gather_harness_on_cpu(monkeypatch):
     assert calls == ["guarded", "twin"]
 
 
-def _sweep_nonfinite_input(kernel_device):
-    # 3 x 5000 bf16: 15000 elements, four 4096-element spans at the default shape (more spans than the interpreter's
-    # 4 resident programs at 1024x1, so a persistent program loops).
-    return torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(kernel_device)
+def _sweep_nonfinite_input(kernel_device, cols=5000):
+    # 3 x 5000 bf16: 15000 elements, two spans at the counter's default 2048x4 (8192 elements), 15 at 1024x1 (more
+    # than the interpreter's 4 resident programs: a persistent program loops).
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, cols, generator=g).to(torch.bfloat16).to(kernel_device)
 
 
 def test_sweep_nonfinite_layouts_flag_exactly(kernel_device):
     """Every layout the non-finite sweep times reads every element: nothing flagged on finite data, the programs
-    holding a NaN in the first and the last element flagged, at the sweep's shapes and at one where a persistent
-    program's loop holds both (1024x1/w8: 15 spans over 4 programs)."""
+    holding a NaN in the first and the last element flagged, at the first four of the sweep's shapes and at 1024x1/w8,
+    where a persistent grid of 4 programs loops over 15 spans (the NaNs in two programs) and over 5 (3 x 1500: both
+    in program 0, flagged once)."""
     import sweep_nonfinite as sweep
 
-    x = _sweep_nonfinite_input(kernel_device)
-    sweep.check(x, [*sweep.SHAPES[:4], (1024, 1, 8)])
+    sweep.check(_sweep_nonfinite_input(kernel_device), [*sweep.SHAPES[:4], (1024, 1, 8)])
+    sweep.check(_sweep_nonfinite_input(kernel_device, cols=1500), [(1024, 1, 8)])
 
 
 def test_sweep_nonfinite_check_catches_a_layout_that_skips_elements(monkeypatch, kernel_device):

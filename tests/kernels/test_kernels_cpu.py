@@ -57,8 +57,8 @@ print("recorded", [launch.name for launch in capture_launches(lambda: pg.paged_g
 def test_the_launchers_ask_whether_triton_interprets_at_each_call(monkeypatch):
     """Which of the two above a call gets is decided at the call, from tripwire.triton._callee: a stand-in set there
     (as the register budget's tests set one) is seen while it is set and gone once it is undone, whichever module
-    was imported first. The control: a launcher holding the stand-in (as a name bound at its import under the
-    stand-in would) refuses CPU tensors after the undo too, which is what the budget tests did to later tests."""
+    was imported first. The control: a launcher holding a bound stand-in (what a name bound at its import, under
+    the stand-in, would hold) refuses CPU tensors."""
     import types
 
     import pytest

@@ -1,7 +1,7 @@
 """The register budget of a guarded launch (tripwire.triton._budget): ptxas's report read per function, the cap
-left alone where there is nothing to compile, and the choice between builds (compiles replaced by reports). What the cap does to a real kernel (the non-finite counter, compiled
-for sm_90) is tests/test_register_rule.py's; that its fault path still counts exactly under the cap is
-tests/numerics/test_nonfinite.py's (GPU)."""
+left alone where there is nothing to compile, and the choice between builds (compiles replaced by reports). What
+the cap does to a real kernel (the non-finite counter, compiled for sm_90) is tests/test_register_rule.py's; that
+its fault path still counts exactly under the cap is tests/numerics/test_nonfinite.py's (GPU)."""
 
 from __future__ import annotations
 
@@ -235,6 +235,32 @@ def test_budget_choice_never_takes_a_build_that_spills_more(monkeypatch):
         _fake_builds(monkeypatch, costs(spill))
         key = ("test_budget_spill", spill, object())
         assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS)["CALLS"] is want
+        _budget._choices.pop(key)
+
+
+def test_budget_choice_leaves_out_a_build_that_fails(monkeypatch, caplog):
+    """Calling does not fit and the inlining build fails to compile: the launch calls with the cap its search found
+    (not uncapped), and the failure is logged naming the build. The control: with the inlining build compiling,
+    it is the one launched."""
+
+    def report(kw):  # type: ignore[no-untyped-def]
+        # The twin 64; calling 88 uncapped, spilling at a cap of 64, not at 72; inlining 64, or a failed compile.
+        if kw.get("FAULT") is False:
+            return _report(64)
+        if not kw["CALLS"]:
+            if fail:
+                raise RuntimeError("ptxas died")
+            return _report(64)
+        return _report(88) if "maxnreg" not in kw else _report(kw["maxnreg"], 0 if kw["maxnreg"] > 64 else 24)
+
+    for fail, want in ((True, {"CALLS": True, "maxnreg": 72}), (False, {"CALLS": False})):
+        _fake_builds(monkeypatch, report)
+        key = ("test_budget_failed_build", fail, object())
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tripwire"):
+            assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS) == want
+        warned = [r.getMessage() for r in caplog.records if "budget choice" in r.getMessage()]
+        assert len(warned) == fail and all("without the build {'CALLS': False}" in w for w in warned), warned
         _budget._choices.pop(key)
 
 

@@ -151,7 +151,7 @@ def test_matches_reference(md, mon, kernel_device):
 def test_each_fault_build_matches_reference(md, mon, kernel_device, backend, monkeypatch, calls):
     """Both builds the launcher chooses between (tripwire.triton._budget.budget_choice: the out-of-line fault
     functions calling the record's atomics, or inlining them) record and repair exactly as the reference, each
-    forced in turn; the launches are seen to be of the forced build."""
+    forced in turn (every launch is handed the forced build: the test below shows the two run different code)."""
     if backend == "torch":
         pytest.skip("the Triton kernel's two builds: the interpreter and cuda backends run them")
     from tripwire.triton._budget import budget_choice as choose
@@ -170,9 +170,12 @@ def test_each_fault_build_matches_reference(md, mon, kernel_device, backend, mon
     assert seen == {calls}  # every call launches (the indptr's own program at least), each the forced build
 
 
-def test_each_fault_build_control_a_miscount_fails(mon, kernel_device, backend, monkeypatch):
-    """The control of the test above, under the interpreter (which resolves a kernel's helpers when it calls them):
-    the inlined build's count written one too high fails the reference on a call with a bad entry."""
+@pytest.mark.parametrize("calls", [True, False])
+def test_each_fault_build_runs_its_own_record(mon, kernel_device, backend, monkeypatch, calls):
+    """Under the interpreter (which resolves a kernel's helpers when it calls them), with the out-of-line record
+    (``_record_words``, which only the calling build reaches) counting one too many: the inlining build forced
+    still matches the reference, the calling build forced fails it. So the two tests above run different code, and
+    each forced build is the one launched."""
     if backend != "interpreter":
         pytest.skip("the interpreter resolves the patched helper at the call; a compiled kernel is cached")
     import tripwire.triton as tt
@@ -184,12 +187,15 @@ def test_each_fault_build_control_a_miscount_fails(mon, kernel_device, backend, 
     def one_more(ctr_ptr, n, max_rb, max_vb, neg_min, first_rb, first_vb):  # type: ignore[no-untyped-def]
         write(ctr_ptr, n + 1, max_rb, max_vb, neg_min, first_rb, first_vb)
 
-    monkeypatch.setattr(tt, "_write_words", one_more)
+    monkeypatch.setattr(tt, "_record_words", one_more)
     monkeypatch.setattr(_triton, "budget_choice", lambda key, fn, grid, args, kw, twin, options: choose(
-        (key, "control"), fn, grid, args, kw, twin, [{"CALLS": False}]))  # fmt: skip
+        (key, "control", calls), fn, grid, args, kw, twin, [{"CALLS": calls}]))  # fmt: skip
     md = {"dtype": torch.int32, "policy": "mask", "hi": 5, "slots": [1, 9, 2], "rows": 0, "width": 0,
           "table": [0] * 45, "lengths": [0] * 5, "indptr": [0], "indices": []}  # fmt: skip
-    with pytest.raises(AssertionError, match=r"^assert 2 == 1\n"):  # the slot rule's one bad entry, counted twice
+    if calls:
+        with pytest.raises(AssertionError, match=r"^assert 2 == 1\n"):  # the slot rule's one bad entry, counted twice
+            _matches_reference(md, mon, kernel_device)
+    else:
         _matches_reference(md, mon, kernel_device)
 
 

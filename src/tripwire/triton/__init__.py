@@ -5,8 +5,9 @@ calls one of:
 
 * :func:`record_hit` ``(ctr_ptr, row, value, req=None)`` -- one hit per program that reaches it; call it under the
   kernel's own ``if bad:``.
-* :func:`record_hits` ``(ctr_ptr, bad, rows, values, reqs=None)`` -- every true lane of a block: one reduction and
-  at most one set of atomics per program (no atomics at all when no lane is bad, which is the hot path).
+* :func:`record_hits` ``(ctr_ptr, bad, rows, values, reqs=None, CALLS=True)`` -- every true lane of a block: one
+  reduction and at most one set of atomics per program (no atomics at all when no lane is bad, which is the hot
+  path). ``CALLS=False`` for a caller that is itself out of line (its docstring says when).
 * :func:`guard_index` ``(idx, lo, hi, ctr_ptr, row, mask=None, count=None, req=None)`` -> ``(safe_idx, ok)``: the index
   clamped into ``[lo, hi)`` and the in-range mask; the out-of-range lanes inside ``mask`` and ``count`` are
   recorded. Always use ``ok`` to mask the access too: ``safe_idx`` is only in range when ``hi > lo``.
@@ -27,7 +28,7 @@ Cost: the fault path is out of line (called ``noinline`` functions, not code inl
 launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
 Triton's ``noinline`` functions take scalars only: ``record_hit`` is out of line as a whole; ``record_hits`` and
 ``guard_index`` reduce their block in the caller (after the vote, which is the whole hot path) and call out for
-the rest. ``record_lanes`` is the exception: its record is per-lane PTX inline in the kernel, behind one branch
+the rest (``record_hits``' ``CALLS=False``: inline the rest, from a caller that is itself out of line). ``record_lanes`` is the exception: its record is per-lane PTX inline in the kernel, behind one branch
 per lane (no vote, no call), so it does cost registers of its own. ``tripwire resources`` shows what a guarded
 kernel occupies beside its twin (docs/guarding.md).
 

@@ -19,6 +19,10 @@ ptxas runs with the allocation options Triton's own command passes (:func:`trito
 the cubin that runs. A search that fails (no ptxas, a compile error) is logged as a warning on the ``tripwire``
 logger and the launch goes uncapped: the cap is an optimisation, the count is the same either way.
 
+:func:`budget_choice` does the same for a kernel with several builds that record alike (its fault path's atomics
+called or inlined into an out-of-line caller): it launches the first build that fits the twin's allocation, with
+its cap, compiling the next only when one does not.
+
 Where it compiles: on the current CUDA device (``JITFunction.warmup``: compiled, not loaded, not launched), or, while
 launches are being recorded (:func:`tripwire.resources.capture_launches`), for sm_90 as ``tripwire resources``
 compiles them, so that what the tools read is what a launch on an H100/H200 runs. Under Triton's interpreter there
@@ -298,9 +302,13 @@ def budget_choice(
     ``tripwire.triton.record_hits``' ``CALLS``), plus ``maxnreg`` where that build is capped as
     :func:`register_cap` caps it. The option chosen is the first whose build, so capped, fits the twin's
     allocation (no more register units, its entry function spilling no more): the later options are compiled only
-    when the earlier ones do not fit. Where none fits, the one allocated the fewest units among those spilling no
-    more than the twin, ties to the earlier. Where nothing is compiled (the interpreter) or a search fails (logged
-    as register_cap logs it), the first option, uncapped.
+    when the earlier ones do not fit. Where none fits, the lowest of (spills more than the twin, register units),
+    ties to the earlier: fewest units among the builds spilling no more, and among all where every one spills
+    more. An option whose build fails to compile is logged (as register_cap logs a failed search) and left out;
+    where every one fails, and where nothing is compiled (the interpreter), the first option, uncapped.
+
+    ``key`` names the compiled variant (constexprs, dtypes, specialisation, device) and the call site, whose
+    ``options`` and ``twin`` are fixed: they are not part of the cache's key. The dict returned is the caller's.
 
     Why compile both: which placement of a fault path costs a kernel less is the compiler's to say, not a rule. A
     nested call out of an out-of-line function adds the call's registers on one Triton and ptxas, inlining its
@@ -317,12 +325,16 @@ def budget_choice(
         try:
             choice = _choose(fn, grid, args, kwargs, twin, options)
         except Exception as e:  # as register_cap: the choice is an optimisation, the records are the same
-            log.warning(
-                "tripwire: no register budget choice for %s (%s: %s); it launches as its first option, uncapped",
-                getattr(fn, "__name__", fn), type(e).__name__, str(e)[:300],
-            )  # fmt: skip
+            _warn(fn, "its first option, uncapped", e)
     _choices[key] = choice
-    return choice
+    return dict(choice)
+
+
+def _warn(fn: Any, instead: str, e: Exception) -> None:
+    log.warning(
+        "tripwire: no register budget choice for %s (%s: %s); it launches %s",
+        getattr(fn, "__name__", fn), type(e).__name__, str(e)[:300], instead,
+    )  # fmt: skip
 
 
 def _choose(
@@ -330,15 +342,23 @@ def _choose(
 ) -> dict[str, Any]:
     t = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **options[0], **twin}))
     best: tuple[tuple[bool, int], dict[str, Any]] | None = None
+    failed: Exception | None = None
     for opt in options:
-        cap, report = _search_against(fn, grid, args, {**kwargs, **opt}, t)
+        try:
+            cap, report = _search_against(fn, grid, args, {**kwargs, **opt}, t)
+        except Exception as e:  # this build left out; the others may still be launched
+            _warn(fn, f"without the build {opt}", e)
+            failed = e
+            continue
         score = (report.spill_bytes > t.spill_bytes, _units(report.regs))
         launch = {**opt, **({"maxnreg": cap} if cap is not None else {})}
         if score <= (False, _units(t.regs)):
             return launch  # within the twin's allocation: no later option can cost the clean path less
         if best is None or score < best[0]:
             best = (score, launch)
-    assert best is not None
+    if best is None:
+        assert failed is not None
+        raise failed
     return best[1]
 
 

@@ -58,6 +58,11 @@ FUSED_TARGET_PCT = 5.0
 COUNT_ONLY_SMALL = (2048, 2.0)
 
 
+# The non-finite counter's sweep: (elements per load step, steps per program, warps) around the default
+# (benchmarks/sweep_nonfinite.py times other layouts at the same shapes).
+SWEEP_SHAPES = ((1024, 8, 8), (2048, 2, 8), (2048, 4, 4), (2048, 4, 8), (2048, 8, 8), (4096, 4, 8), (8192, 1, 8))
+
+
 def _count_only_target(tokens: int) -> float:
     return COUNT_ONLY_SMALL[1] if tokens <= COUNT_ONLY_SMALL[0] else FUSED_TARGET_PCT
 
@@ -193,8 +198,7 @@ def _nonfinite(
         "nonfinite": lambda: count_nonfinite(x, site, ctr=ctr),
         "copy": lambda: dst.copy_(x),
     }
-    # (elements per load step, steps per program, warps) around the default.
-    sweep_cfgs = [(1024, 8, 8), (2048, 2, 8), (2048, 4, 4), (2048, 4, 8), (2048, 8, 8), (4096, 4, 8), (8192, 1, 8)]
+    sweep_cfgs = list(SWEEP_SHAPES)
     if quick:
         sweep_cfgs = sweep_cfgs[2:5]
     for b, it, w in sweep_cfgs:
