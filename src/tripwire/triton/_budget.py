@@ -42,13 +42,15 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 log = logging.getLogger("tripwire")
 _REG_UNIT = 8  # registers per thread are allocated in units of 8
 _MAX_REGS = 255
 _caps: dict[Any, int | None] = {}
-_choices: dict[Any, dict[str, Any]] = {}  # budget_choice's, per key
+_choices: dict[Any, Mapping[str, Any]] = {}  # budget_choice's, per key
 
 
 class PtxasReport(NamedTuple):
@@ -296,7 +298,7 @@ def budget_choice(
     kwargs: dict[str, Any],
     twin: dict[str, Any],
     options: list[dict[str, Any]],
-) -> dict[str, Any]:
+) -> Mapping[str, Any]:
     """The keyword arguments to add to ``fn[grid](*args, **kwargs)``: one of ``options`` (constexpr overrides, each
     a build of the same kernel that records the same, e.g. its fault paths' atomics called or inlined:
     ``tripwire.triton.record_hits``' ``CALLS``), plus ``maxnreg`` where that build is capped as
@@ -308,7 +310,8 @@ def budget_choice(
     where every one fails, and where nothing is compiled (the interpreter), the first option, uncapped.
 
     ``key`` names the compiled variant (constexprs, dtypes, specialisation, device) and the call site, whose
-    ``options`` and ``twin`` are fixed: they are not part of the cache's key. The dict returned is the caller's.
+    ``options`` and ``twin`` are fixed: they are not part of the cache's key. The mapping returned is the cached
+    choice, read-only (a launch per call reads it; nothing is copied).
 
     Why compile both: which placement of a fault path costs a kernel less is the compiler's to say, not a rule. A
     nested call out of an out-of-line function adds the call's registers on one Triton and ptxas, inlining its
@@ -316,8 +319,9 @@ def budget_choice(
     a compiled variant pays the compiles, later ones a dict lookup."""
     if not options:
         raise ValueError("budget_choice needs at least one option")
-    if key in _choices:
-        return _choices[key]
+    found = _choices.get(key)
+    if found is not None:
+        return found
     from ._callee import interpreting
 
     choice = dict(options[0])
@@ -326,8 +330,8 @@ def budget_choice(
             choice = _choose(fn, grid, args, kwargs, twin, options)
         except Exception as e:  # as register_cap: the choice is an optimisation, the records are the same
             _warn(fn, "its first option, uncapped", e)
-    _choices[key] = choice
-    return dict(choice)
+    found = _choices[key] = MappingProxyType(choice)
+    return found
 
 
 def _warn(fn: Any, instead: str, e: Exception) -> None:
