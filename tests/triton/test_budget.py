@@ -134,27 +134,30 @@ def test_nothing_compiled_under_the_interpreter(monkeypatch):
     _budget._caps.pop(key)
 
 
+class _Broken:
+    """A kernel whose every compile fails."""
+
+    __name__ = "broken_kernel"
+
+    def warmup(self, *a, **k):  # type: ignore[no-untyped-def]
+        raise ValueError("no target")
+
+
 def test_a_failed_search_launches_uncapped_and_says_so(monkeypatch, caplog):
     """Compiled (not interpreted) and the compile fails: no cap, a warning naming the kernel and the error, and the
     answer cached (one warning, not one per launch). The control: the error reaches the caller without the guard."""
     from tripwire.triton import _callee
 
-    class Broken:
-        __name__ = "broken_kernel"
-
-        def warmup(self, *a, **k):
-            raise ValueError("no target")
-
     monkeypatch.setattr(_callee, "interpreting", lambda: False)
     key = ("test_budget_broken", object())
     with caplog.at_level("WARNING", logger="tripwire"):
-        assert _budget.register_cap(key, Broken(), (1,), (), {}, {"GUARD": False}) is None
-        assert _budget.register_cap(key, Broken(), (1,), (), {}, {"GUARD": False}) is None
+        assert _budget.register_cap(key, _Broken(), (1,), (), {}, {"GUARD": False}) is None
+        assert _budget.register_cap(key, _Broken(), (1,), (), {}, {"GUARD": False}) is None
     warned = [r.getMessage() for r in caplog.records if "register cap" in r.getMessage()]
     assert len(warned) == 1 and "broken_kernel" in warned[0] and "ValueError: no target" in warned[0], warned
     _budget._caps.pop(key)
     with pytest.raises(ValueError, match="no target"):
-        _budget._search(Broken(), (1,), (), {}, {"GUARD": False})
+        _budget._search(_Broken(), (1,), (), {}, {"GUARD": False})
 
 
 def _fake_builds(monkeypatch, report):
@@ -269,25 +272,19 @@ def test_budget_choice_under_the_interpreter_and_on_failure(monkeypatch, caplog)
     failure says so once. No options at all is an error."""
     from tripwire.triton import _callee
 
-    class Broken:
-        __name__ = "broken_kernel"
-
-        def warmup(self, *a, **k):
-            raise ValueError("no target")
-
     monkeypatch.setattr(_callee, "interpreting", lambda: True)
     key = ("test_budget_interp", object())
-    assert _budget.budget_choice(key, Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
+    assert _budget.budget_choice(key, _Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
     _budget._choices.pop(key)
     monkeypatch.setattr(_callee, "interpreting", lambda: False)
     key = ("test_budget_broken_choice", object())
     with caplog.at_level("WARNING", logger="tripwire"):
-        assert _budget.budget_choice(key, Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
+        assert _budget.budget_choice(key, _Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
     warned = [r.getMessage() for r in caplog.records if "budget choice" in r.getMessage()]
     assert len(warned) == 1 and "broken_kernel" in warned[0] and "ValueError: no target" in warned[0], warned
     _budget._choices.pop(key)
     with pytest.raises(ValueError, match="at least one option"):
-        _budget.budget_choice(("test_budget_none",), Broken(), (1,), (), {}, {}, [])
+        _budget.budget_choice(("test_budget_none",), _Broken(), (1,), (), {}, {}, [])
 
 
 # The smallest kernel ptxas reports on (an entry function that returns).

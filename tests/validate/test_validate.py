@@ -154,18 +154,7 @@ def test_each_fault_build_matches_reference(md, mon, kernel_device, backend, mon
     forced in turn (every launch is handed the forced build: the test below shows the two run different code)."""
     if backend == "torch":
         pytest.skip("the Triton kernel's two builds: the interpreter and cuda backends run them")
-    from tripwire.triton._budget import budget_choice as choose
-    from tripwire.validate import _triton
-
-    seen: set[bool] = set()
-
-    def forced(key, fn, grid, args, kw, twin, options):  # type: ignore[no-untyped-def]
-        assert {"CALLS": True} in options and {"CALLS": False} in options
-        out = choose((key, "forced", calls), fn, grid, args, kw, twin, [{"CALLS": calls}])
-        seen.add(out["CALLS"])
-        return out
-
-    monkeypatch.setattr(_triton, "budget_choice", forced)
+    seen = _force_build(monkeypatch, calls)
     _matches_reference(md, mon, kernel_device)
     assert seen == {calls}  # every call launches (the indptr's own program at least), each the forced build
 
@@ -179,8 +168,6 @@ def test_each_fault_build_runs_its_own_record(mon, kernel_device, backend, monke
     if backend != "interpreter":
         pytest.skip("the interpreter resolves the patched helper at the call; a compiled kernel is cached")
     import tripwire.triton as tt
-    from tripwire.triton._budget import budget_choice as choose
-    from tripwire.validate import _triton
 
     write = tt._write_words
 
@@ -188,8 +175,7 @@ def test_each_fault_build_runs_its_own_record(mon, kernel_device, backend, monke
         write(ctr_ptr, n + 1, max_rb, max_vb, neg_min, first_rb, first_vb)
 
     monkeypatch.setattr(tt, "_record_words", one_more)
-    monkeypatch.setattr(_triton, "budget_choice", lambda key, fn, grid, args, kw, twin, options: choose(
-        (key, "control", calls), fn, grid, args, kw, twin, [{"CALLS": calls}]))  # fmt: skip
+    _force_build(monkeypatch, calls)
     md = {"dtype": torch.int32, "policy": "mask", "hi": 5, "slots": [1, 9, 2], "rows": 0, "width": 0,
           "table": [0] * 45, "lengths": [0] * 5, "indptr": [0], "indices": []}  # fmt: skip
     if calls:
@@ -197,6 +183,24 @@ def test_each_fault_build_runs_its_own_record(mon, kernel_device, backend, monke
             _matches_reference(md, mon, kernel_device)
     else:
         _matches_reference(md, mon, kernel_device)
+
+
+def _force_build(monkeypatch, calls: bool) -> set[bool]:
+    """The validator offered its two builds and handed only the one with ``CALLS=calls`` (under a cache key of its
+    own, so nothing chosen elsewhere is reused); returns the set the launches' CALLS are added to."""
+    from tripwire.triton._budget import budget_choice as choose
+    from tripwire.validate import _triton
+
+    seen: set[bool] = set()
+
+    def forced(key, fn, grid, args, kw, twin, options):  # type: ignore[no-untyped-def]
+        assert {"CALLS": True} in options and {"CALLS": False} in options
+        out = choose((key, "forced", calls), fn, grid, args, kw, twin, [{"CALLS": calls}])
+        seen.add(out["CALLS"])
+        return out
+
+    monkeypatch.setattr(_triton, "budget_choice", forced)
+    return seen
 
 
 def _matches_reference(md, mon, kernel_device):

@@ -28,8 +28,9 @@ Cost: the fault path is out of line (called ``noinline`` functions, not code inl
 launch runs the caller's own code and the record's atomics, loops and 64-bit words do not raise its registers.
 Triton's ``noinline`` functions take scalars only: ``record_hit`` is out of line as a whole; ``record_hits`` and
 ``guard_index`` reduce their block in the caller (after the vote, which is the whole hot path) and call out for
-the rest (``record_hits``' ``CALLS=False``: inline the rest, from a caller that is itself out of line). ``record_lanes`` is the exception: its record is per-lane PTX inline in the kernel, behind one branch
-per lane (no vote, no call), so it does cost registers of its own. ``tripwire resources`` shows what a guarded
+the rest (``record_hits``' ``CALLS=False``: inline the rest, from a caller that is itself out of line).
+``record_lanes`` is the exception: its record is per-lane PTX inline in the kernel, behind one branch per lane (no
+vote, no call), so it does cost registers of its own. ``tripwire resources`` shows what a guarded
 kernel occupies beside its twin (docs/guarding.md).
 
 Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
