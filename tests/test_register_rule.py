@@ -206,9 +206,9 @@ def test_validator_within_its_twins_registers(usage: dict, spec: str) -> None:
     Of its two builds (the fault functions calling the record's atomics, or inlining them: ``CALLS``) the launch is
     the calling one where it fits the twin's allocation, else the one allocated fewer register units among those
     spilling no more than the twin (ties: calling). The controls, where one build fails the rule and the choice is
-    what passes: on Triton 3.9 the one-entry build calling (72 registers, 7 programs per SM against the twin's 64 and
-    8: the nested calls' registers); on 3.6 the full-size build uncapped (the cap's doing) and its inlining build
-    (more registers than calling, capped)."""
+    what passes: on Triton 3.9 the one-entry build calling (a program per SM fewer than its twin: the nested calls'
+    registers; benchmarks/RESULTS.md, "The register tools"); on 3.6 the full-size build uncapped (the cap's doing)
+    and its inlining build (more registers than calling, capped)."""
     v = usage["validator_budget"][spec]
     g, u, t = v["launched"], v["uncapped"], v["twin"]
     assert _free(g, t), v
