@@ -271,3 +271,43 @@ def test_a_report_names_the_offenders_a_later_take_consumed(monkeypatch):
     assert "c" in run(report_every=60.0)[1]
     released = run(report_every=1e-6)
     assert len(released) == 2 and "c" not in released[1], released
+
+
+def test_a_dirty_verdict_has_reached_the_sinks_when_take_returns(kernel_device):
+    """An engine fails the requests a verdict names as soon as ``take`` returns: by then the event naming them has
+    reached every sink, also for a second rise inside the report window (which a reader report would defer), and
+    the reader does not report the same rise again. Control: a ring built without the monitor's report leaves the
+    sink empty at that moment (the event comes only from the reader's later read)."""
+    for report in (True, False):
+        mon = _monitor(contain=True, report_every=60.0)
+        events: list = []
+        mon.add_sink(events.append)
+        v = Validator("s", kernel_device, policy="mask", monitor=mon)
+        v.index("slots", hi=100, padding=-1, requests="req", segments="cu")
+        site = v.rules["slots"].site
+        if report:
+            ring = mon.verdicts(kernel_device, [site])
+        else:
+            # The same ring without the monitor's synchronous report (what an engine had before it).
+            dev = torch.device(kernel_device if kernel_device == "cpu" else "cuda:0")
+            ring = Verdicts(mon.pipeline.context, dev, [site], 4, prealloc=mon.prealloc, offenders=mon.arena.offenders)
+            mon.pipeline.ledger.cover(str(dev), site.id)
+        for step, (bad, ids) in enumerate((([4], ("a", "b", "c")), ([1], ("d", "e", "f")))):
+            _step(v, mon, kernel_device, bad, ids=ids)
+            t = ring.enqueue()
+            _sync(kernel_device)
+            verdict = ring.take(t)
+            named = [o.request for e in events if e.kind == "guard" for o in e.offenders]
+            want = {"b"} if step == 0 else {"d"}
+            assert verdict.tainted == want
+            if report:
+                assert want <= set(named), (step, named)  # explained before the engine fails the request
+            else:
+                assert named == [], named
+        if report:
+            mon.poll()
+            mon.poll()
+            mon.drain()
+            guard = [e for e in events if e.kind == "guard"]
+            assert [e.delta for e in guard] == [1, 1] and guard[-1].total == 2  # nothing reported twice
+        mon.stop()

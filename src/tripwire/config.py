@@ -54,11 +54,15 @@ NATIVE_TICK = ("auto", "on", "off")
 # tests, benchmarks and CI read is here or in _ENV (tests/test_config.py greps the tree for them).
 OTHER_VARIABLES = {
     "TRIPWIRE_VLLM": "the vLLM plugin's mode (tripwire.integrations.vllm)",
+    "TRIPWIRE_VLLM_METRICS_DIR": "the folder through which the vLLM plugin's processes hand their metrics to the API "
+    "server's /metrics (made by the plugin in the first vLLM process, inherited by the others)",
     "TRIPWIRE_VLLM_PYTHON": "the python of the vLLM environment (tripwire demo --engine vllm, the vLLM tests)",
     "TRIPWIRE_VLLM_FAULTS": "the faults the vLLM demo and tests inject into the engine (a JSON list)",
     "TRIPWIRE_VLLM_FAULTS_LOG": "where the vLLM fault injection logs what it injected",
     "TRIPWIRE_VLLM_FAULTS_NO_EVICT": "the vLLM tests' control: containment keeps a failed request's cached blocks",
     "TRIPWIRE_VLLM_VENV": "where CI (.ci/run) makes the vLLM environment",
+    "TRIPWIRE_VLLM027_VENV": "where CI (.ci/run) makes the environment of vLLM's oldest CPU build in the range (0.27)",
+    "TRIPWIRE_VLLM_SOURCE_CACHE": "where the vLLM source checks cache the files they read from the registry's wheels",
 }
 
 

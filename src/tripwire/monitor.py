@@ -479,9 +479,9 @@ class Monitor:
                         f"site {s.name!r} on {dev} already has a verdict ring: a second ring would find its offenders "
                         f"consumed by the first"
                     )
-            ring = Verdicts(
-                self.pipeline.context, dev, resolved, depth, prealloc=self.prealloc, offenders=self.arena.offenders
-            )
+            report = self.pipeline.locked_report(self._lock, self._deliver)  # before take() returns: the sinks
+            ring = Verdicts(self.pipeline.context, dev, resolved, depth, prealloc=self.prealloc,
+                            offenders=self.arena.offenders, report=report)  # fmt: skip
             for s in resolved:
                 self.pipeline.ledger.cover(str(dev), s.id)
             self._rings.append(ring)

@@ -27,8 +27,10 @@ verdict of ITS OWN step, before it hands any request of that step back::
   once, in the same step. With containment (``Monitor(contain=True)``) it arms nothing: the engine fails
   ``tainted`` (or, under ``fail_all``, every request of the step) and goes on; a fatal site's masked write is then
   contained too (the write went to a trash slot: the damage is the writer's own).
-* The reader still reports every rise (its reports carry the offenders the verdicts consumed) and, for the ring's
-  sites under containment, leaves the verdict to the ring: it neither taints nor arms for them.
+* A verdict that saw a rise reports it before ``take`` returns (the monitor's report, every sink included: an engine
+  never fails a request its events do not yet explain); the reader reports every other rise (its reports carry the
+  offenders the verdicts consumed) and, for the ring's sites under containment, leaves the verdict to the ring: it
+  neither taints nor arms for them.
 
 One ring per (device, site): a second ring over a site would find its offenders consumed. Kernels on another stream
 that hit the ring's sites concurrently with an ``enqueue`` may lose offenders to its consumption: their rise then
@@ -152,6 +154,7 @@ class Verdicts:
         *,
         prealloc: Callable[[torch.device], torch.Tensor],
         offenders: Callable[[torch.device], torch.Tensor | None],
+        report: Callable[[str, dict[int, np.ndarray]], None] | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 64:
             raise ValueError(f"depth={depth!r}: expected a whole number of verdict slots in [1, 64]")
@@ -163,6 +166,9 @@ class Verdicts:
             if s.id >= ctx.settings().capacity:
                 raise ValueError(f"site {s.name!r} owns row {s.id}, past the arena's {ctx.settings().capacity} rows")
         self.context = ctx
+        # The monitor's synchronous report of a verdict's rows (Monitor._report_rows): a rise a verdict saw has
+        # reached every sink before take() returns it, so an engine never fails a request its events do not explain.
+        self._report = report
         self.device = device
         self.name = str(device)
         self.sites = tuple(sites)
@@ -292,10 +298,16 @@ class Verdicts:
                         f"wait for the stream the step ran on (or take(wait=True), a bounded wait)"
                     )
                 self._wait(event, timeout)
-        verdict = self._decode(self._np[ticket.slot])
+        slot = self._np[ticket.slot]
+        verdict = self._decode(slot)
         if not ticket.captured:
             ticket.taken = True
             self._open[ticket.slot] = None
+        if verdict.hits and self._report is not None:
+            # Before the engine acts on the verdict (fails its requests): its rises reported now, each row with its
+            # offender block, as one complete read (the copy landed in stream order after the step's kernels).
+            hit = {h.site for h in verdict.hits}
+            self._report(self.name, {s.id: slot[i].copy() for i, s in enumerate(self.sites) if s.name in hit})
         return verdict
 
     # ------------------------------------------------------------------ internals

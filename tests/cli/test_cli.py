@@ -86,7 +86,8 @@ def test_doctor_runs_here_and_says_what_would_not_work():
     out = doctor()
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
-    for name in ("versions", "settings", "CUDA", "capture-mode relax", "native tick", "compute-sanitizer", "sinks"):
+    names = ("versions", "settings", "CUDA", "capture-mode relax", "native tick", "compute-sanitizer", "sinks", "vLLM")
+    for name in names:
         assert f"] {name}" in text, name
     c = checks(doctor("--json"))
     assert c["native tick"]["status"] == "ok" and "engaged" in c["native tick"]["found"]
@@ -220,6 +221,17 @@ def test_a_bad_setting_through_the_command_line_has_no_traceback():
         timeout=300,
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_doctor_checks_the_vllm_plugin_setting():
+    """``TRIPWIRE_VLLM=on`` (which vLLM's plugin load refuses) fails the doctor's vLLM check; control: ``contain``
+    and unset pass it."""
+    out = doctor("--json", TRIPWIRE_VLLM="on")
+    c = checks(out)["vLLM plugin"]
+    assert out.returncode == 1 and c["status"] == "fail" and "'on' is not a tripwire vLLM mode" in c["found"]
+    for env in ({"TRIPWIRE_VLLM": "contain"}, {}):
+        c = checks(doctor("--json", **env))["vLLM plugin"]
+        assert c["status"] == "ok", c
 
 
 def test_doctor_fails_on_a_misspelt_setting_name():

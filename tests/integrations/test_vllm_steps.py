@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tripwire import Monitor, SiteRegistry
-from tripwire.integrations import _vllm_steps
+from tripwire.integrations import _vllm_runner, _vllm_steps, _vllm_v1
 from tripwire.integrations._vllm_steps import StepValidator
 from tripwire.layout import OFF_HEADER, OFFENDERS
 from tripwire.verdict import _offenders
@@ -244,7 +244,7 @@ def one_bad_entry(rule: str, *, broken_fast_path: bool = False) -> tuple[list[bo
     args = decode_step(r)
     calls = [sv(*args), sv(*args)]  # the first step binds the host views (exact path), the second is skipped
     if broken_fast_path:
-        sv._host = lambda *a: True  # type: ignore[assignment]
+        sv._host = SimpleNamespace(inputs=lambda *a: True, outputs=lambda *a: True)  # type: ignore[assignment]
     write(r)
     calls.append(sv(*args))
     after = read(r)
@@ -318,13 +318,14 @@ class _Runner:
 
 
 class _Sched:
-    """vLLM's scheduler as far as the plugin reads it (its update fails requests through encoder_cache_mismatch_reqs
+    """vLLM's scheduler as far as the plugin reads it (its update fails requests through grammar_compile_error_reqs
     with FINISHED_ERROR: the names the contain mode checks the source for)."""
 
-    encoder_cache_mismatch_reqs: set[str]
+    def __init__(self):
+        self.grammar_compile_error_reqs: set[str] = set()
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        self.seen = (self.encoder_cache_mismatch_reqs, "FINISHED_ERROR", model_runner_output)
+        self.seen = (self.grammar_compile_error_reqs, "FINISHED_ERROR", model_runner_output)
         return "updated"
 
     def finish_requests(self):
@@ -336,6 +337,13 @@ class _Core:
         pass
 
 
+class _Table:
+    """V1's MultiGroupBlockTable as far as the plugin wraps it."""
+
+    def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
+        pass
+
+
 @pytest.fixture
 def stand_in_plugin(monkeypatch):
     """The plugin's wrappers (contain) on the stand-in classes above, installed as install() does; uninstalled after."""
@@ -343,10 +351,15 @@ def stand_in_plugin(monkeypatch):
     from tripwire.integrations import _vllm_hooks as tw
     from tripwire.integrations import vllm as plugin_module
 
-    for name, cls in (("_runner_class", _Runner), ("_scheduler_class", _Sched), ("_engine_core_class", _Core)):
+    for name, cls in (
+        ("_runner_class", _Runner),
+        ("_scheduler_class", _Sched),
+        ("_engine_core_class", _Core),
+        ("_v1_table_class", _Table),
+    ):
         monkeypatch.setattr(tw, name, lambda cls=cls: cls)
     monkeypatch.setattr(tw, "_v2_runner_class", lambda version: None)
-    own = {(c, n): c.__dict__[n] for c in (_Runner, _Sched) for n in c.__dict__ if callable(c.__dict__[n])}
+    own = {(c, n): c.__dict__[n] for c in (_Runner, _Sched, _Table) for n in c.__dict__ if callable(c.__dict__[n])}
     plugin = tw._Plugin("contain", Monitor(registry=SiteRegistry(capacity=32), capacity=32), "0.32.0")
     updates: list[dict] = []
     monkeypatch.setattr(plugin.contain, "before_update", lambda sched, out: updates.append(dict(out.t)))
@@ -366,9 +379,7 @@ def stand_in_plugin(monkeypatch):
 
 
 def _sched() -> _Sched:
-    s = _Sched()
-    s.encoder_cache_mismatch_reqs = set()
-    return s
+    return _Sched()
 
 
 def test_scheduler_wrapper_is_on_only_while_taints_are_due(stand_in_plugin, monkeypatch):
@@ -426,21 +437,20 @@ def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plug
     """A clean step calls vLLM's own sample_tokens (the class's method is never wrapped, and nothing is put on the
     runner); a step whose validator ran wraps the runner's next sample_tokens call, which takes the verdict once
     and unwraps. Control: the same step with the instance wrapper removed before sampling takes no verdict."""
-    from tripwire.integrations import _vllm_hooks as tw
 
     plugin, own, _updates = stand_in_plugin
     taken: list[object] = []
 
-    def after_step(ring, ticket, step, out):  # type: ignore[no-untyped-def]
+    def after_step(ring, ticket, step, out, wait=False):  # type: ignore[no-untyped-def]
         taken.append(ticket)
         return out
 
     monkeypatch.setattr(plugin.contain, "after_step", after_step)
     clean = [True]
-    validator = SimpleNamespace(_host=lambda *a: clean[0], exact=lambda *a: True)
+    validator = SimpleNamespace(begin=lambda: None, inputs=lambda *a: False, outputs=lambda *a: not clean[0])
     ring = SimpleNamespace(enqueue=lambda: f"ticket-{len(taken)}")
     r = _Runner()
-    r._tripwire = tw._RunnerState(validator, ring)  # type: ignore[arg-type]
+    r._tripwire = _vllm_runner.RunnerState(validator, ring)  # type: ignore[arg-type]
     plugin.started = True  # the stand-in has no reader to start
     assert _Runner.__dict__["sample_tokens"] is own[(_Runner, "sample_tokens")]
     # vLLM 0.32's signatures: the wrappers that bind them directly (no per-step *args/**kwargs objects).
@@ -468,10 +478,9 @@ def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plug
 def test_exact_signature_wrappers_only_for_vllms_own_signature():
     """The wrappers with vLLM 0.32's parameters are chosen only for a method with exactly those names, each
     positional-or-keyword. Control: a ``**kwargs`` method, or one parameter more or renamed, gets the generic one."""
-    from tripwire.integrations import _vllm_hooks as tw
 
-    assert tw._same_parameters(_Runner.__dict__["_build_attention_metadata"], tw._ATTN_PARAMETERS)
-    assert tw._same_parameters(_Runner.execute_model, ("self", "scheduler_output", "intermediate_tensors"))
+    assert _vllm_runner.same_parameters(_Runner.__dict__["_build_attention_metadata"], _vllm_v1.ATTN_PARAMETERS)
+    assert _vllm_runner.same_parameters(_Runner.execute_model, ("self", "scheduler_output", "intermediate_tensors"))
 
     def kw(self, **kwargs):  # type: ignore[no-untyped-def]
         pass
@@ -486,5 +495,24 @@ def test_exact_signature_wrappers_only_for_vllms_own_signature():
         pass
 
     names = ("self", "scheduler_output", "intermediate_tensors")
-    assert not any(tw._same_parameters(f, names) for f in (kw, more, renamed, keyword_only))
-    assert not tw._same_parameters(kw, tw._ATTN_PARAMETERS)
+    assert not any(_vllm_runner.same_parameters(f, names) for f in (kw, more, renamed, keyword_only))
+    assert not _vllm_runner.same_parameters(kw, _vllm_v1.ATTN_PARAMETERS)
+
+
+@pytest.mark.parametrize("mode", ["contain", "mask", "flag"])
+def test_parallelism_is_refused_under_contain_only(mode):
+    """Tensor, pipeline or context parallelism (a world of several workers): each rank's verdict covers only its own
+    arena, so ``contain`` refuses to build, naming the way out; ``mask`` and ``flag`` build (the control)."""
+    from tripwire.integrations import _vllm_hooks as tw
+
+    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+    r = runner()
+    r.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=2))
+    plugin = tw._Plugin(mode, m, "0.32.0")
+    if mode == "contain":
+        with pytest.raises(RuntimeError, match="TRIPWIRE_VLLM=contain needs one worker.*has 2.*Use TRIPWIRE_VLLM=mask"):
+            plugin.build(r)
+        assert getattr(r, "_tripwire", None) is None
+    else:
+        plugin.build(r)
+        assert isinstance(r._tripwire.validator, StepValidator)

@@ -25,6 +25,6 @@ def vllm_python() -> str:
         pytest.skip(str(e))
 
 
-def python_in_vllm_env(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def python_in_vllm_env(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     vllm_python()
-    return _vllm_proc.python_in_vllm_env(code, timeout=timeout)
+    return _vllm_proc.python_in_vllm_env(code, env=env, timeout=timeout)

@@ -211,6 +211,27 @@ class Confirmer:
                 pending[rid] = [0, int(progress[rid]), now]
         return out
 
+    def confirm_now(self, device: str, rows: Mapping[int, np.ndarray]) -> list[Confirmed]:
+        """Confirm at once the rises of a complete read of some rows (row id -> its words, a guard row's offender
+        block after them: a verdict's copy, which landed after the step's kernels in stream order): each row whose
+        progress passed what was reported is confirmed with that row (and no longer pending). Rows of a kind without
+        a reporter are left alone."""
+        d = self._devices.get(device)
+        if d is None:
+            d = self._devices[device] = _Device(np.zeros(self.capacity, dtype=np.int64))
+        out: list[Confirmed] = []
+        for rid, row in rows.items():
+            site = self.registry.by_id(rid)
+            slots = self._count_slots(site.kind)
+            if slots is None or rid >= d.reported.shape[0]:
+                continue
+            progress = int(sum(int(row[s]) for s in slots))
+            if progress > d.reported[rid]:
+                d.reported[rid] = progress
+                d.pending.pop(rid, None)
+                out.append((site, row))
+        return out
+
     def lose(self, device: str) -> list[Confirmed]:
         """``device``'s reader is lost: confirm what its last rows showed rising (nobody will poll it again), and
         drop its pending rows so the reader stops re-polling fast."""

@@ -10,6 +10,7 @@ are called once it is released (a slow sink must not hold the lock other threads
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,27 @@ class Pipeline:
         blocks = reader.landed_offenders if reader.offenders is not None else None
         self.process(reader.name, rows, now, final=final, offenders=blocks)
         reader.want_offenders(self.confirmer.pending(reader.name))
+
+    def report_now(self, device: str, rows: dict[int, np.ndarray], now: float) -> None:
+        """Report the rises ``rows`` show (a complete read of those rows: a verdict's) at once: confirmed without
+        waiting, and released past the report window (a contained request is explained when it fails, not a window
+        later). Under the monitor's lock; the events go out at its next delivery."""
+        confirmed = self.confirmer.confirm_now(device, rows)
+        self._confirm(device, confirmed, now)
+        self.window.flush_keys([(device, site.id) for site, _ in confirmed], now)
+
+    def locked_report(self, lock: Any, deliver: Callable[[], None]) -> Callable[[str, dict[int, np.ndarray]], None]:
+        """:meth:`report_now` under the monitor's ``lock``, then ``deliver`` (outside it, as every delivery): what a
+        verdict ring calls with its rows, so that a verdict's rises have reached the sinks before its ``take``
+        returns and the engine acts on it. Nothing under ``off``."""
+
+        def report(device: str, rows: dict[int, np.ndarray]) -> None:
+            if self.settings().mode != "off":
+                with lock:
+                    self.report_now(device, rows, time.monotonic())
+                deliver()
+
+        return report
 
     def lose(self, device: str, now: float) -> None:
         """``device``'s reader is lost: report what it had seen rising (nobody polls it again)."""

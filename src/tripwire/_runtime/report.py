@@ -356,6 +356,13 @@ class ReportWindow:
             if st.render is not None and (force or now - st.logged_at >= self._every()):
                 self._out(st, st.render, now)
 
+    def flush_keys(self, keys: list[tuple[str, int]], now: float) -> None:
+        """Release the deferred reports of ``keys`` now, whatever their window says."""
+        for key in keys:
+            st = self._keys.get(key)
+            if st is not None and st.render is not None:
+                self._out(st, st.render, now)
+
     def next_due(self, now: float) -> float | None:
         """Seconds until the earliest deferred report is due (0 when overdue), or None when none is deferred."""
         every = self._every()

@@ -1,18 +1,26 @@
 """A host-side metadata bug, injected into vLLM's own model runner (the vLLM demo, tests, fuzz and benchmark).
 
 Not a tripwire feature: a tool that re-creates the bugs tripwire guards against, the way they happen in a real
-engine, by writing bad entries into the runner's own persistent buffers for one step:
+engine, by writing bad entries into the runner's own persistent state for one step, upstream of tripwire's checks
+(before the point where tripwire validates the step):
 
-* ``read``: a bad block id in the victim's block-table column 0 (a context block attention reads), written after
-  the step's inputs are prepared (the slot mapping was computed from the good table);
-* ``write``: a bad block id in the column of the victim's newest token, written into the host table before the step
-  commits it, so vLLM computes that token's KV-cache slot from it (the KV write goes through the bad block);
-* ``slot``: a bad slot id in the victim's newest token's slot mapping, after it was computed.
+* ``read``: a bad block id in the victim's block-table column 0 (a context block attention reads). V1: written after
+  the step's inputs are prepared (the slot mapping was computed from the good table); V2: into the request's row of
+  the block table before ``prepare_attn`` gathers it (its slot mapping too, where the newest token is in column 0).
+* ``write``: a bad block id in the column of the victim's newest token, before vLLM computes that token's KV-cache
+  slot from it (the KV write goes through the bad block).
+* ``slot``: a bad slot id in the victim's newest token's slot mapping, after vLLM computed it.
+* ``position``: a bad position of the victim's newest token, before vLLM's slot-mapping kernel reads the table at
+  ``position // block_size`` (``"end"``: the first position past the table's width).
+* ``idx``: (V2) a bad request-state row in the victim's entry of ``idx_mapping``, before ``prepare_attn`` reads the
+  tables through it (``"end"``: ``max_num_reqs``).
+* ``num_blocks``: a bad block count for the victim's request, before V2's gather copies that many columns (V1: the
+  per-row count vLLM keeps, which tripwire's validator reads; ``"end"``: one past the table's width).
 
 The original entries are restored when the step ends (a one-step bug). A fault names its victim by the first
-token of its prompt (``marker``; a list: its first tokens), its step by how many tokens the victim has generated (0: the prefill), and its
-value as an int or ``"end"`` (the first id past the end: the KV cache's block count, or its slot count for
-``slot``).
+token of its prompt (``marker``; a list: its first tokens), its step by how many steps the victim has been scheduled
+in before (0: the prefill), and its value as an int or ``"end"`` (the first id past the end: the KV cache's block
+count, its slot count for ``slot``, and as above for the others).
 
 It is loaded as a vLLM general plugin from a distribution written at run time (:func:`plugin_dir`), so it runs in
 every vLLM process, the engine core's own included; it does nothing unless ``TRIPWIRE_VLLM_FAULTS`` holds a JSON
@@ -25,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import types
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +44,22 @@ LOG_ENV = "TRIPWIRE_VLLM_FAULTS_LOG"
 # A control for the tests: tripwire's containment with its prefix-cache eviction switched off (a victim's blocks
 # then stay in vLLM's prefix cache, as they would without it).
 NO_EVICT_ENV = "TRIPWIRE_VLLM_FAULTS_NO_EVICT"
-KINDS = ("read", "write", "slot")
+KINDS = ("read", "write", "slot", "position", "idx", "num_blocks")
 _DIST = "tripwire_vllm_faults-0.dist-info"
 
 
 def plugin_dir(root: str | os.PathLike[str]) -> str:
-    """Write (once) a distribution under ``root`` whose ``vllm.general_plugins`` entry point ``tripwire_faults`` is
-    :func:`register`; put the returned folder on ``PYTHONPATH`` for vLLM's processes to load it."""
+    """Write (once) a distribution under ``root`` whose ``vllm.general_plugins`` entry points are :func:`register`
+    (``tripwire_faults``) and tripwire's own plugin (``tripwire_checkout``: a source checkout on the path, not
+    installed into the engine's environment, as on a machine with no registry; where tripwire is installed too,
+    vLLM calls both and the second install is a no-op); put the returned folder on ``PYTHONPATH`` for vLLM's
+    processes to load them."""
     d = Path(root) / _DIST
     d.mkdir(parents=True, exist_ok=True)
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: tripwire-vllm-faults\nVersion: 0\n")
     (d / "entry_points.txt").write_text(
         "[vllm.general_plugins]\ntripwire_faults = tripwire.cli._vllm_faults:register\n"
+        "tripwire_checkout = tripwire.integrations.vllm:register\n"
     )
     return str(Path(root))
 
@@ -63,7 +76,7 @@ def _faults() -> list[dict[str, Any]]:
         if not (isinstance(m, int) or (isinstance(m, list) and m and all(isinstance(x, int) for x in m))):
             raise ValueError(f"{ENV}: fault {f} needs a marker: the prompt's first token, or its first tokens")
         if not isinstance(f.get("step"), int):
-            raise ValueError(f"{ENV}: fault {f} needs an int step (the victim's generated tokens at the fault)")
+            raise ValueError(f"{ENV}: fault {f} needs an int step (the victim's steps before the fault)")
     return faults
 
 
@@ -72,80 +85,6 @@ def _log(entry: dict[str, Any]) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(entry) + "\n")
-
-
-class _Injector:
-    def __init__(self, faults: list[dict[str, Any]]) -> None:
-        self.faults = faults
-        self.done: set[int] = set()
-        self.restore: list[tuple[Any, int, int, int]] = []  # (tensor, row, col, old value)
-
-    def due(self, runner: Any, kinds: tuple[str, ...]) -> list[tuple[dict[str, Any], str, int]]:
-        batch = runner.input_batch
-        out = []
-        for i, f in enumerate(self.faults):
-            if i in self.done or f["kind"] not in kinds:
-                continue
-            for row, rid in enumerate(batch.req_ids[: batch.num_reqs]):
-                state = runner.requests.get(rid)
-                if state is None or not _matches(state.prompt_token_ids, f["marker"]):
-                    continue
-                if len(state.output_token_ids) == f["step"]:
-                    self.done.add(i)
-                    out.append((f, rid, row))
-        return out
-
-    def value(self, runner: Any, f: dict[str, Any], group: int) -> int:
-        v = f["value"]
-        if v == "end":
-            table = runner.input_batch.block_table[group]
-            spec = runner.kv_cache_config.kv_cache_groups[group].kv_cache_spec
-            blocks = int(runner.kv_cache_config.num_blocks) * (int(spec.block_size) // int(table.block_size))
-            return blocks * int(table.block_size) if f["kind"] == "slot" else blocks
-        return int(v)
-
-    def put(self, t: Any, row: int, col: int, v: int) -> None:
-        self.restore.append((t, row, col, int(t[row, col])))
-        t[row, col] = v
-
-    def before_prepare(self, runner: Any) -> None:
-        for f, rid, row in self.due(runner, ("write",)):
-            batch = runner.input_batch
-            table = batch.block_table[0]
-            n_sched = runner._tripwire_faults_sched.get(rid, 1)
-            pos = int(batch.num_computed_tokens_cpu[row]) + n_sched - 1  # the newest token's position
-            col = pos // int(table.block_size)
-            v = self.value(runner, f, 0)
-            for t in {
-                id(table.block_table.cpu): table.block_table.cpu,
-                id(table.block_table.gpu): table.block_table.gpu,
-            }.values():
-                self.put(t, row, col, v)
-            _log({"kind": "write", "request": rid, "row": row, "col": col, "position": pos, "value": v, **_meta(f)})
-
-    def after_prepare(self, runner: Any) -> None:
-        for f, rid, row in self.due(runner, ("read", "slot")):
-            batch = runner.input_batch
-            table = batch.block_table[0]
-            v = self.value(runner, f, 0)
-            if f["kind"] == "read":
-                for t in {
-                    id(table.block_table.cpu): table.block_table.cpu,
-                    id(table.block_table.gpu): table.block_table.gpu,
-                }.values():
-                    self.put(t, row, 0, v)
-                _log({"kind": "read", "request": rid, "row": row, "col": 0, "value": v, **_meta(f)})
-            else:
-                token = int(runner.query_start_loc.np[row + 1]) - 1
-                sm = table.slot_mapping.gpu
-                self.restore.append((sm.view(1, -1), 0, token, int(sm[token])))
-                sm[token] = v
-                _log({"kind": "slot", "request": rid, "row": row, "token": token, "value": v, **_meta(f)})
-
-    def after_step(self) -> None:
-        for t, row, col, old in reversed(self.restore):
-            t[row, col] = old
-        self.restore.clear()
 
 
 def _matches(prompt: Any, marker: int | list[int]) -> bool:
@@ -157,8 +96,275 @@ def _meta(f: dict[str, Any]) -> dict[str, Any]:
     return {"marker": f["marker"], "step": f["step"], "spec": f.get("value")}
 
 
+class _Injector:
+    """The faults of this process, by step: each request's prompt head (from its first scheduling) and how many steps
+    it was scheduled in (the step of a fault)."""
+
+    def __init__(self, faults: list[dict[str, Any]]) -> None:
+        self.faults = faults
+        self.done: set[int] = set()
+        self.prompts: dict[str, list[int]] = {}
+        self.steps: dict[str, int] = {}
+        self.due: list[tuple[dict[str, Any], str]] = []  # this step's faults: (fault, request id)
+        self.restore: list[tuple[Any, tuple[Any, ...], int]] = []  # (tensor or array, index, old value)
+        # Restored after the step's sampling, not at the end of execute_model: V2's idx_mapping, which the sampler and
+        # its post_update read too (a real bad entry would still be there).
+        self.restore_late: list[tuple[Any, tuple[Any, ...], int]] = []
+
+    def begin(self, scheduler_output: Any) -> None:
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            self.prompts[new.req_id] = list(new.prompt_token_ids[:4]) if new.prompt_token_ids is not None else []
+            self.steps.pop(new.req_id, None)  # a request id seen again (a resumed request) starts over
+        self.due = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            step = self.steps.get(rid, 0)
+            self.steps[rid] = step + 1
+            for i, f in enumerate(self.faults):
+                if i not in self.done and f["step"] == step and _matches(self.prompts.get(rid), f["marker"]):
+                    self.done.add(i)
+                    self.due.append((f, rid))
+
+    def take(self, kinds: tuple[str, ...]) -> list[tuple[dict[str, Any], str]]:
+        out = [(f, rid) for f, rid in self.due if f["kind"] in kinds]
+        self.due = [(f, rid) for f, rid in self.due if f["kind"] not in kinds]
+        return out
+
+    def put(self, t: Any, index: tuple[Any, ...], v: int, *, late: bool = False) -> None:
+        (self.restore_late if late else self.restore).append((t, index, int(t[index])))
+        t[index] = v
+
+    def after_step(self) -> None:
+        _undo(self.restore)
+        self.due = []
+
+    def after_sampling(self) -> None:
+        _undo(self.restore_late)
+
+
+def _undo(restore: list[tuple[Any, tuple[Any, ...], int]]) -> None:
+    for t, index, old in reversed(restore):
+        t[index] = old
+    restore.clear()
+
+
+# ------------------------------------------------------------------------------------------------ the V1 runner
+def _v1_value(runner: Any, f: dict[str, Any]) -> int:
+    v = f["value"]
+    if v != "end":
+        return int(v)
+    table = runner.input_batch.block_table[0]
+    if f["kind"] == "position":
+        return int(table.block_table.gpu.shape[1]) * int(table.block_size)
+    if f["kind"] == "num_blocks":
+        return int(table.block_table.gpu.shape[1]) + 1
+    spec = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    blocks = int(runner.kv_cache_config.num_blocks) * (int(spec.block_size) // int(table.block_size))
+    return blocks * int(table.block_size) if f["kind"] == "slot" else blocks
+
+
+def _v1_row(runner: Any, rid: str) -> int:
+    return runner.input_batch.req_ids.index(rid)
+
+
+def _v1_tables(table: Any) -> list[Any]:
+    return list({id(t): t for t in (table.block_table.cpu, table.block_table.gpu)}.values())
+
+
+def _v1_before_prepare(inj: _Injector, runner: Any, sched: Any) -> None:
+    for f, rid in inj.take(("write", "num_blocks")):
+        batch = runner.input_batch
+        row = _v1_row(runner, rid)
+        table = batch.block_table[0]
+        v = _v1_value(runner, f)
+        if f["kind"] == "num_blocks":
+            inj.put(table.num_blocks_per_row, (row,), v)
+            _log({"kind": "num_blocks", "request": rid, "row": row, "value": v, **_meta(f)})
+            continue
+        pos = int(batch.num_computed_tokens_cpu[row]) + int(sched.num_scheduled_tokens[rid]) - 1
+        col = pos // int(table.block_size)
+        for t in _v1_tables(table):
+            inj.put(t, (row, col), v)
+        _log({"kind": "write", "request": rid, "row": row, "col": col, "position": pos, "value": v, **_meta(f)})
+
+
+def _v1_slot_mapping(inj: _Injector, runner: Any, table_obj: Any, args: tuple[Any, ...]) -> None:
+    """Inside the step, before vLLM's slot-mapping kernel (and before tripwire's inputs phase)."""
+    for f, rid in inj.take(("position",)):
+        row = _v1_row(runner, rid)
+        token = int(runner.query_start_loc.np[row + 1]) - 1
+        v = _v1_value(runner, f)
+        inj.put(runner.positions, (token,), v)
+        _log({"kind": "position", "request": rid, "row": row, "token": token, "value": v, **_meta(f)})
+
+
+def _v1_after_prepare(inj: _Injector, runner: Any) -> None:
+    for f, rid in inj.take(("read", "slot")):
+        row = _v1_row(runner, rid)
+        table = runner.input_batch.block_table[0]
+        v = _v1_value(runner, f)
+        if f["kind"] == "read":
+            for t in _v1_tables(table):
+                inj.put(t, (row, 0), v)
+            _log({"kind": "read", "request": rid, "row": row, "col": 0, "value": v, **_meta(f)})
+        else:
+            token = int(runner.query_start_loc.np[row + 1]) - 1
+            inj.put(table.slot_mapping.gpu, (token,), v)
+            _log({"kind": "slot", "request": rid, "row": row, "token": token, "value": v, **_meta(f)})
+
+
+def _register_v1(inj: _Injector) -> None:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return
+    if getattr(GPUModelRunner, "_tripwire_faults", None) is not None:
+        return
+    prepare = GPUModelRunner._prepare_inputs
+    execute = GPUModelRunner.execute_model
+
+    @functools.wraps(prepare)
+    def _prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        _v1_before_prepare(inj, self, scheduler_output)
+        table_obj = self.input_batch.block_table
+        cls_fn = type(table_obj).compute_slot_mapping
+
+        def compute_slot_mapping(tbl: Any, *a: Any, **k: Any) -> Any:
+            _v1_slot_mapping(inj, self, tbl, a)
+            return cls_fn(tbl, *a, **k)  # the class's (tripwire's wrapper, when installed)
+
+        table_obj.compute_slot_mapping = types.MethodType(compute_slot_mapping, table_obj)
+        try:
+            out = prepare(self, scheduler_output, *args, **kwargs)
+        finally:
+            table_obj.__dict__.pop("compute_slot_mapping", None)
+        _v1_after_prepare(inj, self)
+        return out
+
+    @functools.wraps(execute)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("dummy_run", False):
+            inj.begin(scheduler_output)
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            inj.after_step()
+
+    GPUModelRunner._prepare_inputs = _prepare_inputs  # type: ignore[method-assign]
+    GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
+    GPUModelRunner._tripwire_faults = inj  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------------------ the V2 runner
+def _v2_value(runner: Any, f: dict[str, Any]) -> int:
+    v = f["value"]
+    if v != "end":
+        return int(v)
+    tables = runner.block_tables
+    width = int(tables.block_tables[0].gpu.shape[1])
+    kbs = int(getattr(tables, "kernel_block_sizes", tables.block_sizes)[0])
+    kind = f["kind"]
+    if kind == "position":
+        return width * kbs
+    if kind == "idx":
+        return int(runner.max_num_reqs)
+    if kind == "num_blocks":
+        return width + 1
+    bs = int(tables.block_sizes[0])
+    blocks = int(runner.kv_cache_config.num_blocks) * (bs // kbs)
+    return blocks * kbs if kind == "slot" else blocks
+
+
+def _v2_before_attn(inj: _Injector, runner: Any, batch: Any) -> None:
+    """Before ``prepare_attn`` (and before tripwire's inputs phase)."""
+    tables = runner.block_tables
+    kbs = int(getattr(tables, "kernel_block_sizes", tables.block_sizes)[0])
+    for f, rid in inj.take(("read", "write", "position", "idx", "num_blocks")):
+        b = batch.req_ids.index(rid)
+        state = int(batch.idx_mapping_np[b])
+        token = int(batch.query_start_loc_np[b + 1]) - 1
+        pos = int(batch.num_computed_tokens_np[b]) + int(batch.num_scheduled_tokens[b]) - 1
+        v = _v2_value(runner, f)
+        kind = f["kind"]
+        entry: dict[str, Any] = {"kind": kind, "request": rid, "row": b, "state_row": state, "value": v, **_meta(f)}
+        if kind in ("read", "write"):
+            col = 0 if kind == "read" else pos // kbs
+            inj.put(tables.block_tables[0].gpu, (state, col), v)
+            entry.update(col=col, position=pos)
+        elif kind == "position":
+            inj.put(batch.positions, (token,), v)
+            entry.update(token=token)
+        elif kind == "idx":
+            inj.put(batch.idx_mapping, (b,), v, late=True)
+        else:
+            inj.put(tables.num_blocks.gpu, (0, state), v)
+        _log(entry)
+
+
+def _v2_after_slots(inj: _Injector, runner: Any, batch: Any, slots: Any) -> None:
+    for f, rid in inj.take(("slot",)):
+        b = batch.req_ids.index(rid)
+        token = int(batch.query_start_loc_np[b + 1]) - 1
+        v = _v2_value(runner, f)
+        inj.put(slots, (0, token), v)
+        _log({"kind": "slot", "request": rid, "row": b, "token": token, "value": v, **_meta(f)})
+
+
+def _register_v2(inj: _Injector) -> None:
+    try:
+        from vllm.v1.worker.gpu.block_table import BlockTables
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    except Exception:
+        return
+    if getattr(V2, "_tripwire_faults", None) is not None:
+        return
+    execute = V2.execute_model
+    slots_fn = BlockTables.compute_slot_mappings
+
+    @functools.wraps(execute)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("dummy_run", False):
+            return execute(self, scheduler_output, *args, **kwargs)
+        inj.begin(scheduler_output)
+        runner = self
+
+        def prepare_attn(me: Any, input_batch: Any) -> Any:
+            _v2_before_attn(inj, runner, input_batch)
+            tables = runner.block_tables
+
+            def compute_slot_mappings(tbl: Any, *a: Any, **k: Any) -> Any:
+                out = slots_fn(tbl, *a, **k)
+                _v2_after_slots(inj, runner, input_batch, out)
+                return out
+
+            tables.compute_slot_mappings = types.MethodType(compute_slot_mappings, tables)
+            try:
+                return type(me).prepare_attn(me, input_batch)  # the class's (tripwire's wrapper, when installed)
+            finally:
+                tables.__dict__.pop("compute_slot_mappings", None)
+
+        self.prepare_attn = types.MethodType(prepare_attn, self)
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.__dict__.pop("prepare_attn", None)
+            inj.after_step()
+
+    sample = V2.sample_tokens
+
+    @functools.wraps(sample)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            inj.after_sampling()
+
+    V2.execute_model = execute_model  # type: ignore[method-assign]
+    V2.sample_tokens = sample_tokens  # type: ignore[method-assign]
+    V2._tripwire_faults = inj  # type: ignore[attr-defined]
+
+
 def register() -> None:
-    """The plugin: wrap the V1 runner's ``execute_model`` and ``_prepare_inputs`` when faults are configured."""
+    """The plugin: wrap the runners' steps when faults are configured."""
     faults = _faults()
     if os.environ.get(NO_EVICT_ENV) == "1":
         from ..integrations import _vllm_contain
@@ -166,29 +372,6 @@ def register() -> None:
         _vllm_contain._evict = lambda sched, request_ids: None
     if not faults:
         return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_tripwire_faults", None) is not None:
-        return
     inj = _Injector(faults)
-    prepare = GPUModelRunner._prepare_inputs
-    execute = GPUModelRunner.execute_model
-
-    @functools.wraps(prepare)
-    def _prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        self._tripwire_faults_sched = dict(scheduler_output.num_scheduled_tokens)
-        inj.before_prepare(self)
-        out = prepare(self, scheduler_output, *args, **kwargs)
-        inj.after_prepare(self)
-        return out
-
-    @functools.wraps(execute)
-    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return execute(self, *args, **kwargs)
-        finally:
-            inj.after_step()
-
-    GPUModelRunner._prepare_inputs = _prepare_inputs  # type: ignore[method-assign]
-    GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
-    GPUModelRunner._tripwire_faults = inj  # type: ignore[attr-defined]
+    _register_v1(inj)
+    _register_v2(inj)

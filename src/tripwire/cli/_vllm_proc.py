@@ -107,7 +107,10 @@ def run_engine(
     full = {k: v for k, v in os.environ.items() if not k.startswith(("TRIPWIRE_", "VLLM_", "TRITON_"))}
     full.update(
         {
-            "PYTHONPATH": os.pathsep.join([*([str(SRC)] if SRC else []), plugin_dir(workdir / "plugins")]),
+            # This checkout first, the plugins, then the caller's own path (where vLLM itself may be: the GPU bundle).
+            "PYTHONPATH": os.pathsep.join(
+                [*([str(SRC)] if SRC else []), plugin_dir(workdir / "plugins"), *_caller_path()]
+            ),
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
             "TRIPWIRE_EVENT_LOG": str(events),
             "TRIPWIRE_VLLM_FAULTS_LOG": str(injected),
@@ -137,6 +140,11 @@ def run_engine(
             result = json.loads(line)
             break
     return Run(p.returncode, result, d, p.stderr[-20000:], _read_jsonl(events), _read_jsonl(injected))
+
+
+def _caller_path() -> list[str]:
+    """This process's ``PYTHONPATH`` entries (a vLLM carried to a machine as a folder on the path)."""
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 class EnginePool:
@@ -180,7 +188,7 @@ def python_in_vllm_env(code: str, env: dict[str, str] | None = None, timeout: in
     """Run ``code`` with the vLLM environment's python (this checkout's ``src`` first on the path)."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("TRIPWIRE_", "VLLM_", "TRITON_"))}
     if SRC is not None:
-        full["PYTHONPATH"] = str(SRC)
+        full["PYTHONPATH"] = os.pathsep.join([str(SRC), *_caller_path()])
     full.update(env or {})
     return subprocess.run(
         [vllm_python(), "-c", code], capture_output=True, text=True, env=full, timeout=timeout, check=False

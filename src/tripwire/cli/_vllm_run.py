@@ -8,6 +8,7 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
 * ``rounds``: a list of rounds, each a list of prompts (token id lists): one ``LLM.generate`` call per round, greedy,
   ``max_tokens`` new tokens each (default 16), ``ignore_eos``.
 * ``prefix_caching`` (optional, default off): vLLM's prefix cache.
+* ``gpu`` (optional): run on a GPU with vLLM's GPU defaults and these overrides (:func:`engine`).
 * ``bench`` (optional): ``{"batches": [B, ...], "steps": N, "repeats": R}``: instead of rounds, time the decode
   steps (``llm_engine.step()``) with the plugin on and off, interleaved (see ``benchmarks/bench_vllm.py``).
 
@@ -51,33 +52,69 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def engine(model: str, max_seqs: int = 8, prefix_caching: bool = False) -> Any:
+def engine(model: str, max_seqs: int = 8, prefix_caching: bool = False, gpu: dict[str, Any] | None = None) -> Any:
+    """vLLM's engine on the tiny model. ``gpu``: run it on a GPU as vLLM's users do (CUDA graphs and torch.compile at
+    vLLM's defaults, async scheduling on, bf16), with these overrides: ``eager`` (no graphs, no compile),
+    ``cudagraph_mode`` (``"FULL"``, ``"FULL_AND_PIECEWISE"``, ...), ``backend`` (``"FLASH_ATTN"``,
+    ``"TRITON_ATTN"``), ``async_scheduling``, ``gpu_memory_utilization``; V1 or V2 by ``VLLM_USE_V2_MODEL_RUNNER``.
+    Without it: vLLM's CPU build (eager, float32, a 32 MiB KV cache)."""
     from vllm import LLM
 
-    return LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=max_seqs,
-        enforce_eager=True,
-        seed=MODEL_SEED,
-        enable_prefix_caching=prefix_caching,
-        # Small blocks, so a request spans several (a context block apart from the newest token's), and a small
-        # cache, so the engine starts in seconds, not in the time it takes to zero gigabytes.
-        block_size=32,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-    )
+    common: dict[str, Any] = {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "max_model_len": 128,
+        "max_num_seqs": max_seqs,
+        "seed": MODEL_SEED,
+        "enable_prefix_caching": prefix_caching,
+    }
+    if gpu is None:
+        return LLM(
+            **common,
+            dtype="float32",
+            enforce_eager=True,
+            # Small blocks, so a request spans several (a context block apart from the newest token's), and a small
+            # cache, so the engine starts in seconds, not in the time it takes to zero gigabytes.
+            block_size=32,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+        )
+    capture = gpu.get("capture_sizes") or [1, 2, 4, 8, 16][: max(1, max_seqs.bit_length())]
+    kw: dict[str, Any] = {
+        **common,
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "kv_cache_memory_bytes": int(gpu.get("kv_cache_bytes", KV_CACHE_BYTES)),
+        "enforce_eager": bool(gpu.get("eager", False)),
+        # A short capture list: the engine starts in seconds; every batch of the runs (up to max_seqs) is captured.
+        "compilation_config": {"cudagraph_capture_sizes": list(capture)},
+    }
+    if gpu.get("max_model_len"):
+        kw["max_model_len"] = int(gpu["max_model_len"])
+    if gpu.get("load_format"):
+        kw["load_format"] = gpu["load_format"]  # "dummy": random weights of the model's config (no download)
+    if gpu.get("cudagraph_mode"):
+        kw["compilation_config"]["cudagraph_mode"] = gpu["cudagraph_mode"]
+    if gpu.get("backend"):
+        kw["attention_config"] = {"backend": gpu["backend"]}
+    if "async_scheduling" in gpu:
+        kw["async_scheduling"] = bool(gpu["async_scheduling"])
+    if gpu.get("gpu_memory_utilization"):
+        kw["gpu_memory_utilization"] = float(gpu["gpu_memory_utilization"])
+    return LLM(**kw)
 
 
 def _hooked() -> bool:
-    """The V1 runner's execute_model is tripwire's wrapper (anywhere in its chain of wrappers): a function of the
-    plugin's hooks module (by its code's file: functools.wraps gives a wrapper vLLM's ``__module__``)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """A model runner's execute_model is tripwire's wrapper (anywhere in its chain of wrappers): a function of the
+    plugin's runner-step module (by its code's file: functools.wraps gives a wrapper vLLM's ``__module__``). V1's where
+    vLLM has it, else V2's."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     fn: Any = GPUModelRunner.execute_model
     while fn is not None:
-        if fn.__code__.co_filename.endswith(os.path.join("integrations", "_vllm_hooks.py")):
+        if fn.__code__.co_filename.endswith(os.path.join("integrations", "_vllm_runner.py")):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
@@ -197,7 +234,38 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
                 restore()
             inside.append(sum(hook) / steps)
         out[str(b)] = {**fig, "hook_s_per_step": inside, "cpu": cpu, "steps": every}
+        if _on_cuda():
+            out[str(b)]["gpu_us_per_step"] = _kernel_time(llm, prompts, steps, f"prof{b}")
     return out
+
+
+def _on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# The device kernels tripwire adds to a vLLM step (the validators, V2's row guard and fence, the verdict copy).
+_OURS = ("_validate", "_rows_kernel", "_fence_kernel", "_gather_consume")
+
+
+def _kernel_time(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> dict[str, float]:
+    """The GPU time per decode step, with the plugin on, of tripwire's kernels and of every kernel (CUPTI, through
+    torch.profiler; kernels replayed inside a CUDA graph are traced with their names), in microseconds: what the
+    validator's launches cost on the device inside the step, beside the step's own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _decode_steps(llm, prompts, steps, tag)
+    ours = total = 0.0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        dt = float(e.device_time)  # microseconds
+        total += dt
+        if any(k in e.name for k in _OURS):
+            ours += dt
+    return {"tripwire_us": ours / (steps + 1), "all_us": total / (steps + 1)}
 
 
 def _time_hooks() -> tuple[list[float], Any]:
@@ -222,8 +290,13 @@ def _time_hooks() -> tuple[list[float], Any]:
 
         setattr(cls, name, wrapper)
 
-    timed(_vllm_steps._HostCheck, "__call__")
+    from tripwire.integrations import _vllm_v2
+
+    timed(_vllm_steps._HostCheck, "inputs")
+    timed(_vllm_steps._HostCheck, "outputs")
     timed(_vllm_steps.StepValidator, "exact")
+    timed(_vllm_v2.V2StepValidator, "inputs")
+    timed(_vllm_v2.V2StepValidator, "outputs")
     for name in ("after_step", "before_update", "after_update"):
         timed(_vllm_contain.Containment, name)
 
@@ -238,7 +311,7 @@ def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1]) if len(argv) > 1 else {}
     model = cfg.get("model") or os.path.join(os.environ.get("TMPDIR", "/tmp"), "tripwire-vllm-tiny-llama")
     make_model(model)
-    llm = engine(model, int(cfg.get("max_seqs", 8)), bool(cfg.get("prefix_caching", False)))
+    llm = engine(model, int(cfg.get("max_seqs", 8)), bool(cfg.get("prefix_caching", False)), cfg.get("gpu"))
     result: dict[str, Any] = {"hooked": _hooked(), "pid": os.getpid()}
     if "bench" in cfg:
         b = cfg["bench"]
@@ -248,6 +321,7 @@ def main(argv: list[str]) -> int:
     import vllm
 
     result["vllm"] = str(vllm.__version__)
+    result["v2"] = bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
     print(json.dumps(result), flush=True)
     return 0
 

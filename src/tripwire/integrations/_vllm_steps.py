@@ -1,8 +1,10 @@
-"""The vLLM step validator: one :class:`tripwire.validate.Validator` over a model runner's step metadata.
+"""The vLLM step's rules, engine-independent, and the V1 model runner's validator over them.
 
-Built once per model runner, when its KV cache is initialised (before any capture: the validator preallocates the
-arena); called once per real step with the runner's own persistent tensors, after the step's inputs are prepared and
-before its attention metadata is built. Rules (sites):
+A step is validated in two phases, each one :class:`tripwire.validate.Validator` call (one launch on a GPU): its
+INPUTS (:func:`declare_inputs`) before the engine's own metadata kernels read them, its OUTPUTS
+(:func:`declare_outputs`) before the attention metadata is built from them. The V1 runner's validator
+(:class:`StepValidator`) and the V2 runner's (:class:`tripwire.integrations._vllm_v2.V2StepValidator`) declare the
+same rules and sites; V2 adds its request-state rows (``vllm.idx_mapping``, ``vllm.num_blocks``). Rules (sites):
 
 * ``slot_mapping`` (``vllm.slot_mapping``, FATAL: the KV write; padding -1 is vLLM's PAD_SLOT_ID, which the cache
   write skips): every entry, padded tokens included, in ``[0, num_blocks * block_size)``; masked to -1.
@@ -10,9 +12,9 @@ before its attention metadata is built. Rules (sites):
   ``[0, num_blocks)``; masked to 0, vLLM's null block (reserved, never allocated to a request).
   The per-row counts count at ``vllm.block_counts`` when outside ``[0, width]``.
 * ``positions`` (``vllm.positions``): each scheduled token's position below ``max_model_len``, which the table's
-  width covers (``width * block_size >= max_model_len``; vLLM's slot-mapping kernel reads the table at
-  ``position // block_size`` with no width bound); masked to 0. Checked per request through ``query_start_loc``
-  (``vllm.query_start_loc``: non-decreasing from 0, within the step's tokens).
+  width covers (``width * block_size >= max_model_len``, checked at build: vLLM's slot-mapping kernel reads the
+  table at ``position // block_size`` with no width bound); masked to 0. Checked per request through
+  ``query_start_loc`` (``vllm.query_start_loc``: non-decreasing from 0, within the step's tokens).
 * ``seq_lens`` (``vllm.seq_lens``): each request's length in ``[1, max_model_len]``; masked to 1.
 
 Several KV-cache groups (hybrid models) get one slot-mapping and one block-table rule each, counting at the same
@@ -20,10 +22,10 @@ two sites. Every rule's offenders carry the batch row's request number (``monito
 and verdicts name vLLM's request id.
 
 Hot path: the tensors passed are slices of the runner's persistent buffers (views: no device memory is allocated),
-the request numbers go into a preallocated buffer, and the validator does no sync on CUDA tensors. On the CPU build
-every tensor is a host tensor: a step is first read through numpy views of those buffers with the validator's own
-clean test (:class:`_HostCheck`), and only a step that fails it calls the validator (which then counts, attributes
-and repairs exactly as always).
+the request numbers go into a preallocated buffer (once per step, by the first phase that needs them), and the
+validators do no sync on CUDA tensors. On the CPU build every tensor is a host tensor: each phase is first read
+through numpy views of those buffers with the validator's own clean test (:class:`_HostCheck`), and only a phase that
+fails it calls its validator (which then counts, attributes and repairs exactly as always).
 """
 
 from __future__ import annotations
@@ -40,12 +42,16 @@ from ..validate import Validator
 __all__ = [
     "SITE_BLOCK_COUNTS",
     "SITE_BLOCK_TABLE",
+    "SITE_IDX_MAPPING",
+    "SITE_NUM_BLOCKS",
     "SITE_POSITIONS",
     "SITE_QUERY_START_LOC",
     "SITE_SEQ_LENS",
     "SITE_SLOT_MAPPING",
     "StepValidator",
-    "declare",
+    "covers",
+    "declare_inputs",
+    "declare_outputs",
 ]
 
 SITE_SLOT_MAPPING = "vllm.slot_mapping"
@@ -54,6 +60,9 @@ SITE_BLOCK_COUNTS = "vllm.block_counts"
 SITE_POSITIONS = "vllm.positions"
 SITE_QUERY_START_LOC = "vllm.query_start_loc"
 SITE_SEQ_LENS = "vllm.seq_lens"
+# V2's request-state rows: idx_mapping (batch row -> request-state row) and num_blocks (per request-state row).
+SITE_IDX_MAPPING = "vllm.idx_mapping"
+SITE_NUM_BLOCKS = "vllm.num_blocks"
 # vLLM's reserved null block (vllm.v1.core.block_pool: block 0 is never handed to a request) and its PAD_SLOT_ID.
 NULL_BLOCK = 0
 PAD_SLOT = -1
@@ -96,11 +105,42 @@ class _Staged:
             self.tensor[:n].copy_(host[:n], non_blocking=True)
         return self.tensor[:n]
 
+    def scatter(self, at: np.ndarray, values: Any) -> torch.Tensor:
+        """The whole vector: ``values`` at the indices ``at``, -1 (none) everywhere else."""
+        buf, host = self._np[self._turn], self._host[self._turn]
+        self._turn = (self._turn + 1) % len(self._np)
+        buf.fill(-1)
+        buf[at] = values  # numpy fancy assignment into the pinned slot: no torch allocation
+        if host is not self.tensor:
+            self.tensor.copy_(host, non_blocking=True)
+        return self.tensor
 
-def declare(v: Validator, groups: list[tuple[int, int]], max_model_len: int) -> list[tuple[str, str, str]]:
-    """Declare the step's rules on ``v``: per KV-cache group ``(blocks, block size)`` (in the block table's units)
-    a slot-mapping and a block-table rule, then positions (through query_start_loc) and seq_lens. Returns each
-    group's (slot mapping, block table, block counts) tensor names. The V1 and V2 runners' validators share it."""
+
+def declare_inputs(v: Validator, max_model_len: int) -> None:
+    """Declare the rules of a step's INPUTS on ``v``: what the engine's own metadata kernels (vLLM's slot-mapping
+    kernel: ``block_table[row, position // block_size]``) index through, checked before they run. Positions per
+    request through ``query_start_loc`` (non-decreasing from 0, within the step's tokens); each scheduled token's
+    position below ``max_model_len``, which the tables' width covers (the runners' adapters check that at build).
+    Tensors: ``positions``, ``query_start_loc``, ``req`` (batch row -> request number)."""
+    v.csr(
+        "positions",
+        indptr="query_start_loc",
+        hi=max_model_len,
+        safe=0,
+        site=SITE_POSITIONS,
+        requests="req",
+        description="vLLM's positions of the scheduled tokens (rope, and the block-table column of the "
+        "slot mapping), per request through query_start_loc",
+    )
+
+
+def declare_outputs(v: Validator, groups: list[tuple[int, int]], max_model_len: int) -> list[tuple[str, str, str]]:
+    """Declare the rules of a step's OUTPUTS on ``v``: what attention and the KV-cache write read, checked after
+    the engine's metadata kernels made them and before any of those runs. Per KV-cache group ``(blocks, block
+    size)`` (in the block table's units) a slot-mapping and a block-table rule (the table in batch order, its used
+    columns by a per-row count), then ``seq_lens``. Returns each group's (slot mapping, block table, block counts)
+    tensor names; the call also takes ``req`` (batch row -> request number) and ``cu`` (``query_start_loc``: a slot
+    mapping's token -> batch row)."""
     names = []
     for g, (num_blocks, block_size) in enumerate(groups):
         sfx = "" if g == 0 else f"_g{g}"
@@ -126,16 +166,6 @@ def declare(v: Validator, groups: list[tuple[int, int]], max_model_len: int) -> 
             description="vLLM's block table: the KV-cache blocks attention reads, each request's used columns",
         )
         names.append((sm, bt, n))
-    v.csr(
-        "positions",
-        indptr="query_start_loc",
-        hi=max_model_len,
-        safe=0,
-        site=SITE_POSITIONS,
-        requests="req",
-        description="vLLM's positions of the scheduled tokens (rope, and the block-table column of the "
-        "slot mapping), per request through query_start_loc",
-    )
     v.index(
         "seq_lens",
         lo=1,
@@ -150,7 +180,12 @@ def declare(v: Validator, groups: list[tuple[int, int]], max_model_len: int) -> 
 
 class StepValidator:
     """The validator of one V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` or a subclass such
-    as the CPU build's ``CPUModelRunner``).
+    as the CPU build's ``CPUModelRunner``), in two phases of one step:
+
+    * :meth:`inputs`, before vLLM's slot-mapping kernel (``MultiGroupBlockTable.compute_slot_mapping``, which reads
+      the block table at ``position // block_size`` with no bound): positions and ``query_start_loc``.
+    * :meth:`outputs`, before the attention metadata is built: the slot mappings, the block tables' used columns,
+      their per-row counts and ``seq_lens``.
 
     Args:
         runner: the model runner, after its KV cache is initialised.
@@ -183,35 +218,60 @@ class StepValidator:
                     f"tripwire: KV-cache group {g} has block size {manager_bs} and a block table of block size "
                     f"{kernel_bs}, which does not divide it"
                 )
+            covers(g, int(table.block_table.gpu.shape[-1]), kernel_bs, self.max_model_len)
             specs.append((int(config.num_blocks) * (manager_bs // kernel_bs), kernel_bs))
+        # Two validators, one per phase: each call is one launch over its phase's rules.
+        self.vin = Validator("vllm", self.device, policy=policy, monitor=monitor)
+        declare_inputs(self.vin, self.max_model_len)
         self.v = Validator("vllm", self.device, policy=policy, monitor=monitor)
-        names = declare(self.v, specs, self.max_model_len)
+        names = declare_outputs(self.v, specs, self.max_model_len)
         self.groups: list[tuple[str, str, str, Any]] = [(*n, t) for n, t in zip(names, tables, strict=True)]
         self._counts = [_Staged(max_reqs, self.device, t.num_blocks_per_row) for t in tables]
         self._requests = _Staged(max_reqs, self.device)
-        self.sites: tuple[Site, ...] = tuple(dict.fromkeys(self.v.sites().values()))
+        self._req: torch.Tensor | None = None  # this step's request numbers, filled by the first exact phase
+        self.sites: tuple[Site, ...] = tuple(dict.fromkeys([*self.vin.sites().values(), *self.v.sites().values()]))
         self._host = _HostCheck(self) if self.device.type == "cpu" else None
 
+    def begin(self) -> None:
+        """A new step: its request numbers are filled again by its first exact phase."""
+        self._req = None
+
+    def _numbers(self, runner: Any, num_reqs: int) -> torch.Tensor:
+        req = self._req
+        if req is None:
+            number = self.monitor.requests.number
+            req = self._req = self._requests.fill(num_reqs, [number(r) for r in runner.input_batch.req_ids[:num_reqs]])
+        return req
+
     def __call__(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
-        """Validate one step: ``num_reqs`` requests and ``num_tokens`` scheduled (unpadded) tokens, with the slot
-        mappings the runner built for the step (``{group: tensor}``, padded entries included). Returns whether the
-        arena may have risen: always on CUDA (the launch is asynchronous); on the CPU only when the validator's exact
-        path ran (see :class:`_HostCheck`)."""
-        if self._host is not None and self._host(runner, num_reqs, num_tokens, slot_mappings):
+        """Both phases of one step at once (tools and tests; the integration calls them where vLLM computes each).
+        Returns whether the arena may have risen."""
+        self.begin()
+        rose = self.inputs(runner, num_reqs, num_tokens)
+        return self.outputs(runner, num_reqs, num_tokens, slot_mappings) or rose
+
+    def inputs(self, runner: Any, num_reqs: int, num_tokens: int) -> bool:
+        """The inputs phase (see the class docstring). Returns whether the arena may have risen: always on CUDA (the
+        launch is asynchronous); on the CPU only when the validator's exact path ran (the host clean test failed)."""
+        if self._host is not None and self._host.inputs(runner, num_reqs, num_tokens):
+            return False
+        qsl = runner.query_start_loc.gpu[: num_reqs + 1]
+        self.vin(req=self._numbers(runner, num_reqs), positions=runner.positions[:num_tokens], query_start_loc=qsl)
+        return True
+
+    def outputs(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
+        """The outputs phase, with the slot mappings the runner built for the step (``{group: tensor}``, padded
+        entries included). Returns as :meth:`inputs`."""
+        if self._host is not None and self._host.outputs(runner, num_reqs, num_tokens, slot_mappings):
             return False
         return self.exact(runner, num_reqs, num_tokens, slot_mappings)
 
     def exact(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
-        """The validator's call for one step, without the host clean test (the integration calls the clean test
-        itself on the CPU, one call level less on every clean step). Returns True: the arena may have risen."""
-        number = self.monitor.requests.number
-        req = self._requests.fill(num_reqs, [number(r) for r in runner.input_batch.req_ids[:num_reqs]])
-        qsl = runner.query_start_loc.gpu[: num_reqs + 1]
+        """The outputs phase's validator call, without the host clean test. Returns True: the arena may have
+        risen."""
         args: dict[str, torch.Tensor] = {
-            "req": req,
-            "cu": qsl,
-            "positions": runner.positions[:num_tokens],
-            "query_start_loc": qsl,
+            "req": self._numbers(runner, num_reqs),
+            "cu": runner.query_start_loc.gpu[: num_reqs + 1],
             "seq_lens": runner.seq_lens[:num_reqs],
         }
         for g, (sm, bt, n, table) in enumerate(self.groups):
@@ -220,6 +280,17 @@ class StepValidator:
             args[n] = self._counts[g].fill(num_reqs)
         self.v(**args)
         return True
+
+
+def covers(group: int, width: int, block_size: int, max_model_len: int) -> None:
+    """RuntimeError unless a table of ``width`` columns of ``block_size`` covers every position below
+    ``max_model_len``: the positions rule's bound is what keeps the engine's slot-mapping kernel inside a row."""
+    if width * block_size < max_model_len:
+        raise RuntimeError(
+            f"tripwire: KV-cache group {group}'s block table has {width} columns of {block_size} tokens, fewer than "
+            f"max_model_len={max_model_len} positions; a position rule at max_model_len would not keep vLLM's "
+            f"slot-mapping kernel inside a row"
+        )
 
 
 def _host_view(t: torch.Tensor) -> memoryview | None:
@@ -284,26 +355,29 @@ class _Group:
 
 
 class _HostCheck:
-    """The validator's clean test for one CPU step, on numpy views of the runner's persistent buffers.
+    """The validator's clean test for one CPU step, on numpy views of the runner's persistent buffers, one method
+    per phase (:meth:`inputs`, :meth:`outputs`).
 
     A decode step's metadata is a few dozen integers; on the CPU each torch op on them (a slice, a reduction, a
     ``tolist``) costs microseconds of dispatch, far more than reading them. This reads exactly the entries the
     validator would be given, through views bound once per buffer object, as Python lists, and applies the CPU
     path's own clean test (:mod:`tripwire.validate._torch`): every entry of a rule tensor within the rule's range
     (or its padding), used columns or not; the per-row block counts within ``[0, width]``; ``query_start_loc``
-    non-decreasing from 0 up to the step's tokens. When it holds, the validator would count nothing and change
-    nothing, so its call (and the host work of building its arguments and request numbers) is skipped; otherwise
-    the validator runs in full. Bounds come from the validator's declared rules, so the two never differ.
+    non-decreasing from 0 up to the step's tokens. When it holds, the phase's validator would count nothing and
+    change nothing, so its call (and the host work of building its arguments and request numbers) is skipped;
+    otherwise the validator runs in full. Bounds come from the validators' declared rules, so the two never differ.
 
     It runs on every step of the engine, after the model's previous forward pass has evicted most of the host's
     caches, so what it touches is kept small: bounds and views are attributes bound once (no rule lookup, no view
     built per step), buffers are compared by identity (no torch op), and the only objects made per step are the
-    numpy slices and the short lists read from them.
+    numpy slices and the short lists read from them. A phase that sees a buffer it has not bound yet (the first
+    step, or one after vLLM replaced a buffer) binds it and takes the exact path, so the validator's argument checks
+    see every new buffer once before any step is skipped on it.
     """
 
     def __init__(self, sv: StepValidator) -> None:
         rules = sv.v.rules
-        pos, sl = rules["positions"], rules["seq_lens"]
+        pos, sl = sv.vin.rules["positions"], rules["seq_lens"]
         self.pos_lo, self.pos_hi = pos.lo, pos.hi
         self.sl_lo, self.sl_hi = sl.lo, sl.hi
         self.groups = tuple(
@@ -321,8 +395,8 @@ class _HostCheck:
         self._ok = False
 
     def _bind(self, runner: Any) -> bool:
-        """Bind the views to the runner's current buffers. Returns False: the step that binds takes the exact path,
-        so the validator's argument checks see every new buffer once before any step is skipped on it."""
+        """Bind the views to the runner's current buffers. Returns False: the phase that binds takes the exact
+        path."""
         self._pos_t, self._sl_t, self._qsl_t = runner.positions, runner.seq_lens, runner.query_start_loc.gpu
         self._pos, self._sl, self._qsl = (_host_view(t) for t in (self._pos_t, self._sl_t, self._qsl_t))
         ok = self._pos is not None and self._sl is not None and self._qsl is not None
@@ -331,31 +405,41 @@ class _HostCheck:
         self._ok = ok
         return False
 
-    def __call__(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
-        """True when the step's metadata is clean by the validator's own test (see the class docstring)."""
-        # Identity of the runner's buffers: attribute loads only (a replaced buffer rebinds, and its step is exact).
-        if runner.positions is not self._pos_t or runner.seq_lens is not self._sl_t:
-            return self._bind(runner)
-        if runner.query_start_loc.gpu is not self._qsl_t:
+    def _bound(self, runner: Any) -> bool:
+        """The runner's buffers are the ones bound, and readable here (attribute loads only)."""
+        return (
+            runner.positions is self._pos_t
+            and runner.seq_lens is self._sl_t
+            and runner.query_start_loc.gpu is self._qsl_t
+        )
+
+    def inputs(self, runner: Any, num_reqs: int, num_tokens: int) -> bool:
+        """True when the step's positions and ``query_start_loc`` are clean by the validator's own test."""
+        if not self._bound(runner):
             return self._bind(runner)
         if not self._ok:
             return False  # a buffer the views cannot read: every step is exact
-        # Slices of bound views and tolist() of a few entries: no torch op, no tensor allocated. Each list is
-        # sorted in place and tested at its ends: one C call where min() and max() are two slower ones (their
-        # generic iteration), no second list as sorted() would copy, on lists that are mostly sorted already, and
-        # the same code path for every rule (a step runs this on caches the forward pass has just evicted: fewer
-        # distinct paths and objects cost less).
+        # Slices of bound views and tolist() of a few entries: no torch op, no tensor allocated. The list is sorted
+        # in place and tested at its ends: one C call where min() and max() are two slower ones (their generic
+        # iteration), no second list as sorted() would copy, on lists that are mostly sorted already.
         v = self._pos[:num_tokens].tolist()  # type: ignore[index]
         v.sort()
         if v and not (self.pos_lo <= v[0] and v[-1] < self.pos_hi):
             return False
+        q = self._qsl[: num_reqs + 1].tolist()  # type: ignore[index]
+        # Non-decreasing: compared with its sorted copy (the one rule that needs the list's order kept).
+        return not (q[0] != 0 or q[-1] > num_tokens or q != sorted(q))
+
+    def outputs(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
+        """True when the step's slot mappings, block tables, per-row counts and ``seq_lens`` are clean by the
+        validator's own test."""
+        if not self._bound(runner):
+            return self._bind(runner)
+        if not self._ok:
+            return False
         v = self._sl[:num_reqs].tolist()  # type: ignore[index]
         v.sort()
         if v and not (self.sl_lo <= v[0] and v[-1] < self.sl_hi):
-            return False
-        q = self._qsl[: num_reqs + 1].tolist()  # type: ignore[index]
-        # Non-decreasing: compared with its sorted copy (the one rule that needs the list's order kept).
-        if q[0] != 0 or q[-1] > num_tokens or q != sorted(q):
             return False
         # (index, group) pairs built once: iterating them makes no enumerate object per step.
         for i, g in self.indexed:

@@ -1,21 +1,30 @@
-"""The step validator of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``).
+"""The step validator of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``): vLLM's GPU
+runner (the default for dense models from 0.26, for every model from 0.29, the only one from 0.34).
 
-V2 (vLLM's GPU default from 0.33, shipped in 0.32 behind ``VLLM_USE_V2_MODEL_RUNNER=1``) prepares a step in
-``execute_model`` as: ``prepare_inputs`` (the input batch: positions, ``query_start_loc``, ``seq_lens``, the batch
-order ``idx_mapping``), then ``prepare_attn``, which gathers each KV-cache group's block table rows into the batch
-order (``block_tables.input_block_tables``) and computes the slot mappings (``[groups, padded tokens]``), then the
-attention metadata from those. The hook is right after ``prepare_attn`` returns: the same rules and sites as the V1
-runner's (:func:`tripwire.integrations._vllm_steps.declare`), one validator call per step, before any attention
-metadata is built or any kernel reads the step's tables.
+V2 prepares a step in ``execute_model`` as: ``prepare_inputs`` (the input batch: positions, ``query_start_loc``,
+``seq_lens`` and the batch-row -> request-state-row map ``idx_mapping``), then ``prepare_attn``, whose Triton
+kernels gather each KV-cache group's block-table rows into batch order (``block_table[idx_mapping[b]]``, up to
+``num_blocks[idx_mapping[b]]`` columns) and compute the slot mappings (``block_table[row, position //
+block_size]``), then the attention metadata from those. vLLM's own kernels there read through ``idx_mapping``,
+``num_blocks`` and ``positions`` without a bound (vLLM #53982, #56380), so the step is checked in two phases around
+``prepare_attn``:
 
-V2 keeps a request's used block count per request state (``block_tables.num_blocks``, ``[groups, max_reqs]``), not
-per batch row; the per-row counts are gathered into a preallocated buffer through ``idx_mapping`` with an
-``index_select(..., out=)``: no allocation, no sync. V2's block tables are in the KV-cache manager's block size (its
-slot-mapping kernel multiplies by ``spec.block_size``). Context parallelism (DCP/PCP: local slot mappings and
-partitioned batches) is refused at build.
+* :meth:`V2StepValidator.inputs`, before it: ``idx_mapping`` within the request-state rows (site
+  ``vllm.idx_mapping``: :mod:`tripwire.integrations._vllm_rows`, which masks a bad entry to a scratch row), every
+  request-state row's ``num_blocks`` within ``[0, width]`` (``vllm.num_blocks``; masked to 0), positions below
+  ``max_model_len`` per request through ``query_start_loc`` (``vllm.positions``, ``vllm.query_start_loc``).
+* :meth:`V2StepValidator.outputs`, after it: the fence of rows whose ``idx_mapping`` was bad, then the slot
+  mappings, the gathered tables' used columns and ``seq_lens`` (the same rules and sites as the V1 runner's:
+  :func:`tripwire.integrations._vllm_steps.declare_outputs`).
 
-V2 needs a GPU (Triton with a GPU backend, pinned memory); vLLM's CPU build cannot build it. What was exercised of
-this module is said in docs/vllm.md.
+Every offender carries its request: a batch row's through ``req`` (filled from ``input_batch.req_ids``), a
+request-state row's (``num_blocks``) through ``req_state`` (filled through ``idx_mapping_np``, -1 for rows not in
+the step: a bad count there fails the step closed). V2's block tables are in the kernel block size; a KV-cache
+manager block may be several of them. Context parallelism (DCP/PCP: local slot mappings, partitioned batches) is
+refused at build.
+
+Hot path: views of V2's persistent buffers and of tripwire's preallocated ones, two request-number fills through
+pinned rings, four launches (the row guard, two validators, the fence per group), no sync and no allocation.
 """
 
 from __future__ import annotations
@@ -28,14 +37,27 @@ import torch
 from ..monitor import Monitor
 from ..sites import Site
 from ..validate import Validator
-from ._vllm_steps import _Staged, declare
+from . import _vllm_rows
+from ._vllm_steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, _Staged, covers, declare_inputs, declare_outputs
 
 __all__ = ["HOOKS", "INPUT_BATCH_FIELDS", "V2StepValidator", "check_input_batch"]
 
-# The V2 runner's methods the integration wraps; prepare_attn is the step hook.
+# The V2 runner's methods the integration wraps; prepare_attn is the step's hook (both phases around it).
 HOOKS = ("initialize_kv_cache", "execute_model", "prepare_attn", "sample_tokens", "capture_model")
 # The fields of V2's InputBatch (a dataclass) the validator reads.
-INPUT_BATCH_FIELDS = ("req_ids", "num_reqs", "num_tokens", "idx_mapping", "positions", "query_start_loc", "seq_lens")
+INPUT_BATCH_FIELDS = (
+    "req_ids",
+    "num_reqs",
+    "num_tokens",
+    "idx_mapping",
+    "idx_mapping_np",
+    "positions",
+    "query_start_loc",
+    "seq_lens",
+)
+# What the validator reads of V2's BlockTables (``runner.block_tables``) and RequestState (``runner.req_states``).
+BLOCK_TABLES_ATTRS = ("block_tables", "input_block_tables", "num_blocks", "block_sizes", "gather_block_tables")
+REQUEST_STATE_ATTRS = ("free_indices",)
 
 
 def check_input_batch(cls: type, version: str) -> None:
@@ -58,50 +80,125 @@ class V2StepValidator:
                 "tripwire: this V2 runner uses context parallelism (local slot mappings, a partitioned batch), "
                 "whose metadata tripwire does not validate; run without it or unset TRIPWIRE_VLLM"
             )
+        missing = [a for a in BLOCK_TABLES_ATTRS if not hasattr(runner.block_tables, a)]
+        missing += [f"req_states.{a}" for a in REQUEST_STATE_ATTRS if not hasattr(runner.req_states, a)]
+        if missing:
+            raise RuntimeError(
+                f"tripwire: this vLLM's V2 runner lacks {missing}, which tripwire reads; refusing to run installed "
+                f"but not validating (unset TRIPWIRE_VLLM)"
+            )
         self.monitor = monitor
+        self.mask = policy == "mask"
         self.device = torch.device(runner.device)
         tables = runner.block_tables
         config = runner.kv_cache_config
         groups = config.kv_cache_groups
         sizes = [int(b) for b in tables.block_sizes]
+        # The tables' (kernel) block size: vLLM 0.26-0.33 may split a manager block (kernel_block_sizes); 0.34 does
+        # not (block_sizes is both).
+        kernel = [int(b) for b in getattr(tables, "kernel_block_sizes", sizes)]
         if len(sizes) != len(groups) or len(tables.input_block_tables) != len(groups):
             raise RuntimeError(
                 f"tripwire: the V2 runner has {len(sizes)} block tables for {len(groups)} KV-cache groups; this vLLM "
                 f"lays its KV cache out in a way tripwire does not know"
             )
         self.max_model_len = int(runner.max_model_len)
-        max_reqs = int(runner.max_num_reqs)
+        self.max_reqs = max_reqs = int(runner.max_num_reqs)
+        specs, self.widths = [], []
+        for g, (bs, kbs) in enumerate(zip(sizes, kernel, strict=True)):
+            if bs % kbs:
+                raise RuntimeError(
+                    f"tripwire: KV-cache group {g} has block size {bs} and a block table of block size {kbs}, "
+                    f"which does not divide it"
+                )
+            width = int(tables.block_tables[g].gpu.shape[1])
+            covers(g, width, kbs, self.max_model_len)
+            self.widths.append(width)
+            specs.append((int(config.num_blocks) * (bs // kbs), kbs))
+        self.vin = Validator("vllm", self.device, policy=policy, monitor=monitor)
+        declare_inputs(self.vin, self.max_model_len)
+        self._num_blocks = []
+        for g, width in enumerate(self.widths):
+            name = "num_blocks" if g == 0 else f"num_blocks_g{g}"
+            self.vin.index(
+                name,
+                hi=width + 1,
+                safe=0,
+                site=SITE_NUM_BLOCKS,
+                requests="req_state",
+                description="vLLM V2's per-request block count (num_blocks: how many block-table columns its gather "
+                "copies) outside [0, the table's width] (row = the request-state row)",
+            )
+            self._num_blocks.append(name)
         self.v = Validator("vllm", self.device, policy=policy, monitor=monitor)
-        self.groups = declare(self.v, [(int(config.num_blocks), bs) for bs in sizes], self.max_model_len)
-        # Per-row block counts in batch order, gathered into these each step (index_select's out=).
-        self._counts = [torch.zeros(max_reqs, dtype=torch.int32, device=self.device) for _ in sizes]
+        self.groups = declare_outputs(self.v, specs, self.max_model_len)
+        rows_site = monitor.registry.register(
+            SITE_IDX_MAPPING,
+            description="vLLM V2's idx_mapping: a batch row's request-state row outside [0, max_num_reqs) (masked to "
+            "a row no live request holds; the row's tables and slots fenced after prepare_attn)",
+        )
+        self._rows_ctr = monitor.counter(rows_site, self.device)
+        # Persistent buffers, allocated here (before any capture).
+        self._flags = torch.zeros(max_reqs, dtype=torch.int32, device=self.device)
+        self._counts = [torch.zeros(max_reqs, dtype=torch.int32, device=self.device) for _ in specs]
         self._requests = _Staged(max_reqs, self.device)
-        self.sites: tuple[Site, ...] = tuple(dict.fromkeys(self.v.sites().values()))
+        self._by_state = _Staged(max_reqs, self.device)
+        self._req: torch.Tensor = self._requests.tensor
+        self.sites: tuple[Site, ...] = tuple(
+            dict.fromkeys([rows_site, *self.vin.sites().values(), *self.v.sites().values()])
+        )
 
-    def __call__(
-        self, runner: Any, input_batch: Any, block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor
-    ) -> bool:
-        """Validate one step from ``prepare_attn``'s result: the batch-order block tables (one per group, padded
-        rows included) and the slot mappings (``[groups, padded tokens]``). Returns True: the arena may have risen
-        (V2 runs on a GPU, where the launch is asynchronous)."""
-        num_reqs, num_tokens = int(input_batch.num_reqs), int(input_batch.num_tokens)
+    def begin(self) -> None:
+        """A new step (the V1 validator's protocol; V2's inputs phase fills everything the step needs)."""
+
+    def inputs(self, runner: Any, input_batch: Any) -> bool:
+        """Before ``prepare_attn``: the row guard, then the inputs' validator. Returns True (the launches are
+        asynchronous: the arena may have risen)."""
+        n, tokens = int(input_batch.num_reqs), int(input_batch.num_tokens)
         number = self.monitor.requests.number
-        req = self._requests.fill(num_reqs, [number(r) for r in input_batch.req_ids[:num_reqs]])
-        qsl = input_batch.query_start_loc[: num_reqs + 1]
+        numbers = [number(r) for r in input_batch.req_ids[:n]]
+        req = self._req = self._requests.fill(n, numbers)
+        idx_np = input_batch.idx_mapping_np[:n]
+        by_state = self._by_state.scatter(idx_np, numbers)
+        # The scratch row: one no live request holds (V2's free list; its bottom is the row reused last). None free:
+        # a row of this step, and the hit unattributed, so the whole step fails (see _vllm_rows).
+        free = runner.req_states.free_indices
+        scratch, attributed = (int(free[0]), True) if free else (int(idx_np[0]), False)
+        idx = input_batch.idx_mapping[:n]
+        _vllm_rows.rows(idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, attributed, mask=self.mask)
         args: dict[str, torch.Tensor] = {
             "req": req,
-            "cu": qsl,
-            "positions": input_batch.positions[:num_tokens],
-            "query_start_loc": qsl,
-            "seq_lens": input_batch.seq_lens[:num_reqs],
+            "req_state": by_state,
+            "positions": input_batch.positions[:tokens],
+            "query_start_loc": input_batch.query_start_loc[: n + 1],
         }
-        idx = input_batch.idx_mapping[:num_reqs]
-        per_req = runner.block_tables.num_blocks.gpu
-        for g, (sm, bt, n) in enumerate(self.groups):
-            counts = self._counts[g][:num_reqs]
-            torch.index_select(per_req[g], 0, idx, out=counts)  # into the preallocated buffer: no allocation
-            args[sm] = slot_mappings[g]
-            args[bt] = block_tables[g][:num_reqs]
-            args[n] = counts
+        per_state = runner.block_tables.num_blocks.gpu  # [groups, max_reqs]: its current (UVA) buffer
+        for g, name in enumerate(self._num_blocks):
+            args[name] = per_state[g]
+        self.vin(**args)
+        return True
+
+    def outputs(
+        self, runner: Any, input_batch: Any, block_tables: tuple[torch.Tensor, ...], slots: torch.Tensor
+    ) -> bool:
+        """After ``prepare_attn``, from its result: the batch-order block tables (one per group, padded rows
+        included) and the slot mappings (``[groups, padded tokens]``). Returns True."""
+        n = int(input_batch.num_reqs)
+        idx = input_batch.idx_mapping[:n]
+        qsl = input_batch.query_start_loc[: n + 1]
+        per_state = runner.block_tables.num_blocks.gpu
+        args: dict[str, torch.Tensor] = {"req": self._req, "cu": qsl, "seq_lens": input_batch.seq_lens[:n]}
+        for g, (sm, bt, cn) in enumerate(self.groups):
+            counts, table, slot = self._counts[g], block_tables[g], slots[g]
+            _vllm_rows.fence(self._flags, idx, qsl, per_state[g], counts, table, slot, mask=self.mask)
+            args[sm] = slot
+            args[bt] = table[:n]
+            args[cn] = counts[:n]
         self.v(**args)
         return True
+
+    def __call__(self, runner: Any, input_batch: Any, block_tables: tuple[torch.Tensor, ...], slots: Any) -> bool:
+        """Both phases at once, after ``prepare_attn`` (tools and tests: the integration runs the inputs phase
+        before vLLM's kernels read them)."""
+        self.inputs(runner, input_batch)
+        return self.outputs(runner, input_batch, block_tables, slots)

