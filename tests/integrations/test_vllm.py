@@ -563,7 +563,7 @@ def test_a_misspelt_setting_stops_vllm_at_plugin_load(monkeypatch):
     for k in [k for k in os.environ if k.startswith("TRIPWIRE_")]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("TRIPWIRE_VLM", "contain")
-    with pytest.raises(SettingError, match="TRIPWIRE_VLM is not a tripwire setting .did you mean TRIPWIRE_VLLM"):
+    with pytest.raises(SettingError, match=r"TRIPWIRE_VLM is not a tripwire setting \(did you mean TRIPWIRE_VLLM\?\)"):
         tw_vllm.register()
     monkeypatch.delenv("TRIPWIRE_VLM")
     tw_vllm.register()  # unset: inert (nothing of vLLM's is imported, nothing installed)
