@@ -510,7 +510,9 @@ def test_parallelism_is_refused_under_contain_only(mode):
     r.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=2))
     plugin = tw._Plugin(mode, m, "0.32.0")
     if mode == "contain":
-        with pytest.raises(RuntimeError, match=r"TRIPWIRE_VLLM=contain needs one worker.*has 2.*Use TRIPWIRE_VLLM=mask"):
+        with pytest.raises(
+            RuntimeError, match=r"TRIPWIRE_VLLM=contain needs one worker.*has 2.*Use TRIPWIRE_VLLM=mask"
+        ):
             plugin.build(r)
         assert getattr(r, "_tripwire", None) is None
     else:
