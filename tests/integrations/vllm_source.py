@@ -40,7 +40,6 @@ FILES = {
     "scheduler": "vllm/v1/core/sched/scheduler.py",
     "core": "vllm/v1/engine/core.py",
     "outputs": "vllm/outputs.py",
-    "init": "vllm/__init__.py",
 }
 
 
@@ -113,8 +112,8 @@ def wheel_url(version: str) -> str:
 
 
 def source(version: str) -> dict[str, str]:
-    """The files of :data:`FILES` of vLLM ``version`` (role -> text; a file the release lacks is absent), fetched
-    once into the cache."""
+    """The files of :data:`FILES` of vLLM ``version`` (role -> text; a file the release lacks is absent) and the
+    wheel's METADATA (``"metadata"``), fetched once into the cache."""
     d = cache_dir() / version
     done = d / "complete.json"
     if not done.exists():
@@ -126,8 +125,10 @@ def source(version: str) -> dict[str, str]:
             path, digest, _size = line.rsplit(",", 2)
             if digest.startswith("sha256="):
                 record[path] = digest[len("sha256=") :]
+        # The wheel's own metadata (its Version line: the release the files are of).
+        wanted = {**FILES, "metadata": record_name.replace("/RECORD", "/METADATA")}
         present = {}
-        for role, path in FILES.items():
+        for role, path in wanted.items():
             if path not in names:
                 continue
             data = zf.read(path)
@@ -185,7 +186,7 @@ def _calls(fn: ast.AST, dotted: str) -> bool:
 def check(files: dict[str, str]) -> list[str]:
     """What the vLLM plugin relies on and ``files`` (:func:`source`'s) lack, as messages; [] when all is there."""
     problems: list[str] = []
-    trees = {role: ast.parse(text) for role, text in files.items()}
+    trees = {role: ast.parse(text) for role, text in files.items() if role in FILES}
 
     def need(cond: bool, what: str) -> None:
         if not cond:
@@ -268,7 +269,3 @@ def uses_request_error(files: dict[str, str]) -> bool:
     sched = _class(ast.parse(files["scheduler"]), "Scheduler")
     init = ast.unparse(_methods(sched)["__init__"]) if sched is not None else ""
     return f"{_vllm_contain.ERRORS}: dict[str, RequestError]" in init
-
-
-def version_of(files: dict[str, str]) -> str:
-    return files.get("init", "")
