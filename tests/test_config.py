@@ -153,7 +153,8 @@ def test_every_tripwire_name_in_the_tree_is_known():
             if f.is_file() and f.suffix in {"", ".py", ".md", ".sh", ".toml", ".yml", ".yaml"}:
                 for name in re.findall(r"\bTRIPWIRE_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace")):
                     found.setdefault(name, str(f.relative_to(root)))
-    names = set(found) - MACROS - {"TRIPWIRE_MDOE", "TRIPWIRE_INTREVAL", "TRIPWIRE_XYZZY"}  # this file's typos
+    # This file's typos, and the misspelt switch the vLLM tests and docs/vllm.md show being refused.
+    names = set(found) - MACROS - {"TRIPWIRE_MDOE", "TRIPWIRE_INTREVAL", "TRIPWIRE_XYZZY", "TRIPWIRE_VLM"}
     assert {"TRIPWIRE_MODE", "TRIPWIRE_VLLM", "TRIPWIRE_VLLM_PYTHON", "TRIPWIRE_CONTAIN"} <= names  # the grep works
     unknown = {n: found[n] for n in names - set(known_variables())}
     assert not unknown, f"read in the tree but refused by tripwire.config: {unknown}"

@@ -311,3 +311,90 @@ def test_a_dirty_verdict_has_reached_the_sinks_when_take_returns(kernel_device):
             guard = [e for e in events if e.kind == "guard"]
             assert [e.delta for e in guard] == [1, 1] and guard[-1].total == 2  # nothing reported twice
         mon.stop()
+
+
+def _ring_with_sink(kernel_device):
+    mon = _monitor(contain=True, report_every=60.0)
+    events: list = []
+    mon.add_sink(events.append)
+    v = Validator("s", kernel_device, policy="mask", monitor=mon)
+    v.index("slots", hi=100, padding=-1, requests="req", segments="cu")
+    return mon, events, v, mon.verdicts(kernel_device, [v.rules["slots"].site])
+
+
+def _guard(events: list) -> list:
+    """Each guard event's delta and the newest request it names (a report carries the row's lifetime offenders,
+    the ones consumed by earlier verdicts first)."""
+    return [(e.delta, e.offenders[-1].request) for e in events if e.kind == "guard"]
+
+
+def test_a_rise_the_reader_confirmed_first_is_out_when_take_returns(kernel_device):
+    """The reader confirms a second rise before the engine takes the step's verdict: its report, deferred by the
+    report window, is released by the take (every hit row's report, not only those the verdict confirms itself).
+    Control: the same order without the take leaves the report deferred (the sink lacks the request)."""
+    for take in (True, False):
+        mon, events, v, ring = _ring_with_sink(kernel_device)
+        _step(v, mon, kernel_device, [4])
+        ring.take(_enqueued(ring, kernel_device))  # the first rise, reported at once
+        _step(v, mon, kernel_device, [1], ids=("d", "e", "f"))
+        t = ring.enqueue()
+        _sync(kernel_device)
+        for _ in range(3):
+            mon.poll()  # the reader's ticks between the step's kernels and the take: confirmed, deferred
+        if take:
+            assert ring.take(t).tainted == {"d"}
+            assert _guard(events) == [(1, "b"), (1, "d")]
+        else:
+            assert _guard(events) == [(1, "b")]  # deferred by the window
+        mon.drain()
+        assert _guard(events) == [(1, "b"), (1, "d")]  # nothing twice either way
+        mon.stop()
+
+
+def test_a_stale_reader_copy_after_the_take_reports_nothing_again(kernel_device):
+    """A reader copy that landed before the step's kernel counted, processed after the verdict's report (the lock's
+    order), must not lower what was reported (the next copy would confirm the same rise again: a second report, a
+    second arming). Control: without the floor the complete read leaves, the stale copy lowers it. Either way no
+    second event goes out (the window releases no report of 0)."""
+    import time
+
+    for keep_floor in (True, False):
+        mon, events, v, ring = _ring_with_sink(kernel_device)
+        site = v.rules["slots"].site
+        dev = str(torch.device(kernel_device if kernel_device == "cpu" else "cuda:0"))
+        before = mon.read_rows(dev).copy()
+        _step(v, mon, kernel_device, [4])
+        after = mon.read_rows(dev).copy()
+        ring.take(_enqueued(ring, kernel_device))
+        assert _guard(events) == [(1, "b")]
+        if not keep_floor:
+            mon.pipeline.confirmer._devices[dev].floor.clear()
+        with mon._lock:
+            mon.pipeline.process(dev, before, time.monotonic(), final=False)  # stale: from before the kernel
+            assert mon.pipeline.confirmer.reported(dev, site.id) == (1 if keep_floor else 0)
+            for _ in range(5):
+                mon.pipeline.process(dev, after, time.monotonic(), final=False)
+        mon.drain()
+        assert _guard(events) == [(1, "b")]
+        assert mon.pipeline.confirmer.reported(dev, site.id) == 1
+        mon.stop()
+
+
+def test_the_window_releases_no_report_of_nothing_new():
+    """A key submitted again at the total it last reported releases nothing (no "0 new" line or event); control:
+    one more hit releases a report of 1."""
+    from tripwire._runtime.report import ReportWindow
+
+    out: list = []
+    w = ReportWindow(0.0, out.append)
+    w.submit(("cpu", 1), 3, 0.0, lambda d: d)
+    w.submit(("cpu", 1), 3, 1.0, lambda d: d)
+    assert out == [3]
+    w.submit(("cpu", 1), 4, 2.0, lambda d: d)
+    assert out == [3, 1]
+
+
+def _enqueued(ring, kernel_device):
+    t = ring.enqueue()
+    _sync(kernel_device)
+    return t

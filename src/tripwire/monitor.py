@@ -179,12 +179,10 @@ class Monitor:
         if not nested:
             self._deliver()
 
-    def _deliver(self) -> None:
-        """Outside the lock: the arm listeners for stops armed since the last call, then the queued events and the
-        health (at once after a stop, a reset or a new sink; else now and then) to the sinks."""
-        with self._lock:
-            taken = self.pipeline.take_delivery()
-        self.pipeline.deliver(taken, self.health)
+    def _deliver(self, wait: bool = True) -> None:
+        """Outside the lock: the arm listeners of new stops, then the queued events and the health, to the sinks
+        (:meth:`Pipeline.deliver_queued`; ``wait=False``: not while another thread delivers, the reader's tick)."""
+        self.pipeline.deliver_queued(self._lock, self.health, wait=wait)
 
     def add_arm_listener(self, fn: Callable[[GuardTripped], None]) -> None:
         """Call ``fn(exc)`` when the stop is armed (used by tripwire.distributed to publish it)."""
@@ -363,7 +361,7 @@ class Monitor:
                     else:
                         self.pipeline.process_read(reader, rows, now, final=False)
             self.pipeline.tick(now)
-        self._deliver()
+        self._deliver(wait=False)  # a delivery in progress elsewhere: these events go with the next one
         self._tick_hooks.call(self)
 
     def _lose(self, reader: DeviceReader, e: BaseException) -> None:

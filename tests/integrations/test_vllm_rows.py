@@ -105,3 +105,37 @@ def test_bad_arguments_are_refused(kernel_device, monitor):
         _vllm_rows.rows(idx, small, req, ctr, MAX_REQS, 0, True, mask=True)
     with pytest.raises(ValueError, match="scratch row 16 of 16"):
         _vllm_rows.rows(idx, idx.clone(), req, ctr, MAX_REQS, MAX_REQS, True, mask=True)
+
+
+def test_many_rows_span_several_blocks(kernel_device, monitor, hit_of):
+    """A step of 300 rows (more than one block of the guard's loop): each bad entry, in every block, counted once."""
+    dev = kernel_device
+    n, bound = 300, 512
+    idx = torch.arange(n, dtype=torch.int64, device=dev)
+    bad = [0, 127, 128, 255, 299]
+    for b in bad:
+        idx[b] = bound + b
+    site = monitor.registry.register("test.idx_mapping")
+    flags = torch.zeros(n, dtype=torch.int32, device=dev)
+    req = torch.arange(n, dtype=torch.int64, device=dev)
+    _vllm_rows.rows(idx, flags, req, monitor.counter(site, dev), bound, 400, True, mask=True)
+    assert hit_of(monitor, "test.idx_mapping").count == len(bad)
+    assert torch.nonzero(flags).flatten().tolist() == bad
+    assert [int(idx[b]) for b in bad] == [400] * len(bad)
+
+
+def test_the_scratch_rows_token_count_is_zeroed_only_when_it_is_free(kernel_device, monitor):
+    """Masked to a free scratch row, that row's token count (V2's ``total_len``, where ``post_update`` appends the
+    victim's token) is zeroed: a count left at the row's end by its last owner would write into the next row.
+    Control: with no free row (the hit unattributed, the row a live one of the step), the count is left alone; and
+    with no bad entry nothing is written."""
+    dev = kernel_device
+    ctr = monitor.counter(monitor.registry.register("test.idx_mapping"), dev)
+    flags = torch.zeros(MAX_REQS, dtype=torch.int32, device=dev)
+    req = torch.arange(MAX_REQS, dtype=torch.int64, device=dev)
+    for attributed, bad, want in ((True, True, 0), (False, True, 128), (True, False, 128)):
+        total = torch.full((MAX_REQS,), 128, dtype=torch.int32, device=dev)
+        idx = torch.tensor([2, MAX_REQS + 1 if bad else 3, 4], dtype=torch.int32, device=dev)
+        _vllm_rows.rows(idx, flags, req, ctr, MAX_REQS, 9, attributed, mask=True, total_len=total)
+        assert int(total[9]) == want, (attributed, bad)
+        assert int(total.sum()) == 128 * MAX_REQS - (128 - want)

@@ -518,3 +518,75 @@ def test_parallelism_is_refused_under_contain_only(mode):
     else:
         plugin.build(r)
         assert isinstance(r._tripwire.validator, StepValidator)
+
+
+def test_verdicts_of_outputs_vllm_drops_are_released(kernel_device):
+    """V2's warm-up runs real steps and drops their outputs unread: their verdicts must not hold the ring (four
+    dropped outputs filled it, and the next step's enqueue killed a clean engine). The next step releases them, and
+    an output still held keeps its verdict. Control: without the release, the fifth enqueue finds no free slot."""
+    import gc
+
+    from tripwire.integrations import _vllm_contain
+
+    class Out:  # an asynchronous output: vLLM calls get_output() before the scheduler sees the step
+        def get_output(self):
+            return "tokens"
+
+    for release in (True, False):
+        m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True)
+        site = m.registry.register("s.x")
+        ring = m.verdicts("cpu", [site], depth=4)
+        plugin = SimpleNamespace(contain=_vllm_contain.Containment("contain", m))
+        st = _vllm_runner.RunnerState(SimpleNamespace(), ring)
+        held = None
+        for step in range(6):
+            if release and st.open:
+                _vllm_runner._release_dropped(st)
+            if not release and step == 4:
+                with pytest.raises(RuntimeError, match="none is free"):
+                    ring.enqueue()
+                break
+            st.ticket = ring.enqueue()
+            out = _vllm_runner.take_verdict(plugin, st, Out())
+            if step == 3:
+                held = out  # this one's output is kept (vLLM will read it)
+            del out
+            gc.collect()
+        if release:
+            _vllm_runner._release_dropped(st)  # the next step's
+            assert [t.taken for t, _ in st.open] == [False] and held.get_output() == "tokens"
+            assert st.open[0][0].taken  # taken by its output's get_output
+
+
+def test_contain_fails_through_the_error_set_of_each_release(monkeypatch):
+    """vLLM 0.26-0.32 keep the scheduler's per-request error set as a set of ids, 0.33 and later as a dict of
+    ``vllm.outputs.RequestError`` (whose message reaches the API client): the victim is put in either, with
+    tripwire's message in the dict. Control: a request that is already finished is not put in."""
+    import sys
+    import types
+
+    from tripwire.integrations import _vllm_contain
+
+    class RequestError:
+        def __init__(self, code, message, retryable=False):
+            self.code, self.message = code, message
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.outputs", types.SimpleNamespace(RequestError=RequestError))
+    m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True)
+    c = _vllm_contain.Containment("contain", m)
+    monkeypatch.setattr(_vllm_contain, "_evict", lambda sched, ids: None)
+    for errors in (set(), {}):
+        req = {r: SimpleNamespace(is_finished=lambda done=(r == "done"): done) for r in ("v", "done", "other")}
+        sched = SimpleNamespace(requests=req, grammar_compile_error_reqs=errors)
+        out = SimpleNamespace(
+            _tripwire_tainted={"v": "why v", "done": "why done"},
+            req_id_to_index={"v": 0, "done": 1, "other": 2},
+            sampled_token_ids=[[5], [6], [7]],
+        )
+        c.before_update(sched, out)
+        assert out.sampled_token_ids == [[], [6], [7]]  # the victim's token of this step dropped
+        if isinstance(errors, set):
+            assert errors == {"v"}
+        else:
+            assert list(errors) == ["v"] and errors["v"].message == "why v"

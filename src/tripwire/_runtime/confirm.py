@@ -63,6 +63,10 @@ class _Device:
     # Rows seen rising and not yet confirmed: row -> [extra copies waited, progress in the newest copy, time seen].
     pending: dict[int, list] = field(default_factory=dict)
     latest: np.ndarray | None = None  # the rows processed last
+    # Per row: the progress a complete read confirmed ahead of the reader (confirm_now), until a copy reaches it. A
+    # copy below it landed before that read's kernels ran (stale), not after a zeroing: it must not lower ``reported``
+    # (the next copy would report the same rise again).
+    floor: dict[int, int] = field(default_factory=dict)
 
 
 class Confirmer:
@@ -175,6 +179,12 @@ class Confirmer:
         for slot, mask in plan:
             progress += rows[:, slot] if mask is None else rows[:, slot] * mask
         down = progress < reported[:n]
+        if d.floor:
+            for rid, low in list(d.floor.items()):
+                if rid < n and progress[rid] < low:
+                    down[rid] = False  # a stale copy of a row a complete read confirmed: keep what was reported
+                else:
+                    del d.floor[rid]  # a copy has caught up with the complete read
         reported[:n][down] = progress[down]
         out: list[Confirmed] = []
         # 1) Confirm what an earlier copy saw rise, with THIS copy's row (it has the extremes). Wait (a bounded number
@@ -228,6 +238,7 @@ class Confirmer:
             progress = int(sum(int(row[s]) for s in slots))
             if progress > d.reported[rid]:
                 d.reported[rid] = progress
+                d.floor[rid] = progress
                 d.pending.pop(rid, None)
                 out.append((site, row))
         return out

@@ -10,6 +10,7 @@ are called once it is released (a slow sink must not hold the lock other threads
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -89,6 +90,8 @@ class Pipeline:
         self.arm_listeners = Callbacks("an arm listener")
         self._stops: list[GuardTripped] = []  # armed under the monitor's lock, delivered once it is released
         self._sync_due = False  # the sinks' health is due (a stop, a reset, a new sink)
+        # One delivery at a time (deliver_queued); reentrant: a sink or arm listener may arm the stop, which delivers.
+        self._delivering = threading.RLock()
 
     def process(self, device: str, rows: np.ndarray, now: float, *, final: bool, offenders: Any = None) -> None:
         """A landed copy of ``device``'s rows (every row complete when ``final``): confirm, report. ``offenders``:
@@ -112,7 +115,9 @@ class Pipeline:
         later). Under the monitor's lock; the events go out at its next delivery."""
         confirmed = self.confirmer.confirm_now(device, rows)
         self._confirm(device, confirmed, now)
-        self.window.flush_keys([(device, site.id) for site, _ in confirmed], now)
+        # Every row's key, not only the ones confirmed here: a rise the reader confirmed first may be waiting in the
+        # window (its report deferred), and the engine is about to act on it.
+        self.window.flush_keys([(device, rid) for rid in rows], now)
 
     def locked_report(self, lock: Any, deliver: Callable[[], None]) -> Callable[[str, dict[int, np.ndarray]], None]:
         """:meth:`report_now` under the monitor's ``lock``, then ``deliver`` (outside it, as every delivery): what a
@@ -186,6 +191,20 @@ class Pipeline:
         stops, self._stops = self._stops, []
         urgent, self._sync_due = self._sync_due or bool(stops), False
         return stops, self.take_events(), urgent
+
+    def deliver_queued(self, lock: Any, health: Callable[[], Any], *, wait: bool = True) -> None:
+        """Take what is queued under the monitor's ``lock`` and :meth:`deliver` it outside it, one delivery at a time:
+        when a waiting call returns, every event queued before it has reached the sinks, whichever thread took them
+        (a verdict's take relies on it). ``wait=False`` (the reader's tick) leaves the queue to the next delivery
+        while another thread delivers, so a slow sink there never holds the reader up."""
+        if not self._delivering.acquire(blocking=wait):
+            return
+        try:
+            with lock:
+                taken = self.take_delivery()
+            self.deliver(taken, health)
+        finally:
+            self._delivering.release()
 
     def deliver(self, taken: tuple[list[GuardTripped], list[Event], bool], health: Callable[[], Any]) -> None:
         """Outside the monitor's lock: what :meth:`take_delivery` took, the stops to the arm listeners, then the events

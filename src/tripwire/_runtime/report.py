@@ -347,6 +347,9 @@ class ReportWindow:
 
     def _out(self, st: _Key, render: Callable[[int], Report], now: float) -> None:
         delta = st.total - st.logged_total
+        if delta <= 0:
+            st.render = None  # nothing new since the last report: no report (and no event) of 0
+            return
         st.logged_total, st.logged_at, st.render = st.total, now, None
         self.release(render(delta))
 

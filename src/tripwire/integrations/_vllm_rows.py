@@ -34,9 +34,11 @@ __all__ = ["fence", "rows"]
 _BLOCK = 128
 
 
-@triton.jit
-def _rows_kernel(idx_ptr, flags_ptr, req_ptr, ctr_ptr, n, bound, scratch, attributed, MASK: tl.constexpr,
-                 BLOCK: tl.constexpr):  # fmt: skip
+# The step's sizes and the scratch row change from step to step: not specialised on (Triton would compile a variant
+# for a value of 1 or a multiple of 16, in the middle of serving).
+@triton.jit(do_not_specialize=["n", "scratch", "attributed"])
+def _rows_kernel(idx_ptr, flags_ptr, req_ptr, ctr_ptr, total_ptr, n, bound, scratch, attributed,
+                 MASK: tl.constexpr, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     # One program: a step has at most max_num_reqs rows (hundreds), one vote per block of them.
     for s in range(0, n, BLOCK):
         offs = s + tl.arange(0, BLOCK)
@@ -51,6 +53,11 @@ def _rows_kernel(idx_ptr, flags_ptr, req_ptr, ctr_ptr, n, bound, scratch, attrib
             record_hits(ctr_ptr, bad, offs, r, q)
             if MASK:
                 tl.store(idx_ptr + offs, (r * 0 + scratch).to(r.dtype), mask=bad)
+                if HAS_TOTAL:
+                    if attributed != 0:
+                        # The free scratch row's token count is its last owner's: post_update appends the victim's
+                        # token at that offset of the row's history, which past the row's end is the next row's.
+                        tl.store(total_ptr + scratch, 0)
 
 
 @triton.jit
@@ -76,7 +83,7 @@ def _fence_kernel(flags_ptr, idx_ptr, qsl_ptr, nb_ptr, counts_ptr, table_ptr, wi
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
     if t.dtype != dtype or t.device != device or t.dim() != 1 or not t.is_contiguous():
-        raise ValueError(
+        raise RuntimeError(
             f"tripwire: {name} must be a contiguous 1-D {dtype} tensor on {device}, got {t.dtype} {tuple(t.shape)} "
             f"on {t.device} with strides {t.stride()}"
         )
@@ -92,10 +99,13 @@ def rows(
     attributed: bool,
     *,
     mask: bool,
+    total_len: torch.Tensor | None = None,
 ) -> None:
-    """Check ``idx`` (``idx_mapping[:num_reqs]``, int32) against ``[0, bound)``: count each bad entry at ``ctr``
-    (the site's arena row) with ``req[b]`` (int64) as its request when ``attributed``, write ``flags[b]`` (int32,
-    at least as long as ``idx``) and, under ``mask``, rewrite the bad entries to ``scratch`` (in range)."""
+    """Check ``idx`` (``idx_mapping[:num_reqs]``, int32 or int64) against ``[0, bound)``: count each bad entry at
+    ``ctr`` (the site's arena row) with ``req[b]`` (int64) as its request when ``attributed``, write ``flags[b]``
+    (int32, at least as long as ``idx``) and, under ``mask``, rewrite the bad entries to ``scratch`` (in range) and,
+    when ``attributed`` (the scratch row is free), zero ``total_len[scratch]`` (V2's per-row token count, which
+    ``post_update`` appends the row's next token at)."""
     n = idx.shape[0]
     if n == 0:
         return
@@ -104,7 +114,9 @@ def rows(
             f"tripwire: vLLM V2 row guard: {n} rows, flags of {flags.shape[0]}, requests of {req.shape[0]}, "
             f"scratch row {scratch} of {bound}"
         )
-    _rows_kernel[(1,)](idx, flags, req, ctr, n, bound, scratch, int(attributed), MASK=mask, BLOCK=_BLOCK)
+    total = flags if total_len is None else total_len  # HAS_TOTAL False: never read
+    _rows_kernel[(1,)](idx, flags, req, ctr, total, n, bound, scratch, int(attributed), MASK=mask,
+                       HAS_TOTAL=total_len is not None, BLOCK=_BLOCK)  # fmt: skip
 
 
 def fence(
@@ -134,7 +146,8 @@ def fence(
 
 
 def check_buffers(device: torch.device, **tensors: tuple[torch.Tensor, torch.dtype]) -> None:
-    """Build-time checks of the persistent buffers :func:`rows` and :func:`fence` are given every step (their
-    per-step checks read sizes only)."""
+    """Build-time checks of the persistent buffers :func:`rows` and :func:`fence` are given every step, the
+    engine's among them (their per-step checks read sizes only): each 1-D, contiguous, of its dtype, on ``device``.
+    RuntimeError naming the first that is not (an engine that lays them out otherwise)."""
     for name, (t, dtype) in tensors.items():
         _check(name, t, dtype, device)

@@ -141,6 +141,19 @@ class V2StepValidator:
         # Persistent buffers, allocated here (before any capture).
         self._flags = torch.zeros(max_reqs, dtype=torch.int32, device=self.device)
         self._counts = [torch.zeros(max_reqs, dtype=torch.int32, device=self.device) for _ in specs]
+        # The engine's buffers the row guard and the fence write, in the layout they write them: refused otherwise.
+        total = getattr(getattr(runner.req_states, "total_len", None), "gpu", None)
+        self._total_len = total if isinstance(total, torch.Tensor) else None
+        layout: dict[str, tuple[torch.Tensor, torch.dtype]] = {
+            f"block_tables.input_block_tables[{g}][0]": (tables.input_block_tables[g][0], torch.int32)
+            for g in range(len(specs))
+        }
+        layout["block_tables.num_blocks.gpu[0]"] = (tables.num_blocks.gpu[0], torch.int32)
+        if hasattr(tables, "slot_mappings"):
+            layout["block_tables.slot_mappings[0]"] = (tables.slot_mappings[0], torch.int64)
+        if self._total_len is not None:
+            layout["req_states.total_len.gpu"] = (self._total_len, torch.int32)
+        _vllm_rows.check_buffers(self.device, **layout)
         self._requests = _Staged(max_reqs, self.device)
         self._by_state = _Staged(max_reqs, self.device)
         self._req: torch.Tensor = self._requests.tensor
@@ -165,7 +178,10 @@ class V2StepValidator:
         free = runner.req_states.free_indices
         scratch, attributed = (int(free[0]), True) if free else (int(idx_np[0]), False)
         idx = input_batch.idx_mapping[:n]
-        _vllm_rows.rows(idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, attributed, mask=self.mask)
+        _vllm_rows.rows(
+            idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, attributed, mask=self.mask,
+            total_len=self._total_len,
+        )  # fmt: skip
         args: dict[str, torch.Tensor] = {
             "req": req,
             "req_state": by_state,
