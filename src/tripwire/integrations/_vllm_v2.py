@@ -7,7 +7,9 @@ kernels gather each KV-cache group's block-table rows into batch order (``block_
 ``num_blocks[idx_mapping[b]]`` columns) and compute the slot mappings (``block_table[row, position //
 block_size]``), then the attention metadata from those. vLLM's own kernels there read through ``idx_mapping``,
 ``num_blocks`` and ``positions`` without a bound (vLLM #53982, #56380), so the step is checked in two phases around
-``prepare_attn``:
+``prepare_attn``. (``prepare_inputs`` builds ``idx_mapping`` on the host from V2's own request map and reads through
+it already: a map wrong there is not covered; the guard covers the device copy from ``prepare_attn`` on, the sampler
+and ``post_update`` included.)
 
 * :meth:`V2StepValidator.inputs`, before it: ``idx_mapping`` within the request-state rows (site
   ``vllm.idx_mapping``: :mod:`tripwire.integrations._vllm_rows`, which masks a bad entry to a scratch row), every
