@@ -138,3 +138,18 @@ def test_reset_forgets_offenders_and_taints(raising, kernel_device):
     _call(v, kernel_device, [4])  # the same offender after a reset is new again
     raising.drain()
     assert [t.request for t in raising.take_tainted()] == [11]
+
+
+def test_a_forgotten_request_number_names_no_request():
+    """A request that outlived ``keep`` newer numberings lost its number: its offender must name no request (the
+    step fails closed), not the bare number (which names no live request, so nothing would fail and the masked
+    result would be handed back). Control: a number never given here (a caller's own map) is kept as it is."""
+    from tripwire.contain import RequestNames
+
+    names = RequestNames(keep=4)
+    first = names.number("req-0")
+    for i in range(1, 6):
+        names.number(f"req-{i}")
+    assert names.name(first) is None  # forgotten: unknown, fail closed
+    assert names.name(names.number("req-5")) == "req-5"
+    assert names.name(10_000) == 10_000  # never numbered here

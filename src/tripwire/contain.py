@@ -60,8 +60,10 @@ class Taint:
 
 class RequestNames:
     """Engine request ids <-> the numbers kernels keep with offenders. ``number(rid)`` is stable for a request while
-    it is among the last ``keep`` numbered; ``name(n)`` returns its engine id, or ``n`` itself for a number nobody
-    named here (a caller's own request map). Thread-safe: the engine numbers, the reader names."""
+    it is among the last ``keep`` numbered; ``name(n)`` returns its engine id, ``None`` for a number given here and
+    forgotten since (a request that outlived ``keep`` newer ones: its name is unknown, so whatever it hit fails
+    closed rather than naming no live request), or ``n`` itself for a number never given here (a caller's own request
+    map). Thread-safe: the engine numbers, the reader names."""
 
     def __init__(self, keep: int = 1 << 16) -> None:
         self._keep = keep
@@ -86,7 +88,10 @@ class RequestNames:
             return n
 
     def name(self, n: int) -> Any:
-        return self._names.get(n, n)
+        got = self._names.get(n)
+        if got is not None:
+            return got
+        return None if 0 <= n < self._next else n
 
 
 class VerdictLedger:
