@@ -3,9 +3,12 @@
 The engine: Llama-3-8B's shape with dummy weights (``load_format="dummy"``: random weights, no download), bf16,
 CUDA graphs and torch.compile at vLLM's defaults, async scheduling on, the V2 model runner (vLLM's GPU default) or V1
 (``--runner V1``), the engine core in-process (so one process can switch the plugin between steps). Decode at batch
-1, 8, 32 and 64, with the plugin on and off INTERLEAVED STEP BY STEP in that one engine (``tripwire.cli._vllm_run``:
+1, 8, 32 and 64, with the plugin on and off INTERLEAVED in that one engine (``tripwire.cli._vllm_run``:
 ``TRIPWIRE_VLLM=contain`` at start-up builds the validator; before each decode step every method the plugin wraps is
-set to its wrapper, "on", or to vLLM's original, "off"), in cycles of three steps (on, off, off2, then mirrored).
+set to its wrapper, "on", or to vLLM's original, "off"), in cycles of three kinds (on, off, off2, then mirrored), in
+blocks of ``--block`` steps whose first is not timed: under async scheduling a step's sampled tokens, and the
+verdict riding with them, are taken in the next step's call, so a step right after a switch carries the kind
+before it.
 Per batch: the overhead is the median over repeats of on against the mean of off and off2; the noise floor, the
 median over repeats of |off against off2|. Beside them: the plugin's host time per step (its validator calls,
 timed inside the engine in rounds of their own) and the GPU time of tripwire's kernels per step against the step's
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--runner", choices=("V2", "V1"), default="V2")
+    ap.add_argument(
+        "--block", type=int, default=8, help="steps of one kind in a row, the first not timed (async scheduling)"
+    )
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     args = ap.parse_args(argv)
     out = Path(args.outdir)
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_bytes": 8 << 30,
             "capture_sizes": sorted(set(batches)),
         },
-        "bench": {"batches": batches, "steps": args.steps, "repeats": args.repeats},
+        "bench": {"batches": batches, "steps": args.steps, "repeats": args.repeats, "block": args.block},
     }
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1" if args.runner == "V2" else "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     run = run_engine(out / "work", f"bench-{args.runner}", config, mode="contain", env=env, timeout=570)

@@ -9,8 +9,9 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
   ``max_tokens`` new tokens each (default 16), ``ignore_eos``.
 * ``prefix_caching`` (optional, default off): vLLM's prefix cache.
 * ``gpu`` (optional): run on a GPU with vLLM's GPU defaults and these overrides (:func:`engine`).
-* ``bench`` (optional): ``{"batches": [B, ...], "steps": N, "repeats": R}``: instead of rounds, time the decode
-  steps (``llm_engine.step()``) with the plugin on and off, interleaved (see ``benchmarks/bench_vllm.py``).
+* ``bench`` (optional): ``{"batches": [B, ...], "steps": N, "repeats": R, "block": K}``: instead of rounds, time
+  the decode steps (``llm_engine.step()``) with the plugin on and off, interleaved in blocks of K steps (default
+  1: step by step; see ``benchmarks/bench_vllm.py`` and ``benchmarks/bench_vllm_gpu.py``).
 
 vLLM's own settings come from the environment (``VLLM_ENABLE_V1_MULTIPROCESSING``; ``TRIPWIRE_VLLM`` for the plugin;
 :mod:`tripwire.cli._vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
@@ -176,12 +177,15 @@ def _decode_steps(
 _CYCLES = (("on", "off", "off2"), ("off2", "off", "on"))
 
 
-def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[str, Any]:
-    """The decode step with the plugin on and off, interleaved STEP BY STEP in this one engine: before each decode
-    step every method the plugin wraps is set to its wrapper (on) or to vLLM's original (off, as after
-    ``uninstall``), in cycles of three steps (on, off, off2, then mirrored), so the machine's drift and the
-    requests' growing lengths hit every kind alike. A repeat is one round of ``steps`` decode steps; its figure per
-    kind is the median of its steps of that kind. "off" against "off2" gives the noise floor."""
+def run_bench(llm: Any, batches: list[int], steps: int, repeats: int, block: int = 1) -> dict[str, Any]:
+    """The decode step with the plugin on and off, interleaved in this one engine: before each decode step every
+    method the plugin wraps is set to its wrapper (on) or to vLLM's original (off, as after ``uninstall``), in
+    cycles of three kinds (on, off, off2, then mirrored), so the machine's drift and the requests' growing lengths
+    hit every kind alike. ``block``: steps of one kind in a row, the first of each block not timed. With 1 (step by
+    step) a step's timing can carry the previous step's kind: under async scheduling a step's sampled tokens (and
+    the verdict riding with them) are taken in the next ``step()`` call. A repeat is one round of ``steps`` decode
+    steps; its figure per kind is the median of its timed steps of that kind. "off" against "off2" gives the noise
+    floor."""
     from tripwire.integrations import vllm as tw
 
     plugin = tw.installed()
@@ -190,7 +194,9 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
     wrapped = {key: key[0].__dict__[key[1]] for key in plugin.originals}
     states = {"on": list(wrapped.items()), "off": list(plugin.originals.items())}
     states["off2"] = states["off"]
-    out: dict[str, Any] = {"mode": plugin.mode, "steps": steps, "interleave": "step"}
+    if block < 1 or steps < 3 * block:
+        raise ValueError(f"block={block}: expected 1 to steps / 3 ({steps // 3}) steps per block")
+    out: dict[str, Any] = {"mode": plugin.mode, "steps": steps, "interleave": "step" if block == 1 else block}
     seq = [k for c in _CYCLES for k in c]
     n = 0
     for b in batches:
@@ -207,12 +213,12 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int) -> dict[st
             def before(i: int, kinds: list[str] = kinds, phase: int = n) -> None:
                 # The prefill step (i == 0) runs with the plugin on: it is not timed, and the validator's views
                 # bind there. Every step sets every method (also to what it was), so each pays the same type-cache
-                # invalidation.
-                kind = "on" if i == 0 else seq[(i - 1 + 3 * phase) % len(seq)]
+                # invalidation. A block's first step is recorded as "" (not timed: it carries the step before it).
+                kind = "on" if i == 0 else seq[((i - 1) // block + 3 * phase) % len(seq)]
                 for (cls, name), fn in states[kind]:
                     setattr(cls, name, fn)
                 if i:
-                    kinds.append(kind)
+                    kinds.append(kind if block == 1 or (i - 1) % block else "")
 
             times = _decode_steps(llm, prompts, steps, f"r{n}", before)
             for kind in fig:
@@ -315,7 +321,8 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {"hooked": _hooked(), "pid": os.getpid()}
     if "bench" in cfg:
         b = cfg["bench"]
-        result["bench"] = run_bench(llm, [int(x) for x in b["batches"]], int(b["steps"]), int(b["repeats"]))
+        batches, steps, repeats = [int(x) for x in b["batches"]], int(b["steps"]), int(b["repeats"])
+        result["bench"] = run_bench(llm, batches, steps, repeats, int(b.get("block", 1)))
     else:
         result["rounds"] = run_rounds(llm, cfg.get("rounds", []), int(cfg.get("max_tokens", 16)))
     import vllm
