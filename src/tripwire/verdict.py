@@ -166,7 +166,7 @@ class Verdicts:
             if s.id >= ctx.settings().capacity:
                 raise ValueError(f"site {s.name!r} owns row {s.id}, past the arena's {ctx.settings().capacity} rows")
         self.context = ctx
-        # The monitor's synchronous report of a verdict's rows (Monitor._report_rows): a rise a verdict saw has
+        # The monitor's synchronous report of a verdict's rows (Pipeline.locked_report): a rise a verdict saw has
         # reached every sink before take() returns it, so an engine never fails a request its events do not explain.
         self._report = report
         self.device = device

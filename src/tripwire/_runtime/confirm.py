@@ -164,13 +164,7 @@ class Confirmer:
         now = time.monotonic() if now is None else now
         self.decoded += 1
         n = rows.shape[0]
-        d = self._devices.get(device)
-        if d is None:
-            d = self._devices[device] = _Device(np.zeros(self.capacity, dtype=np.int64))
-        elif d.reported.shape[0] < self.capacity:
-            grown = np.zeros(self.capacity, dtype=np.int64)
-            grown[: d.reported.shape[0]] = d.reported
-            d.reported = grown
+        d = self._device(device)
         d.latest = rows
         reported, pending = d.reported, d.pending
         handled, plan = self._plan_for(n)
@@ -221,19 +215,28 @@ class Confirmer:
                 pending[rid] = [0, int(progress[rid]), now]
         return out
 
+    def _device(self, device: str) -> _Device:
+        """``device``'s state, made at its first read and grown to the capacity (a registry grown since)."""
+        d = self._devices.get(device)
+        if d is None:
+            d = self._devices[device] = _Device(np.zeros(self.capacity, dtype=np.int64))
+        elif d.reported.shape[0] < self.capacity:
+            grown = np.zeros(self.capacity, dtype=np.int64)
+            grown[: d.reported.shape[0]] = d.reported
+            d.reported = grown
+        return d
+
     def confirm_now(self, device: str, rows: Mapping[int, np.ndarray]) -> list[Confirmed]:
         """Confirm at once the rises of a complete read of some rows (row id -> its words, a guard row's offender
         block after them: a verdict's copy, which landed after the step's kernels in stream order): each row whose
         progress passed what was reported is confirmed with that row (and no longer pending). Rows of a kind without
         a reporter are left alone."""
-        d = self._devices.get(device)
-        if d is None:
-            d = self._devices[device] = _Device(np.zeros(self.capacity, dtype=np.int64))
+        d = self._device(device)
         out: list[Confirmed] = []
         for rid, row in rows.items():
             site = self.registry.by_id(rid)
             slots = self._count_slots(site.kind)
-            if slots is None or rid >= d.reported.shape[0]:
+            if slots is None:
                 continue
             progress = int(sum(int(row[s]) for s in slots))
             if progress > d.reported[rid]:

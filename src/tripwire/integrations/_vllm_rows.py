@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels._common import check_tensor
 from ..triton import record_hits
 
 __all__ = ["fence", "rows"]
@@ -79,14 +80,6 @@ def _fence_kernel(flags_ptr, idx_ptr, qsl_ptr, nb_ptr, counts_ptr, table_ptr, wi
     else:
         r = tl.load(idx_ptr + b).to(tl.int64)
         tl.store(counts_ptr + b, tl.load(nb_ptr + r))
-
-
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    if t.dtype != dtype or t.device != device or t.dim() != 1 or not t.is_contiguous():
-        raise RuntimeError(
-            f"tripwire: {name} must be a contiguous 1-D {dtype} tensor on {device}, got {t.dtype} {tuple(t.shape)} "
-            f"on {t.device} with strides {t.stride()}"
-        )
 
 
 def rows(
@@ -148,6 +141,8 @@ def fence(
 def check_buffers(device: torch.device, **tensors: tuple[torch.Tensor, torch.dtype]) -> None:
     """Build-time checks of the persistent buffers :func:`rows` and :func:`fence` are given every step, the
     engine's among them (their per-step checks read sizes only): each 1-D, contiguous, of its dtype, on ``device``.
-    RuntimeError naming the first that is not (an engine that lays them out otherwise)."""
+    The first that is not is refused naming it (an engine that lays them out otherwise)."""
     for name, (t, dtype) in tensors.items():
-        _check(name, t, dtype, device)
+        check_tensor(name, t, dtypes=(dtype,), ndim=1)
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, not on {device}")
