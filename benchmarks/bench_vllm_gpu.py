@@ -67,6 +67,10 @@ def figures(b: dict[str, Any]) -> dict[str, float]:
         out["gpu_tripwire_us"] = g["tripwire_us"]
         out["gpu_step_us"] = g["all_us"]
         out["gpu_share_pct"] = 100 * g["tripwire_us"] / g["all_us"] if g["all_us"] else float("nan")
+        for part in ("logits", "fp8", "guard"):
+            if f"{part}_us" in g and g["all_us"]:
+                out[f"{part}_us"] = g[f"{part}_us"]
+                out[f"{part}_pct"] = 100 * g[f"{part}_us"] / g["all_us"]
     return out
 
 
@@ -80,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "--block", type=int, default=8, help="steps of one kind in a row, the first not timed (async scheduling)"
     )
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--kv-cache-dtype", default=None, help="fp8: the FP8 clip counter's run (its GPU time per step)")
     args = ap.parse_args(argv)
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,24 +98,31 @@ def main(argv: list[str] | None = None) -> int:
             "max_model_len": 2048,
             "kv_cache_bytes": 8 << 30,
             "capture_sizes": sorted(set(batches)),
+            **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
         },
         "bench": {"batches": batches, "steps": args.steps, "repeats": args.repeats, "block": args.block},
     }
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1" if args.runner == "V2" else "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    run = run_engine(out / "work", f"bench-{args.runner}", config, mode="contain", env=env, timeout=570)
+    tag = f"bench-{args.runner}" + (f"-{args.kv_cache_dtype}" if args.kv_cache_dtype else "")
+    run = run_engine(out / "work", tag, config, mode="contain", env=env, timeout=570)
     if run.result is None:
         print(f"the engine died (rc {run.rc}): {run.stderr[-4000:]}")
         return 1
     bench = run.result["bench"]
     table = {str(b): figures(bench[str(b)]) for b in batches}
     result = {"runner": args.runner, "v2": run.result.get("v2"), "vllm": run.result.get("vllm"), "batches": table}
-    (out / "bench_vllm_gpu.json").write_text(json.dumps({**result, "raw": bench}, indent=1))
+    result["kv_cache_dtype"] = args.kv_cache_dtype or "auto"
+    (out / f"{tag}.json").write_text(json.dumps({**result, "raw": bench}, indent=1))
     print(f"vLLM {result['vllm']} runner {args.runner} (v2={result['v2']}), contain, 8B dummy, graphs, async")
-    print(f"{'batch':>5} {'step ms':>8} {'overhead %':>10} {'noise %':>8} {'host us':>8} {'gpu us':>7} {'gpu %':>6}")
+    print(f"kv cache {result['kv_cache_dtype']}; gpu us = tripwire's kernels per step (logits check, fp8 count)")
+    print(f"{'batch':>5} {'step ms':>8} {'overhead %':>10} {'noise %':>8} {'host us':>8} {'gpu us':>7} {'gpu %':>6} "
+          f"{'logits %':>8} {'fp8 %':>6}")  # fmt: skip
+    nan = float("nan")
     for b, f in table.items():
         print(
             f"{b:>5} {f['step_ms']:8.3f} {f['overhead_pct']:10.3f} {f['noise_pct']:8.3f} {f['host_us']:8.1f} "
-            f"{f.get('gpu_tripwire_us', float('nan')):7.1f} {f.get('gpu_share_pct', float('nan')):6.3f}"
+            f"{f.get('gpu_tripwire_us', nan):7.1f} {f.get('gpu_share_pct', nan):6.3f} "
+            f"{f.get('logits_pct', nan):8.3f} {f.get('fp8_pct', nan):6.3f}"
         )
     return 0
 

@@ -37,8 +37,8 @@ from tripwire.cli import _vllm_proc
 
 # The fault kinds each runner has (tripwire.cli._vllm_faults): idx_mapping is V2's alone.
 KINDS = {
-    "V1": ("read", "write", "slot", "position", "num_blocks"),
-    "V2": ("read", "write", "slot", "position", "idx", "num_blocks"),
+    "V1": ("read", "write", "slot", "position", "num_blocks", "nan"),
+    "V2": ("read", "write", "slot", "position", "idx", "num_blocks", "nan"),
 }
 VALUES = ("end", "far", "negative")
 TOKENS = 16
@@ -63,8 +63,10 @@ def draw(rng: random.Random, run: int, kinds: tuple[str, ...], most: int = 1) ->
     for i in rng.sample(range(4), rng.randint(1, most)):
         kind, vk = rng.choice(kinds), rng.choice(VALUES)
         wide = kind in ("slot", "position")
-        if vk == "end":
-            value: int | str = "end"
+        if kind == "nan":
+            value: int | str = "nan" if vk != "far" else "inf"  # a numeric fault: NaN or Inf in its logits row
+        elif vk == "end":
+            value = "end"
         elif vk == "far":
             # Far past any cache, table or request-state row here.
             value = rng.randint(1 << 20, (1 << 40) if wide else I32_MAX)
@@ -160,7 +162,8 @@ def fuzz(
                         print(f"escape: run {r} fault {f}: {got} (clean {want})", file=sys.stderr)
                     else:
                         figures["contained"] += 1
-                        key = f"{f['kind']}/{'end' if f['value'] == 'end' else ('neg' if f['value'] < 0 else 'far')}"
+                        v = f["value"]
+                        key = f"{f['kind']}/{v if isinstance(v, str) else ('neg' if v < 0 else 'far')}"
                         by_kind[key] = by_kind.get(key, 0) + 1
                 elif (got["tokens"], got["finish_reason"]) != (want["tokens"], want["finish_reason"]):
                     figures["unaffected_changed"] += 1

@@ -14,6 +14,10 @@ torch.compile at vLLM's defaults, async scheduling on (vLLM's GPU default), unle
   the victim's site and request id, and the process must live.
 * ``mask``: a read under ``mask`` keeps the engine alive.
 * ``fuzz``: ``scripts/fuzz_vllm.py``'s fuzz on V1 and V2, graphs and eager, 1 to 4 victims in one step.
+* ``fp8``: ``kv_cache_dtype="fp8"``: a clean run with graphs (every layer's clip count 0, its max magnitude seen, the
+  tokens those of the same engine without the plugin), and one victim's K in one layer set past the FP8 range at one
+  step (eager: the injection is a Python wrapper of the cache write): that layer's K count is exactly the elements
+  injected, every other count 0.
 
 Usage: ``python scripts/gpu_vllm.py OUTDIR [--parts controls,clean,contain,mask,fuzz] [--fuzz-runs N]``; writes
 ``OUTDIR/vllm_gpu.json`` (every figure) and prints a summary.
@@ -43,6 +47,7 @@ SITES = {
     "position": "vllm.positions",
     "idx": "vllm.idx_mapping",
     "num_blocks": {"V1": "vllm.block_counts", "V2": "vllm.num_blocks"},
+    "nan": "vllm.logits_nonfinite",
 }
 GPU = {"gpu_memory_utilization": 0.04}
 
@@ -70,13 +75,14 @@ def contain_faults(runner: str) -> tuple[list[list[list[int]]], list[dict[str, A
     kinds = fuzz_vllm.KINDS[runner]
     rounds = [prompts(0)]
     faults = []
-    values = ("end", 10_000_000, -5)
+    values: tuple[int | str, ...] = ("end", 10_000_000, -5)
     r = 1
     for kind in kinds:
         for j, step in enumerate((0, 7, 15)):
             rounds.append(prompts(r))
+            value = ("nan", "inf", "nan")[j] if kind == "nan" else values[j]
             faults.append(
-                {"marker": marker(r, (r + j) % 4), "step": step, "kind": kind, "value": values[j], "req": (r + j) % 4}
+                {"marker": marker(r, (r + j) % 4), "step": step, "kind": kind, "value": value, "req": (r + j) % 4}
             )
             r += 1
     rounds.append(prompts(r))
@@ -134,7 +140,7 @@ def check(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir")
-    ap.add_argument("--parts", default="controls,clean,contain,mask,fuzz")
+    ap.add_argument("--parts", default="controls,clean,contain,mask,fp8,fuzz")
     ap.add_argument("--fuzz-runs", type=int, default=132, help="fuzz runs per configuration (four configurations)")
     ap.add_argument("--workers", type=int, default=8, help="engine processes at once")
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU build instead (V1 only, eager): the harness itself")
@@ -199,9 +205,21 @@ def main(argv: list[str] | None = None) -> int:
                 "env": e,
             }
             plan[f"mask-read-{runner}"] = (runner, [read], rounds, f"clean-none-{runner}")
+        if "fp8" in parts and not args.cpu:
+            fp8 = {**GPU, "kv_cache_dtype": "fp8"}
+            specs[f"fp8-ref-{runner}"] = {"config": {"rounds": rounds[:2], "gpu": fp8}, "env": e}
+            specs[f"fp8-clean-{runner}"] = {"config": {"rounds": rounds[:2], "gpu": fp8}, "mode": "contain", "env": e}
+            kv = {"marker": marker(1, 1), "step": 3, "kind": "kv", "value": 1000.0, "layer": 1}
+            specs[f"fp8-kv-{runner}"] = {
+                "config": {"rounds": rounds[:2], "gpu": {**fp8, "eager": True}},
+                "mode": "contain",
+                "faults": [kv],
+                "env": e,
+            }
         if "controls" in parts:
             for kind in fuzz_vllm.KINDS[runner]:
-                fault = {"marker": marker(1, 1), "step": 5, "kind": kind, "value": 10_000_000 if kind != "slot" else -7}
+                value = {"slot": -7, "nan": "nan"}.get(kind, 10_000_000)
+                fault = {"marker": marker(1, 1), "step": 5, "kind": kind, "value": value}
                 ctl: dict[str, Any] = (
                     {"rounds": rounds[:2]} if args.cpu else {"rounds": rounds[:2], "gpu": {**GPU, "eager": True}}
                 )
@@ -226,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 "totals": run.totals(),
                 "events": len(run.events),
                 "stderr_tail": run.stderr[-600:] if run.result is None else "",
+                "clip": None if run.result is None else run.result.get("clip"),
             }
         for runner in runners:
             ref_run = done.get(f"clean-none-{runner}")
@@ -273,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                             changed = [i for i, (g, w) in pairs if g["tokens"] != w["tokens"]]
                             finish = [g["finish_reason"] for g in got[1]]
                             res["outcome"] = f"lived; requests with changed tokens: {changed}; finish {finish}"
+        for runner in runners:
+            fp8_check(results, done, runner)
     (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     if "fuzz" in parts:
         results["fuzz"] = {}
@@ -295,6 +316,30 @@ def main(argv: list[str] | None = None) -> int:
     (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     print(summary(results))
     return 0
+
+
+def fp8_check(results: dict[str, Any], done: dict[str, _vllm_proc.Run], runner: str) -> None:
+    """The fp8 runs' verdicts (see the module docstring), into their results."""
+    ref, clean, kv = (done.get(f"fp8-{n}-{runner}") for n in ("ref", "clean", "kv"))
+    if clean is not None and clean.result is not None:
+        clip = clean.result.get("clip") or {}
+        r = results["runs"][f"fp8-clean-{runner}"]
+        r["fp8_layers"] = len(clip)
+        r["fp8_all_zero"] = bool(clip) and all(c["k"] == 0 and c["v"] == 0 for c in clip.values())
+        r["fp8_all_seen"] = bool(clip) and all(c["k_max"] > 0 and c["v_max"] > 0 for c in clip.values())
+        if ref is not None and ref.result is not None:
+            r["fp8_identical"] = clean.rounds() == ref.rounds()
+    if kv is not None and kv.result is not None:
+        clip = kv.result.get("clip") or {}
+        r = results["runs"][f"fp8-kv-{runner}"]
+        inj = kv.injected[0] if kv.injected else {}
+        want = {name: (inj.get("elements", -1) if name.endswith("." + str(inj.get("layer"))) else 0) for name in clip}
+        r["fp8_counts"] = {name: [c["k"], c["v"]] for name, c in clip.items()}
+        r["fp8_exact"] = (
+            bool(inj)
+            and all(c["k"] == want[name] and c["v"] == 0 for name, c in clip.items())
+            and any(w > 0 for w in want.values())
+        )
 
 
 def _last_error(stderr: str) -> str:
@@ -325,6 +370,9 @@ def summary(results: dict[str, Any]) -> str:
             )
         if "outcome" in r:
             bits.append(r["outcome"])
+        for k in ("fp8_layers", "fp8_all_zero", "fp8_all_seen", "fp8_identical", "fp8_exact", "fp8_counts"):
+            if k in r:
+                bits.append(f"{k}={r[k]}")
         if not r["alive"]:
             bits.append("tail: " + r["stderr_tail"][-200:].replace("\n", " | "))
         lines.append(f"{name}: " + " ".join(bits))

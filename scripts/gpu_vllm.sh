@@ -8,7 +8,7 @@
 # Logs and JSON under $OUT (or ./gpu-out). Each part stays inside one call's 10 minutes.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-part=${1:?usage: gpu_vllm.sh keep|core|fuzz|bench}
+part=${1:?usage: gpu_vllm.sh keep|core|fuzz|bench|tests}
 shift
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 asm=$(ls .vx1/assemble.sh .vx2/assemble.sh 2>/dev/null | head -1)
@@ -21,8 +21,13 @@ export PYTHONPATH=$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import sys,torch,triton,vllm;print(sys.version.split()[0],torch.__version__,triton.__version__,vllm.__version__)"; } >"$OUT/versions.txt" 2>&1
 cat "$OUT/versions.txt"
 case "$part" in
-  core) timeout 560 python3 scripts/gpu_vllm.py "$OUT/vllm" --parts controls,clean,contain,mask "$@" 2>&1 | tail -80 ;;
+  core) timeout 560 python3 scripts/gpu_vllm.py "$OUT/vllm" --parts controls,clean,contain,mask,fp8 "$@" 2>&1 | tail -80 ;;
   fuzz) timeout 560 python3 scripts/gpu_vllm.py "$OUT/vllm" --parts fuzz "$@" 2>&1 | tail -40 ;;
-  bench) timeout 560 python3 benchmarks/bench_vllm_gpu.py "$OUT/bench" "$@" 2>&1 | tail -40 ;;
-  *) echo "unknown part $part (keep, core, fuzz, bench)"; exit 2 ;;
+  bench) timeout 330 python3 benchmarks/bench_vllm_gpu.py "$OUT/bench" "$@" 2>&1 | tail -20
+         timeout 240 python3 benchmarks/bench_vllm_gpu.py "$OUT/bench" --kv-cache-dtype fp8 --repeats 4 2>&1 | tail -12 ;;
+  # The GPU tests of what the vLLM and numerics work touches (the whole GPU suite: scripts/gpu_check.sh).
+  tests) timeout 560 python3 -m pytest -q -p no:cacheprovider -x tests/numerics tests/integrations/test_vllm_rows.py \
+           tests/test_verdict.py tests/integrations/test_transformers.py tests/integrations/test_transformers_numerics.py \
+           tests/test_contain.py "$@" 2>&1 | tail -40 ;;
+  *) echo "unknown part $part (keep, core, fuzz, bench, tests)"; exit 2 ;;
 esac

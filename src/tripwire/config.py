@@ -54,6 +54,7 @@ NATIVE_TICK = ("auto", "on", "off")
 # tests, benchmarks and CI read is here or in _ENV (tests/test_config.py greps the tree for them).
 OTHER_VARIABLES = {
     "TRIPWIRE_VLLM": "the vLLM plugin's mode (tripwire.integrations.vllm)",
+    "TRIPWIRE_VLLM_LOGITS": "the vLLM plugin's per-request NaN/Inf check of the step's logits (on unless 0/off)",
     "TRIPWIRE_VLLM_METRICS_DIR": "the folder through which the vLLM plugin's processes hand their metrics to the API "
     "server's /metrics (made by the plugin in the first vLLM process, inherited by the others)",
     "TRIPWIRE_VLLM_PYTHON": "the python of the vLLM environment (tripwire demo --engine vllm, the vLLM tests)",

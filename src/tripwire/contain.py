@@ -48,9 +48,16 @@ class Taint:
     device: str
     row: int | None
     value: int | None
+    kind: str = "guard"
 
     def message(self) -> str:
         """The error an engine gives the failed request."""
+        if self.kind == "nonfinite_rows":
+            return (
+                f"tripwire contained a numeric fault in this request at site {self.site!r} on {self.device}: its row "
+                f"{self.row} held NaN/Inf (column {self.value}), so this request's result is not correct; the rest of "
+                f"the batch went on"
+            )
         return (
             f"tripwire contained a masked fault in this request at site {self.site!r} on {self.device}: entry row "
             f"{self.row}, value {self.value} was out of range and was masked, so this request's result is not "

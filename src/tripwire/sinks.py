@@ -416,7 +416,8 @@ class Prometheus:
         rank, k = self._rank(), event.kind
         if k == "guard" and event.delta > 0:
             self._m.masked.labels(event.site, event.device, rank).inc(event.delta)
-        elif k == "nonfinite" and event.delta > 0:
+        elif k in ("nonfinite", "nonfinite_rows") and event.delta > 0:
+            # One family for NaN/Inf: elements at a count_nonfinite site, rows at a per-row site (the site says which).
             self._m.nonfinite.labels(event.site, event.device, rank).inc(event.delta)
         elif k in ("clip_k", "clip_v") and event.delta > 0:
             self._m.clipped.labels(event.site, k[-1], event.device, rank).inc(event.delta)

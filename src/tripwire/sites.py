@@ -17,7 +17,7 @@ __all__ = ["GUARD_KINDS", "Site", "SiteRegistry", "default_registry", "register_
 
 # Kinds whose rows use the guard slot layout (count, extremes, first offender). Instruments with other layouts
 # (the FP8 clip counter) register their own kind and their own reporter.
-GUARD_KINDS = frozenset({"guard", "nonfinite"})
+GUARD_KINDS = frozenset({"guard", "nonfinite", "nonfinite_rows"})
 
 
 @dataclass(frozen=True)

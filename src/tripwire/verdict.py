@@ -385,14 +385,14 @@ class Verdicts:
             )
             hits.append(VerdictHit(site.name, site.fatal, delta, total, offenders, attributed))
             for o in offenders:
-                taints.append(Taint(o.request, site.name, self.name, o.row, o.value))
+                taints.append(Taint(o.request, site.name, self.name, o.row, o.value, site.kind))
                 if o.request is not None:
                     tainted.add(o.request)
             if not attributed:
                 fail_all = True
                 first = offenders[0] if offenders else None
                 row, value = (None, None) if first is None else (first.row, first.value)
-                taints.append(Taint(None, site.name, self.name, row, value))
+                taints.append(Taint(None, site.name, self.name, row, value, site.kind))
             ctx.ledger.add(self.name, site.id, total, offenders)
             if not contain and (site.fatal or ctx.settings().mode == "raise"):
                 exc = _tripped(site, self.name, total, delta, offenders)

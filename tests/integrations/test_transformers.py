@@ -417,6 +417,67 @@ def test_a_victims_blocks_never_enter_the_prefix_cache(contain):
     assert changed == [], f"requests {changed} changed after the victim"
 
 
+# ---------------------------------------------------------------------------------------------- MLA (5.25)
+def _tiny_mla(device: str):
+    """A random-initialised DeepSeek-V3-shaped model small enough for the CPU: MLA attention (two cached latents per
+    token), dense MLPs only."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=2,
+        max_position_embeddings=512,
+    )
+    return DeepseekV3ForCausalLM(cfg).eval().to(device)
+
+
+def test_an_mla_cache_is_bounded_and_a_read_fault_contained():
+    """From 5.25 an MLA model's cache is carved by its own allocator (MLACacheAllocator: one row per token holding its
+    two latents, no ``_kv_token_views``); its bounds are read from its latent views, a clean run is unchanged and a
+    read fault fails only its request."""
+    allocators = pytest.importorskip("transformers.generation.continuous_batching.cache_allocators")
+    if not hasattr(allocators, "MLACacheAllocator"):
+        pytest.skip("this transformers has no MLA cache allocator (5.25+)")
+    model = _tiny_mla("cuda" if HAS_CUDA else "cpu")
+    ref_engine = PersistentEngine(model, TOKENS, cb_config())
+    ref = ref_engine.run(PROMPTS, tag="ref")
+    ref_engine.close()
+    mon = Monitor(interval=0.005, report_every=0.5, mode="raise")
+    handle = tw.install(model, monitor=mon, contain=True)
+    eng = PersistentEngine(model, TOKENS, cb_config())
+    try:
+        clean, _ = _serve(eng, mon, [], "mla-clean")
+        assert [o.generated_tokens for o in clean] == [r.generated_tokens for r in ref] and mon.snapshot() == {}
+        cache = _cache(eng)
+        (alloc,) = cache.cache_allocators.values()
+        assert type(alloc).__name__ == "MLACacheAllocator"
+        (group,) = tw._cache_groups(cache)
+        assert group.rows == min(int(t.shape[0]) for kv in alloc._latent_token_views.values() for t in kv)
+        assert group.pages is None  # no page views: MLA has no block-table path
+        out, inj = _serve(eng, mon, [Injection("read", 3, "mla-5", "far", offset=1)], "mla")
+        assert len(inj.injected) == 1 and _count(mon, tw.SITE_READ_INDEX) == 1
+        _assert_contained(out, ref, {5}, handle, tw.SITE_READ_INDEX, "mla")
+    finally:
+        eng.close()
+        handle.uninstall()
+        mon.stop()
+
+
 # ---------------------------------------------------------------------------------------------- controls
 _CONTROL = textwrap.dedent(
     """
@@ -511,11 +572,11 @@ def test_install_refuses_bad_input(monkeypatch):
         tw.install(model.model)  # the bare decoder has no generate_batch
     with pytest.raises(ValueError, match="policy='drop'"):
         tw.install(model, policy="drop")
-    for bad in ("5.16.1", "5.25.0", "4.57.0", "6.0.0"):
+    for bad in ("5.16.1", "5.26.0", "4.57.0", "6.0.0"):
         monkeypatch.setattr(tw, "_installed_version", lambda bad=bad: bad)
         with pytest.raises(RuntimeError, match=f"transformers {bad}"):
             tw.install(model)
-    for good in ("5.17.0", "5.24.0", "5.24.1.dev0"):
+    for good in ("5.17.0", "5.24.0", "5.25.0", "5.25.1.dev0"):
         monkeypatch.setattr(tw, "_installed_version", lambda good=good: good)
         tw.install(model, monitor=Monitor()).uninstall()
 

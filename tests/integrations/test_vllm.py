@@ -24,23 +24,9 @@ import pytest
 from packaging.version import Version
 
 from tripwire.integrations import vllm as tw_vllm
-from vllm_helpers import EnginePool, python_in_vllm_env, vllm_python
+from vllm_helpers import BLOCK, EnginePool, by_marker, fault, marker, prompt, python_in_vllm_env, same, vllm_python
 
 pytestmark = pytest.mark.slow
-
-BLOCK = 32  # the engine's block size (tripwire.cli._vllm_run)
-
-
-def prompt(round_: int, i: int) -> list[int]:
-    """Request ``i`` of a round: its first token is its marker (the fault injector finds its victim by it); lengths
-    10 to 40 tokens, so some requests span two blocks and some cross into a new block while decoding."""
-    n = (10, 25, 40, 31)[i]
-    return [marker(round_, i)] + [(7 * round_ + 3 * i + k) % 400 + 1 for k in range(n - 1)]
-
-
-def marker(round_: int, i: int) -> int:
-    return 410 + 10 * round_ + i  # below the model's vocabulary of 512
-
 
 ROUNDS = 5
 # Rounds 5 and 6 (the prefix cache): a prompt of exactly one block alone, then the same prompt and one more token,
@@ -48,10 +34,6 @@ ROUNDS = 5
 P = [marker(5, 0)] + [(11 * k) % 400 + 1 for k in range(BLOCK - 1)]
 PREFIX_ROUNDS = [[P], [[*P, 5], prompt(6, 1), prompt(6, 2), prompt(6, 3)]]
 ALL = {"rounds": [[prompt(r, i) for i in range(4)] for r in range(ROUNDS)] + PREFIX_ROUNDS}
-
-
-def fault(round_: int, i: int, kind: str, step: int, value: int | str) -> dict:
-    return {"marker": marker(round_, i), "step": step, "kind": kind, "value": value}
 
 
 # Round 0 is clean everywhere. Each kind with each value, at steps 0 to 15 (the last), several per round.
@@ -121,15 +103,6 @@ def engines(tmp_path_factory):
     pool = EnginePool(tmp_path_factory.mktemp("vllm"), RUNS)
     yield pool
     pool.close()
-
-
-def same(r: dict) -> tuple:
-    """What a request returned, without its request id (which counts the requests of its process)."""
-    return r["marker"], r["tokens"], r["finish_reason"]
-
-
-def by_marker(round_out: list[dict]) -> dict[int, dict]:
-    return {r["marker"]: r for r in round_out}
 
 
 def test_inert_when_unset(engines):
@@ -381,6 +354,11 @@ def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     # Control: the fence's rewrite off, the victim's slot is the scratch row's block (in range: nothing counts).
     assert out["control"]["delta"] == {tw_vllm.SITE_IDX_MAPPING: 1}
     assert out["control"]["slots"] == [3 * 32 + 100 % 32]
+    lg = out["logits"]
+    assert lg["outside"] == {} and lg["delta"] == {tw_vllm.SITE_LOGITS: 1}
+    assert lg["offender"] == [1, 7, True] and lg["finite"] and lg["due"] is False
+    assert lg["tainted"] == [[tw_vllm.SITE_LOGITS, "nonfinite_rows", True]]
+    assert "numeric fault" in lg["message"] and "held NaN/Inf (column 7)" in lg["message"]
     assert lines["RESTORED"] == "True"
 
 
@@ -402,7 +380,17 @@ def execute_model(self, scheduler_output, *args, **kwargs):  # stands in for V2'
     seen.append([kwargs.get("dummy_run", False), tv.installed().started, st is not None and st.in_step])
 
 
+def sample(self, hidden_states, input_batch, grammar_output):  # stands in for V2's: the logits, then the sampler
+    return self.model.compute_logits(hidden_states)
+
+
+class Model:
+    def compute_logits(self, hidden_states):
+        return hidden_states * 1.0
+
+
 V2.execute_model = execute_model
+V2.sample = sample
 own = {n: V2.__dict__[n] for n in _vllm_v2.HOOKS}
 m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
 plugin = tv.install("mask", monitor=m)
@@ -440,7 +428,7 @@ spec = NS(block_size=32)
 r.__dict__.update(
     device=torch.device("cpu"), max_model_len=128, max_num_reqs=8, dcp_size=1, pcp_manager=None,
     kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64),
-    vllm_config=NS(parallel_config=NS(world_size=1)), block_tables=Tables(),
+    vllm_config=NS(parallel_config=NS(world_size=1)), block_tables=Tables(), model=Model(),
     req_states=NS(free_indices=[7, 6, 5], total_len=NS(gpu=torch.full((8,), 100, dtype=torch.int32))),
 )
 plugin.build(r, _vllm_v2.V2StepValidator)
@@ -518,6 +506,26 @@ before = counts()
 batch, tables, slots = step(STATES, [1, 4, 1], [2, 100, 1], [5, 100, 7])
 out["control"] = {"delta": delta(before), "slots": slots[0, 1:2].tolist()}
 _vllm_rows.fence = fence
+# The logits check: inside V2's sample (due after a step), one count for the NaN row under its batch row's request,
+# the row repaired, the verdict enqueued after it and naming that request; the model's compute_logits called outside
+# sample (prompt logprobs) checks nothing.
+batch, _, _ = step(STATES, [1, 4, 1], [2, 0, 1], [5, 100, 7])
+hidden = torch.zeros(3, 40)
+hidden[1, 7] = float("nan")
+before = counts()
+r.model.compute_logits(hidden.clone())
+outside = delta(before)
+st.sample_due = True
+logits = V2.sample(r, hidden, batch, None)
+verdict = st.ring.take(st.ticket)
+st.ticket = None
+hit = m.snapshot()[("cpu", "vllm.logits_nonfinite")]
+out["logits"] = {
+    "outside": outside, "delta": delta(before), "finite": bool(torch.isfinite(logits).all()),
+    "offender": [hit.offenders[0].row, hit.offenders[0].value, hit.offenders[0].request == batch.req_ids[1]],
+    "tainted": [[t.site, t.kind, t.request == batch.req_ids[1]] for t in verdict.taints if t.site == "vllm.logits_nonfinite"],
+    "message": verdict.taint_of(batch.req_ids[1]).message(), "due": st.sample_due,
+}
 print("RESULT", json.dumps(out))
 tv.uninstall()
 print("RESTORED", all(V2.__dict__[n] is own[n] for n in own))

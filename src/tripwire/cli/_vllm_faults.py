@@ -16,6 +16,16 @@ engine, by writing bad entries into the runner's own persistent state for one st
   tables through it (``"end"``: ``max_num_reqs``).
 * ``num_blocks``: a bad block count for the victim's request, before V2's gather copies that many columns (V1: the
   per-row count vLLM keeps, which tripwire's validator reads; ``"end"``: one past the table's width).
+* ``nan``: a NaN (``value`` ``"inf"``: an Inf) in the victim's last hidden state, the row vLLM computes the
+  victim's logits from, as the step's sampled hidden states enter the model's ``compute_logits`` (a numeric fault
+  of that request: its logits row is non-finite). There, not in a hook on the last decoder layer: that layer runs
+  inside vLLM's compiled and captured forward, where a Python hook runs once at trace time and never at a graph's
+  replay; ``compute_logits`` runs eagerly in both runners, so the injection lands at the chosen step under CUDA
+  graphs too. The effect on the logits is the one a last-layer NaN has (the layer's own KV comes from its input).
+* ``kv``: the victim's new K values in one attention layer (``layer``: its index in vLLM's forward context, default
+  0) set to ``value`` (a float: past the FP8 range, for the clip counter) as they enter the layer's cache write
+  (``impl.do_kv_cache_update``). A Python wrapper: it runs where the write runs eagerly (eager, piecewise graphs),
+  not inside a FULL graph's replay.
 
 The original entries are restored when the step ends (a one-step bug). A fault names its victim by the first
 token of its prompt (``marker``; a list: its first tokens), its step by how many steps the victim has been scheduled
@@ -44,7 +54,7 @@ LOG_ENV = "TRIPWIRE_VLLM_FAULTS_LOG"
 # A control for the tests: tripwire's containment with its prefix-cache eviction switched off (a victim's blocks
 # then stay in vLLM's prefix cache, as they would without it).
 NO_EVICT_ENV = "TRIPWIRE_VLLM_FAULTS_NO_EVICT"
-KINDS = ("read", "write", "slot", "position", "idx", "num_blocks")
+KINDS = ("read", "write", "slot", "position", "idx", "num_blocks", "nan", "kv")
 _DIST = "tripwire_vllm_faults-0.dist-info"
 
 
@@ -110,6 +120,10 @@ class _Injector:
         # Restored after the step's sampling, not at the end of execute_model: V2's idx_mapping, which the sampler and
         # its post_update read too (a real bad entry would still be there).
         self.restore_late: list[tuple[Any, tuple[Any, ...], int]] = []
+        # ``nan`` faults of this step, due when its logits are computed (V2: in sample_tokens, after execute_model),
+        # and the step's batch (V2's input batch: its row order is the logits'; None: V1's runner batch).
+        self.due_logits: list[tuple[dict[str, Any], str]] = []
+        self.batch: Any = None
 
     def begin(self, scheduler_output: Any) -> None:
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
@@ -122,7 +136,7 @@ class _Injector:
             for i, f in enumerate(self.faults):
                 if i not in self.done and f["step"] == step and _matches(self.prompts.get(rid), f["marker"]):
                     self.done.add(i)
-                    self.due.append((f, rid))
+                    (self.due_logits if f["kind"] == "nan" else self.due).append((f, rid))
 
     def take(self, kinds: tuple[str, ...]) -> list[tuple[dict[str, Any], str]]:
         out = [(f, rid) for f, rid in self.due if f["kind"] in kinds]
@@ -139,6 +153,69 @@ class _Injector:
 
     def after_sampling(self) -> None:
         _undo(self.restore_late)
+        self.due_logits = []
+        self.batch = None
+
+    def logits_input(self, runner: Any, hidden: Any) -> None:
+        """The step's ``nan`` faults, into the rows of the sampled hidden states ``compute_logits`` is given."""
+        due, self.due_logits = self.due_logits, []
+        for f, rid in due:
+            ids = list(self.batch.req_ids if self.batch is not None else runner.input_batch.req_ids)
+            b = ids.index(rid)
+            value = float("inf") if f.get("value") == "inf" else float("nan")
+            hidden[b] = value
+            _log({"kind": "nan", "request": rid, "row": b, "value": str(value), **_meta(f)})
+
+
+def _wrap_kv(inj: _Injector, runner: Any) -> None:
+    """Wrap the cache write of each layer a ``kv`` fault names, once, on its impl instance (outside tripwire's)."""
+    layers = list(runner.vllm_config.compilation_config.static_forward_context.items())
+    for f in inj.faults:
+        if f["kind"] != "kv":
+            continue
+        name, layer = layers[int(f.get("layer", 0))]
+        impl = layer.impl
+        if getattr(impl.do_kv_cache_update, "_tripwire_faults", False):
+            continue
+        inner = impl.do_kv_cache_update
+
+        def write(
+            lay: Any, key: Any, value: Any, kv_cache: Any, slots: Any, _inner: Any = inner, _name: str = name
+        ) -> Any:
+            for f2, rid in inj.take(("kv",)):
+                if layers[int(f2.get("layer", 0))][0] != _name:
+                    inj.due.append((f2, rid))
+                    continue
+                if inj.batch is not None:
+                    b = list(inj.batch.req_ids).index(rid)
+                    lo, hi = int(inj.batch.query_start_loc_np[b]), int(inj.batch.query_start_loc_np[b + 1])
+                else:
+                    b = runner.input_batch.req_ids.index(rid)
+                    lo, hi = int(runner.query_start_loc.np[b]), int(runner.query_start_loc.np[b + 1])
+                key[lo:hi] = float(f2["value"])
+                _log({"kind": "kv", "request": rid, "row": b, "layer": _name, "tokens": hi - lo,
+                      "elements": (hi - lo) * key.shape[1] * key.shape[2], "value": f2["value"], **_meta(f2)})  # fmt: skip
+            return _inner(lay, key, value, kv_cache, slots)
+
+        write._tripwire_faults = True  # type: ignore[attr-defined]
+        impl.do_kv_cache_update = write
+
+
+def _wrap_logits(inj: _Injector, runner: Any) -> None:
+    """Wrap the runner's model's ``compute_logits`` on the instance, once, outside tripwire's own wrapper of it (V2),
+    so the NaN is in its input, upstream of every check."""
+    model = runner.model
+    if getattr(model.compute_logits, "_tripwire_faults", False):
+        return
+    inner = model.compute_logits
+
+    def compute_logits(hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        if inj.due_logits:
+            inj.logits_input(runner, hidden)
+        return inner(hidden, *args, **kwargs)
+
+    compute_logits._tripwire_faults = True  # type: ignore[attr-defined]
+    model.compute_logits = compute_logits
 
 
 def _undo(restore: list[tuple[Any, tuple[Any, ...], int]]) -> None:
@@ -244,10 +321,13 @@ def _register_v1(inj: _Injector) -> None:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("dummy_run", False):
             inj.begin(scheduler_output)
+            _wrap_logits(inj, self)
+            _wrap_kv(inj, self)
         try:
             return execute(self, scheduler_output, *args, **kwargs)
         finally:
             inj.after_step()
+            inj.after_sampling()  # V1 computes the step's logits in execute_model
 
     GPUModelRunner._prepare_inputs = _prepare_inputs  # type: ignore[method-assign]
     GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
@@ -325,9 +405,12 @@ def _register_v2(inj: _Injector) -> None:
         if kwargs.get("dummy_run", False):
             return execute(self, scheduler_output, *args, **kwargs)
         inj.begin(scheduler_output)
+        _wrap_logits(inj, self)
+        _wrap_kv(inj, self)
         runner = self
 
         def prepare_attn(me: Any, input_batch: Any) -> Any:
+            inj.batch = input_batch  # the logits' row order, for sample_tokens' nan faults
             _v2_before_attn(inj, runner, input_batch)
             tables = runner.block_tables
 

@@ -73,7 +73,7 @@ class Run:
         """Each site's total count, from its newest guard event."""
         out: dict[str, int] = {}
         for e in self.events:
-            if e["kind"] == "guard":
+            if e["kind"] in ("guard", "nonfinite_rows"):  # the guard layout: a total per site
                 out[e["site"]] = max(out.get(e["site"], 0), int(e["total"]))
         return out
 

@@ -57,7 +57,7 @@ def engine(model: str, max_seqs: int = 8, prefix_caching: bool = False, gpu: dic
     """vLLM's engine on the tiny model. ``gpu``: run it on a GPU as vLLM's users do (CUDA graphs and torch.compile at
     vLLM's defaults, async scheduling on, bf16), with these overrides: ``eager`` (no graphs, no compile),
     ``cudagraph_mode`` (``"FULL"``, ``"FULL_AND_PIECEWISE"``, ...), ``backend`` (``"FLASH_ATTN"``,
-    ``"TRITON_ATTN"``), ``async_scheduling``, ``gpu_memory_utilization``; V1 or V2 by ``VLLM_USE_V2_MODEL_RUNNER``.
+    ``"TRITON_ATTN"``), ``async_scheduling``, ``gpu_memory_utilization``, ``kv_cache_dtype``; V1 or V2 by ``VLLM_USE_V2_MODEL_RUNNER``.
     Without it: vLLM's CPU build (eager, float32, a 32 MiB KV cache)."""
     from vllm import LLM
 
@@ -99,6 +99,8 @@ def engine(model: str, max_seqs: int = 8, prefix_caching: bool = False, gpu: dic
         kw["attention_config"] = {"backend": gpu["backend"]}
     if "async_scheduling" in gpu:
         kw["async_scheduling"] = bool(gpu["async_scheduling"])
+    if gpu.get("kv_cache_dtype"):
+        kw["kv_cache_dtype"] = gpu["kv_cache_dtype"]  # "fp8": the FP8 clip counter's runs
     if gpu.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(gpu["gpu_memory_utilization"])
     return LLM(**kw)
@@ -252,7 +254,16 @@ def _on_cuda() -> bool:
 
 
 # The device kernels tripwire adds to a vLLM step (the validators, V2's row guard and fence, the verdict copy).
-_OURS = ("_validate", "_rows_kernel", "_fence_kernel", "_gather_consume")
+# tripwire's kernels by name (the profiler's), and which part of the plugin each is: the logits check and the FP8
+# clip count reported apart from the metadata guard.
+_OURS = {
+    "_nonfinite_rows_kernel": "logits",
+    "_clip_count_kernel": "fp8",
+    "_validate": "guard",
+    "_rows_kernel": "guard",
+    "_fence_kernel": "guard",
+    "_gather_consume": "guard",
+}
 
 
 def _kernel_time(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> dict[str, float]:
@@ -264,14 +275,18 @@ def _kernel_time(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> di
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _decode_steps(llm, prompts, steps, tag)
     ours = total = 0.0
+    parts = dict.fromkeys(_OURS.values(), 0.0)
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
         dt = float(e.device_time)  # microseconds
         total += dt
-        if any(k in e.name for k in _OURS):
+        part = next((p for k, p in _OURS.items() if k in e.name), None)  # the first match: the most specific name
+        if part is not None:
             ours += dt
-    return {"tripwire_us": ours / (steps + 1), "all_us": total / (steps + 1)}
+            parts[part] += dt
+    n = steps + 1
+    return {"tripwire_us": ours / n, "all_us": total / n, **{f"{p}_us": v / n for p, v in parts.items()}}
 
 
 def _time_hooks() -> tuple[list[float], Any]:
@@ -313,6 +328,26 @@ def _time_hooks() -> tuple[list[float], Any]:
     return spent, restore
 
 
+def _clip_totals() -> dict[str, dict[str, float]]:
+    """The FP8 clip rows of this process's plugin (the engine core in-process): site -> K/V counts and maxima, read
+    after the rounds (a synchronous read: the harness's, never the step path's)."""
+    from tripwire.integrations import vllm as tw_vllm
+    from tripwire.numerics.clip import K_COUNT, K_MAX, V_COUNT, V_MAX, bits_to_float
+
+    plugin = tw_vllm.installed()
+    if plugin is None:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for device in plugin.monitor.arena.devices():
+        rows = plugin.monitor.read_rows(device)
+        for site in plugin.monitor.registry.all():
+            if site.kind == "clip" and site.id < len(rows):
+                r = [int(w) for w in rows[site.id]]
+                out[site.name] = {"k": r[K_COUNT], "v": r[V_COUNT], "k_max": bits_to_float(r[K_MAX]),
+                                  "v_max": bits_to_float(r[V_MAX])}  # fmt: skip
+    return out
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1]) if len(argv) > 1 else {}
     model = cfg.get("model") or os.path.join(os.environ.get("TMPDIR", "/tmp"), "tripwire-vllm-tiny-llama")
@@ -329,6 +364,7 @@ def main(argv: list[str]) -> int:
 
     result["vllm"] = str(vllm.__version__)
     result["v2"] = bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+    result["clip"] = _clip_totals()
     print(json.dumps(result), flush=True)
     return 0
 

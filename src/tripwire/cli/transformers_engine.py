@@ -1,6 +1,7 @@
 """A real engine to fault: transformers' continuous batching on a small random-initialised Llama (no download), a
-persistent engine that keeps its cache across runs, and :class:`FaultInjector`, which writes faults into the
-engine's own metadata tensors after it prepared a step, exactly where a host-side bug would put them. Shared by
+persistent engine that keeps its cache across runs, :class:`FaultInjector`, which writes faults into the
+engine's own metadata tensors after it prepared a step, exactly where a host-side bug would put them, and
+:class:`NanInjector`, which writes NaN into one request's hidden state at a chosen step (a numeric fault). Shared by
 ``tripwire demo --engine transformers``, the tests and the GPU scripts."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,3 +320,78 @@ class FaultInjector:
     def _blocks(fs: Any, processor: Any) -> int:
         page = int(processor.cache.cache_allocators["full_attention"].tokens_per_page)
         return -(-int(fs.state.position_offset) // page)
+
+
+# ---------------------------------------------------------------------------------------------- numeric faults
+@dataclass
+class NanInjected:
+    """A NaN injection that happened: the step, the request, its first token row in the step and its token count,
+    and ``row``, its row among the step's sampled logits rows (None: it samples no token this step)."""
+
+    step: int
+    request: str
+    token: int
+    tokens: int
+    row: int | None
+
+
+class NanInjector:
+    """Writes NaN into one request's rows of the last decoder layer's output at one engine step (1-based, the steps
+    the scheduler prepared), the way a numeric fault in the model would put it there: its logits row that step is
+    NaN, nothing else (its K/V were written before, inside that layer's attention).
+
+    Build it on the model BEFORE the engine captures CUDA graphs: its forward hook reads a device mask of token rows
+    (all False but at the chosen step), so a captured graph replays the injection too. ``active(request, step)``
+    arms one injection around a run; ``injected`` lists what happened; ``remove()`` takes the hook off."""
+
+    def __init__(self, model: Any, *, max_tokens: int = 4096) -> None:
+        self.mask = torch.zeros(max_tokens, dtype=torch.bool, device=model.device)
+        self._hook = model.model.layers[-1].register_forward_hook(self._write)
+        self.injected: list[NanInjected] = []
+        self.steps = 0
+
+    def _write(self, module: Any, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.masked_fill_(self.mask[: hidden.shape[1]].view(1, -1, 1), float("nan"))
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+    @contextmanager
+    def active(self, request: str, step: int) -> Iterator[NanInjector]:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+        original = ContinuousBatchProcessor.__dict__["prepare_next_batch"]
+        injector = self
+        self.steps = 0
+        self.injected = []
+
+        def prepare_next_batch(processor: Any, *args: Any, **kwargs: Any) -> Any:
+            ready = original(processor, *args, **kwargs)
+            if ready:
+                injector.steps += 1
+                injector._arm(processor, request if injector.steps == step else None)
+            return ready
+
+        ContinuousBatchProcessor.prepare_next_batch = prepare_next_batch  # type: ignore[method-assign,assignment]
+        try:
+            yield self
+        finally:
+            ContinuousBatchProcessor.prepare_next_batch = original  # type: ignore[method-assign]
+            self.mask.zero_()
+
+    def _arm(self, processor: Any, request: str | None) -> None:
+        io = processor.inputs_and_outputs
+        target = io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io
+        stream = io.compute_stream if self.mask.is_cuda else None
+        # On the engine's compute stream: the step's forward (and a replayed graph) reads the mask in stream order.
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            self.mask.zero_()
+            token = row = 0
+            for fs in target.requests_in_batch:
+                if request is not None and fs.state.request_id == request:
+                    self.mask[token : token + fs.query_length] = True
+                    hit_row = row if fs.has_new_token else None
+                    self.injected.append(NanInjected(self.steps, request, token, int(fs.query_length), hit_row))
+                token += int(fs.query_length)
+                row += int(bool(fs.has_new_token))

@@ -1,6 +1,6 @@
 """The transformers continuous-batching cache as the integration reads it: per attention group, the bounds of its
 write/read indices and block table, its trash slots, and the validators built from them (two layouts: 5.17's
-per-layer tensors, 5.18-5.24's one tensor carved by per-group allocators)."""
+per-layer tensors, 5.18-5.25's one tensor carved by per-group allocators, 5.25's MLA allocator included)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..validate import Validator
 from ._transformers_engine import zeroed
 
 # [lowest, first unsupported): the versions whose cache layout this module reads (see cache_groups).
-SUPPORTED = ("5.17", "5.25")
+SUPPORTED = ("5.17", "5.26")
 SITE_WRITE_INDEX = "transformers.write_index"
 SITE_READ_INDEX = "transformers.read_index"
 SITE_BLOCK_TABLE = "transformers.block_table"
@@ -56,13 +56,27 @@ def _layer_type(allocator: Any) -> str:
     return "sliding_attention" if "Sliding" in type(allocator).__name__ else "full_attention"
 
 
+def _token_views(allocator: Any) -> dict[int, tuple[torch.Tensor, ...]]:
+    """An allocator's per-layer views that its write/read indices index (one row per token): K and V for full and
+    sliding attention, the two latents for 5.25's MLA allocator (the same shifted rows, split by column)."""
+    for name in ("_kv_token_views", "_latent_token_views"):
+        views = getattr(allocator, name, None)
+        if isinstance(views, dict) and views:
+            return views
+    raise RuntimeError(
+        f"tripwire.integrations.transformers: the cache allocator {type(allocator).__name__} has neither "
+        f"_kv_token_views nor _latent_token_views; its cache rows are not a layout this module knows, so its indices "
+        f"cannot be bounded"
+    )
+
+
 def cache_groups(cache: Any) -> list[_Group]:
     allocators = getattr(cache, "cache_allocators", None)
     if allocators is not None:
         # 5.18+: one flat tensor; each group's allocator indexes per-layer shifted views of it.
         groups = []
         for a in allocators.values():
-            rows = min(int(t.shape[0]) for kv in a._kv_token_views.values() for t in kv)
+            rows = min(int(t.shape[0]) for kv in _token_views(a).values() for t in kv)
             pages_views = getattr(a, "_kv_page_views", None) or {}
             pages = min((int(t.shape[0]) for kv in pages_views.values() for t in kv), default=None)
             page_safe = a.write_trash_index // a.tokens_per_page if pages is not None else None

@@ -65,7 +65,11 @@ def mark_complete_name(cache_cls: type) -> str:
 
 def patch(lookup: Callable[[str, Any], Any]) -> None:
     """Wrap the engine's methods. ``lookup(kind, obj)`` returns the handle for a model (``"model"``), a batch
-    processor (``"processor"``), an IO object (``"io"``) or an engine cache (``"cache"``), or None."""
+    processor (``"processor"``), an IO object (``"io"``) or an engine cache (``"cache"``), or None. Idempotent: while
+    patched (a handle whose model was collected without ``uninstall`` leaves the patch in place), a second call would
+    wrap the wrappers, run every hook twice per step and record the wrappers as the originals."""
+    if _originals:
+        return
     c = _classes()
     processor_cls, manager_cls, ios_cls, async_cls, cache_cls = (
         c["processor"],

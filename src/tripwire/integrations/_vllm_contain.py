@@ -129,14 +129,12 @@ class Containment:
                 f"(mask is)"
             )
 
-    def ring(self, validator: Any) -> Any:
-        """The verdict ring over the validator's sites on its device (allocated at the first call: before any
-        capture); a runner built again (a new KV cache) reuses it, as one (device, site) takes one ring."""
-        ring = self._rings.get(validator.device)
+    def ring(self, device: Any, sites: list[Any]) -> Any:
+        """The verdict ring over a runner's sites on its device (allocated at the first call: before any capture); a
+        runner built again (a new KV cache) reuses it, as one (device, site) takes one ring."""
+        ring = self._rings.get(device)
         if ring is None:
-            ring = self._rings[validator.device] = self.monitor.verdicts(
-                validator.device, list(validator.sites), depth=DEPTH
-            )
+            ring = self._rings[device] = self.monitor.verdicts(device, sites, depth=DEPTH)
         return ring
 
     # ------------------------------------------------------------------ the runner's side

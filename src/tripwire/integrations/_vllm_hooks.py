@@ -20,7 +20,8 @@ from typing import Any
 from ..monitor import Monitor
 from . import _vllm_contain, _vllm_v1, _vllm_v2
 from ._vllm_contain import ATTR, Containment, SchedulerSide
-from ._vllm_runner import RunnerState, lifecycle
+from ._vllm_numerics import build_clip, build_logits, wrap_compute_logits
+from ._vllm_runner import RunnerState, enqueue, lifecycle
 from ._vllm_steps import StepValidator
 
 log = logging.getLogger("tripwire")
@@ -32,8 +33,9 @@ class _Plugin:
     """The installed integration of this process: the mode, the monitor, the runners' validators and the
     containment between the runner's verdict and the scheduler."""
 
-    def __init__(self, mode: str, monitor: Monitor, version: str) -> None:
+    def __init__(self, mode: str, monitor: Monitor, version: str, *, logits: bool = True) -> None:
         self.mode = mode
+        self.logits = logits  # the logits check (TRIPWIRE_VLLM_LOGITS)
         self.monitor = monitor
         self.version = version
         self.policy = "flag" if mode == "flag" else "mask"
@@ -60,17 +62,25 @@ class _Plugin:
                 f"parallelism). Use {ENV}=mask or {ENV}=flag."
             )
         sv = make(runner, self.policy, self.monitor)
+        v2 = make is _vllm_v2.V2StepValidator
+        logits = build_logits(runner, self.mode, self.policy, self.monitor, enabled=self.logits)
+        requests = functools.partial(sv.requests, runner)  # bound once: the step path builds no closure
+        if logits is not None and v2:
+            wrap_compute_logits(runner, logits, requests)
+        clip = build_clip(runner, self.monitor)
+        sites = [*sv.sites, *([logits.site] if logits is not None else [])]
         # No verdict on a pipeline stage before the last: its step returns intermediate tensors, never the sampled
         # tokens the verdict is taken with (nor an output the scheduler reads); the reader reports its rises.
-        ring = self.contain.ring(sv) if self.mode != "flag" and _last_pp_rank(runner) else None
-        runner._tripwire = RunnerState(sv, ring)
+        ring = self.contain.ring(sv.device, sites) if self.mode != "flag" and _last_pp_rank(runner) else None
+        runner._tripwire = RunnerState(sv, ring, logits, requests, late=v2 and logits is not None)
         log.warning(
-            "tripwire: vLLM %s %s runner (%s) guarded, mode %s; sites %s",
+            "tripwire: vLLM %s %s runner (%s) guarded, mode %s; sites %s; %s",
             self.version,
-            "V2" if make is _vllm_v2.V2StepValidator else "V1",
+            "V2" if v2 else "V1",
             type(runner).__name__,
             self.mode,
-            ", ".join(s.name for s in sv.sites),
+            ", ".join(s.name for s in sites),
+            clip,
         )
 
     def start(self) -> None:
@@ -224,4 +234,28 @@ def _v2_patches(plugin: _Plugin, v2: type) -> list[tuple[type, str, Any]]:
         st.validated = True
         return out
 
-    return [*lifecycle(plugin, v2, _vllm_v2.V2StepValidator, v1=False), (v2, "prepare_attn", prepare_attn)]
+    sample_orig = v2.__dict__["sample"]
+
+    @functools.wraps(sample_orig)
+    def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st: RunnerState | None = getattr(self, "_tripwire", None)
+        if st is None or not st.sample_due:
+            return sample_orig(self, *args, **kwargs)
+        st.sample_due = False
+        check = st.logits
+        check.sampling = True  # the model's compute_logits checks what it returns (_vllm_numerics)
+        try:
+            out = sample_orig(self, *args, **kwargs)
+        finally:
+            check.sampling = False
+        if st.ring is not None:
+            # After the logits check and the sampler, before sample_tokens copies the sampled tokens out: their
+            # wait covers this copy too.
+            enqueue(st)
+        return out
+
+    return [
+        *lifecycle(plugin, v2, _vllm_v2.V2StepValidator, v1=False),
+        (v2, "prepare_attn", prepare_attn),
+        (v2, "sample", sample),
+    ]

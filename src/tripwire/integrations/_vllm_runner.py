@@ -18,6 +18,8 @@ import types
 import weakref
 from typing import Any
 
+from . import _vllm_numerics
+
 log = logging.getLogger("tripwire")
 
 # The methods of both runners this module wraps.
@@ -30,11 +32,19 @@ class RunnerState:
     warm-up steps do, releases its verdict)."""
 
     # Read and written by the wrappers on every step: slots, not an instance dict.
-    __slots__ = ("in_step", "inputs_done", "open", "ring", "rose", "step", "ticket", "validated", "validator")
+    __slots__ = ("in_step", "inputs_done", "late", "logits", "open", "requests", "ring", "rose", "sample_due", "step",
+                 "ticket", "validated", "validator")  # fmt: skip
 
-    def __init__(self, validator: Any, ring: Any) -> None:
+    def __init__(self, validator: Any, ring: Any, logits: Any = None, requests: Any = None, *, late: bool = False):
         self.validator = validator
         self.ring = ring
+        # The logits check (tripwire.integrations._vllm_numerics; None: off) and the step's request numbers for it (a
+        # function bound to the runner once: nothing is built per step). ``late``: the logits come after
+        # execute_model (V2's sample), so the verdict is enqueued there; ``sample_due``: this step's sample is due.
+        self.logits = logits
+        self.requests = requests
+        self.late = late
+        self.sample_due = False
         self.in_step = False
         self.inputs_done = False
         self.validated = False
@@ -106,12 +116,20 @@ def lifecycle(plugin: Any, runner_cls: type, make: Any, *, v1: bool) -> list[tup
             plugin.v1_step = None
 
     def leave(self: Any, st: RunnerState, out: Any) -> Any:
+        if st.logits is not None:
+            if st.late:
+                # V2: the logits are computed in sample_tokens' sample (wrapped in the hooks module), which checks
+                # them and enqueues the verdict after them; sample_tokens takes it.
+                st.sample_due = True
+                if st.ring is not None:
+                    self.sample_tokens = types.MethodType(sample_tokens, self)
+                return out
+            if v1:
+                st.rose = _vllm_numerics.v1_logits(self, st.logits, st.requests) or st.rose
         if st.rose and st.ring is not None:
-            if st.open:
-                _release_dropped(st)
             # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
             # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
-            st.ticket = st.ring.enqueue()
+            enqueue(st)
             if out is not None:  # this runner returned its output from execute_model (no sample_tokens call)
                 return take_verdict(plugin, st, out)
             # The verdict goes with the sampled tokens: sample_tokens is wrapped on this runner only, for its next
@@ -193,6 +211,13 @@ def take_verdict(plugin: Any, st: RunnerState, out: Any) -> Any:
 
     out.get_output = get_output
     return out
+
+
+def enqueue(st: RunnerState) -> None:
+    """The step's verdict copy, after its kernels in stream order (the outputs of dropped steps released first)."""
+    if st.open:
+        _release_dropped(st)
+    st.ticket = st.ring.enqueue()
 
 
 def _release_dropped(st: RunnerState) -> None:

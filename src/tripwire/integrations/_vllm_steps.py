@@ -243,6 +243,10 @@ class StepValidator:
             req = self._req = self._requests.fill(num_reqs, [number(r) for r in runner.input_batch.req_ids[:num_reqs]])
         return req
 
+    def requests(self, runner: Any) -> torch.Tensor:
+        """The step's request numbers in batch order (its logits rows' order), filled once per step."""
+        return self._numbers(runner, int(runner.input_batch.num_reqs))
+
     def __call__(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
         """Both phases of one step at once (tools and tests; the integration calls them where vLLM computes each).
         Returns whether the arena may have risen."""

@@ -44,8 +44,9 @@ from ._vllm_steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, _Staged, covers, dec
 
 __all__ = ["HOOKS", "INPUT_BATCH_FIELDS", "V2StepValidator", "check_input_batch"]
 
-# The V2 runner's methods the integration wraps; prepare_attn is the step's hook (both phases around it).
-HOOKS = ("initialize_kv_cache", "execute_model", "prepare_attn", "sample_tokens", "capture_model")
+# The V2 runner's methods the integration wraps; prepare_attn is the step's hook (both phases around it), sample the
+# logits check's (tripwire.integrations._vllm_numerics).
+HOOKS = ("initialize_kv_cache", "execute_model", "prepare_attn", "sample_tokens", "capture_model", "sample")
 # The fields of V2's InputBatch (a dataclass) the validator reads.
 INPUT_BATCH_FIELDS = (
     "req_ids",
@@ -165,6 +166,10 @@ class V2StepValidator:
 
     def begin(self) -> None:
         """A new step (the V1 validator's protocol; V2's inputs phase fills everything the step needs)."""
+
+    def requests(self, runner: Any) -> torch.Tensor:
+        """The step's request numbers in batch order (its logits rows' order), as the inputs phase filled them."""
+        return self._req
 
     def inputs(self, runner: Any, input_batch: Any) -> bool:
         """Before ``prepare_attn``: the row guard, then the inputs' validator. Returns True (the launches are

@@ -18,7 +18,7 @@ What it does:
   op). Under ``mask`` a bad write index is rewritten to the engine's write-trash slot (never read) and a bad read
   index to its zeroed read-trash slot, so torch's ``index_copy_``/``index_select`` never see an out-of-range index.
 * **Takes a verdict every step, before any request of that step is handed back** (:mod:`tripwire.verdict`): after the
-  step's kernels, one small copy of the three sites' rows on the engine's compute stream; after the engine's own wait
+  step's kernels, one small copy of the four sites' rows on the engine's compute stream; after the engine's own wait
   for its sampled tokens (sync: it synchronises the compute stream; async batching: the pair's copy event), the
   verdict is read in microseconds, before ``update_batch`` hands any request back (finished or streamed). Eager, CUDA
   graphs and async batching alike.
@@ -31,8 +31,16 @@ What it does:
   masked (the ``mask`` policy).
 * **No shared state from a masked computation**: a request a masked access touched never registers its blocks for
   prefix sharing from that step on, and a failed one frees its blocks uncached, under ``mask`` as under containment.
-* **Sites.** ``transformers.write_index`` (fatal), ``transformers.read_index``, ``transformers.block_table``; reports,
-  events and taints name the engine's request ids.
+* **Non-finite logits, per request** (``logits=True``, the default; :mod:`._transformers_logits`): a forward hook on
+  the model checks the model's logits, one row per request that samples this step, after the forward and before
+  the engine's logits processors and sampler (inside the captured forward, so replayed with the engine's graphs).
+  Each row holding a NaN or an Inf counts once, with its request; ``mask`` sets its NaN/Inf to 0 before sampling,
+  ``flag`` only counts; under containment the request fails in that step through the same verdict and error path
+  as a masked access, its blocks uncached. A model whose logits are not one row per sampled request (no
+  ``logits_to_keep``) is refused under containment and served unchecked (one WARNING) otherwise.
+* **Sites.** ``transformers.write_index`` (fatal), ``transformers.read_index``, ``transformers.block_table``,
+  ``transformers.logits_nonfinite``; reports, events, taints and a contained request's error name the engine's
+  request ids.
 * **The lifecycle.** ``prealloc`` and the verdict ring at install; the reader starts at the engine's first step (after
   its warm-up and graph captures; later captures are safe too, the reader relaxes its capture mode); ``check()`` at
   the top of every step; ``drain()`` when the engine's generation loop ends. A stop raises
@@ -49,18 +57,17 @@ too late; the model's forward is the last point before the first cache access in
 leaves ``config._attn_implementation`` and the attention registry untouched (a new attention key would silently
 lose the engine's attention mask).
 
-Supported versions: :data:`SUPPORTED` (5.17, whose cache holds per-layer tensors, and 5.18 to 5.24, whose cache is
-one tensor carved by per-group allocators). Others are refused with an error naming the version. The block-table
-path is validated wherever the engine takes it (the decode fast path needs flash-attn's ``flash_attn_with_kvcache``).
+Supported versions: :data:`SUPPORTED` (5.17, whose cache holds per-layer tensors, and 5.18 to 5.25, whose cache is
+one tensor carved by per-group allocators, 5.25's MLA allocator included). Others are refused with an error naming
+the version. The block-table path is validated wherever the engine takes it (the decode fast path needs flash-attn's
+``flash_attn_with_kvcache``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -82,9 +89,12 @@ from ._transformers_cache import (
     CacheValidators,
     cache_groups,
 )
+from ._transformers_logits import SITE_LOGITS, LogitsCheck, LogitsRows, logits_layout_problem, register_logits_site
+from ._transformers_requests import MAX_REQUESTS, RequestTable, States
 
 __all__ = [
     "SITE_BLOCK_TABLE",
+    "SITE_LOGITS",
     "SITE_READ_INDEX",
     "SITE_WRITE_INDEX",
     "SUPPORTED",
@@ -130,11 +140,6 @@ _seen: dict[str, weakref.WeakKeyDictionary[Any, Handle]] = {
     "io": weakref.WeakKeyDictionary(),
     "cache": weakref.WeakKeyDictionary(),
 }
-# Request numbers one step can hold (the device table of the step's requests is allocated at install, before any
-# capture, at this size; an engine configured for more requests per batch is refused at its first step).
-MAX_REQUESTS = 4096
-# Requests kept out of the prefix cache / dropped from later updates, remembered for this many of the newest.
-_KEEP = 1 << 16
 
 
 def _lookup(kind: str, obj: Any) -> Handle | None:
@@ -145,86 +150,58 @@ class ContainedFault(RuntimeError):
     """The error a contained request fails with: the site and the offending entry (``taint``)."""
 
     def __init__(self, taint: Taint, request_id: str) -> None:
-        super().__init__(taint.message())
+        # The engine's request id in the error itself: what an operator greps for in the engine's own logs.
+        super().__init__(taint.message().replace("this request", f"request {request_id!r}", 1))
         self.taint = taint
         self.request_id = request_id
 
 
-class _RequestTable:
-    """The step's request numbers (:class:`tripwire.contain.RequestNames`) on the device, in batch order, for the
-    validators' attribution: filled before each step from a pinned ring (the engine's next step may be enqueued before
-    this one's copy ran, in async batching), with a non-blocking copy on the engine's compute stream, so the step's
-    kernels (replayed graphs included) read this step's numbers."""
-
-    RING = 4
-
-    def __init__(self, device: torch.device, names: Any) -> None:
-        # Allocated at install, before the engine captures anything: the validators' graphs hold its address.
-        self.device = torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self._host = [torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(self.RING)]
-        self._np = [h.numpy() for h in self._host]
-        self._turn = 0
-        self.names = names
-
-    def fill(self, request_ids: list[str], stream: Any) -> None:
-        k = len(request_ids)
-        if k > MAX_REQUESTS:
-            raise RuntimeError(f"tripwire: a step of {k} requests exceeds the request table ({MAX_REQUESTS})")
-        host, buf = self._host[self._turn], self._np[self._turn]
-        self._turn = (self._turn + 1) % self.RING
-        buf[:k] = [self.names.number(r) for r in request_ids]  # numpy assignment into pinned memory: no allocation
-        if self.device.device.type == "cuda":
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.device[:k].copy_(host[:k], non_blocking=True)
-        else:
-            self.device[:k].copy_(host[:k])
-
-
-class _States(OrderedDict):  # type: ignore[type-arg]
-    """A set of the newest ``_KEEP`` request STATES, by identity (older ones finished long ago). By the state, not the
-    request id: engines reuse ids across runs (``generate_batch`` names its requests ``req_0``, ``req_1``, ...), and a
-    new request under an old id must not inherit what happened to the old one. Holds the states, so their ids are not
-    reused while kept."""
-
-    def add(self, state: Any) -> None:
-        self[id(state)] = state
-        self.move_to_end(id(state))
-        while len(self) > _KEEP:
-            self.popitem(last=False)
-
-    def has(self, state: Any) -> bool:
-        return self.get(id(state)) is state
-
-
 class Handle:
-    """An installed integration. ``uninstall()`` removes the pre-hook and, with the last handle, restores the
-    engine's methods exactly. ``sites`` names the sites it counts at. ``contained`` lists the requests containment
-    failed (their engine ids, with the taint), newest last; ``tainted`` the requests a masked access touched (kept out
-    of the prefix cache), newest last; ``verdicts`` the verdicts taken (``verdicts_dirty`` those that were not clean)."""
-
-    sites = (SITE_WRITE_INDEX, SITE_READ_INDEX, SITE_BLOCK_TABLE)
+    """An installed integration. ``uninstall()`` removes the hooks and, with the last handle, restores the
+    engine's methods exactly. ``sites`` names the sites it counts at (``transformers.logits_nonfinite`` where the
+    logits check is on). ``contained`` lists the requests containment failed (their engine ids, with the taint),
+    newest last; ``tainted`` the requests a masked access or a non-finite logits row touched (kept out of the prefix
+    cache), newest last; ``verdicts`` the verdicts taken (``verdicts_dirty`` those that were not clean)."""
 
     def __init__(
-        self, model: torch.nn.Module, policy: str, monitor: Monitor, contain: bool, attribute: bool, verdicts: bool
+        self,
+        model: torch.nn.Module,
+        policy: str,
+        monitor: Monitor,
+        contain: bool,
+        attribute: bool,
+        verdicts: bool,
+        logits: bool,
     ) -> None:
         self.model_ref = weakref.ref(model)
         self.policy = policy
         self.monitor = monitor
         self.contain = contain
         self.device = torch.device(model.device)  # type: ignore[call-overload]  # a PreTrainedModel attribute
-        self.requests = _RequestTable(self.device, monitor.requests) if attribute else None
+        # The logits check and its row map, allocated now, before the engine captures anything (its graphs hold
+        # their addresses).
+        rows = LogitsRows(self.device, MAX_REQUESTS) if logits and attribute else None
+        self.requests = RequestTable(self.device, monitor.requests, rows) if attribute else None
+        self._logits = (
+            LogitsCheck(monitor, self.device, MAX_REQUESTS, mask=policy == "mask", requests=rows, strict=contain)
+            if logits
+            else None
+        )
+        self.sites: tuple[str, ...] = (SITE_WRITE_INDEX, SITE_READ_INDEX, SITE_BLOCK_TABLE) + (
+            (SITE_LOGITS,) if logits else ()
+        )
         self.contained: list[tuple[str, Taint]] = []
-        self.tainted = _States()
-        self._failed = _States()  # failed by a verdict: dropped from any later update (async batching)
+        self.tainted = States()
+        self._failed = States()  # failed by a verdict: dropped from any later update (async batching)
         self._validators: CacheValidators | None = None
         self._started = False
         self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._post_hook: torch.utils.hooks.RemovableHandle | None = None
         self.verdicts = 0
         self.verdicts_dirty = 0
-        # The step's verdict ring over the integration's three sites (registered here with the attributes the cache
-        # validators give them), allocated now, before the engine captures anything; depth 4 covers async batching's
-        # two steps in flight. A ticket per IO object: (ticket, the step's request ids).
+        # The step's verdict ring over the integration's four sites (registered here with the attributes the cache
+        # validators and the logits check give them), allocated now, before the engine captures anything; depth 4
+        # covers async batching's two steps in flight. A ticket per IO object: (ticket, the step's request ids).
         self.ring = _ring(monitor, self.device) if verdicts else None
         self._tickets: weakref.WeakKeyDictionary[Any, tuple[Any, list[Any]]] = weakref.WeakKeyDictionary()
         self._processor_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -251,6 +228,16 @@ class Handle:
         v(kwargs)
         return None
 
+    def _post_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        """After the model's forward, before the engine reads its logits: the non-finite logits check (inside the
+        engine's captured forward, so replayed with its graphs; see _transformers_logits)."""
+        if self._logits is None or kwargs.get("cache") is None or "logits_indices" not in kwargs:
+            return None  # an ordinary forward (no continuous batching): nothing to check
+        self._logits(output, kwargs)
+        return None
+
     # ------------------------------------------------------------------ the step, in the engine's order
     def _before_step(self, processor: Any) -> None:
         if not self._started:
@@ -266,8 +253,11 @@ class Handle:
         for obj in (io, *(p.host_io for p in getattr(io, "io_pairs", ())), host):
             _seen["io"][obj] = self
             self._processor_of[obj] = processor
+        batch = host.requests_in_batch
+        # The engine pads a batch's logits rows (CUDA graphs, torch.compile) up to its requests per batch at most.
+        rows = min(int(getattr(host, "max_requests_per_batch", len(batch))), MAX_REQUESTS)
         if self.requests is not None:
-            self.requests.fill([fs.state.request_id for fs in host.requests_in_batch], io.compute_stream)
+            self.requests.fill(batch, io.compute_stream, rows)
 
     def _enqueue(self, io: Any) -> None:
         """After the step's kernels, before the engine waits for them: the verdict copy, on the compute stream."""
@@ -329,12 +319,13 @@ class Handle:
         rid = state.request_id
         if processor.scheduler.active_requests.get(rid) is not state:
             return  # finished or cancelled between scheduling and this update (async batching)
-        processor._handle_request_error(ContainedFault(taint, rid), state)
+        fault = ContainedFault(taint, rid)
+        processor._handle_request_error(fault, state)
         _free_no_cache(processor.cache, rid)
         processor.scheduler.finish_request(rid)
         self._failed.add(state)
         self.contained.append((rid, taint))
-        log.warning("tripwire: %s", taint.message().replace("this request", f"request {rid}"))
+        log.warning("tripwire: %s", fault)
 
     def _drop_failed(self, result: Any) -> Any:
         """``prepare_batch_update``'s result without the failed requests (their tokens taken out in step, so the
@@ -402,6 +393,9 @@ class Handle:
                 return
             self._hook.remove()
             self._hook = None
+            if self._post_hook is not None:
+                self._post_hook.remove()
+                self._post_hook = None
             model = self.model_ref()
             if model is not None and _handles.get(model) is self:
                 del _handles[model]
@@ -439,12 +433,15 @@ def _ring(monitor: Monitor, device: torch.device) -> Any:
 
 
 def register_sites(monitor: Monitor) -> list[Any]:
-    """The integration's three sites, registered with the attributes its cache validators give them."""
+    """The integration's four sites, registered with the attributes its cache validators and its logits check give
+    them (the logits site is in the ring whether or not a handle checks logits: a ring is shared per monitor and
+    device, and a site nobody counts at costs its row's copy only)."""
     reg = monitor.registry
     return [
         reg.register(SITE_WRITE_INDEX, description=_DESC_WRITE, fatal=True),
         reg.register(SITE_READ_INDEX, description=_DESC_READ),
         reg.register(SITE_BLOCK_TABLE, description=_DESC_TABLE),
+        register_logits_site(monitor),
     ]
 
 
@@ -456,6 +453,7 @@ def install(
     contain: bool = False,
     attribute: bool | None = None,
     verdicts: bool = True,
+    logits: bool = True,
 ) -> Handle:
     """Install tripwire into ``model``'s continuous batching (see the module docstring). Call it before
     ``generate_batch``/``init_continuous_batching``. ``monitor`` defaults to the default monitor; its arena for the
@@ -466,7 +464,12 @@ def install(
     included, and the rest of the batch goes on; a hit that names no request fails the whole step. ``attribute``
     (default: ``contain``): the offenders carry the engine's request (a small per-step copy of the batch's request
     numbers to the device). ``verdicts`` (default True): same-step verdicts; False leaves containment to the reader
-    (late: the tests' control)."""
+    (late: the tests' control). ``logits`` (default True): the non-finite logits check (site
+    ``transformers.logits_nonfinite``): each step, every logits row the engine samples from that holds a NaN or an
+    Inf counts once, with its request; ``policy="mask"`` sets its NaN/Inf to 0 before sampling, ``flag`` only counts;
+    under ``contain`` its request fails in that step. A model whose logits are not one row per sampled request (its
+    forward takes no ``logits_to_keep``) is refused here under ``contain`` (ValueError) and otherwise served without
+    the check, with one WARNING."""
     check_version(_installed_version())
     if not isinstance(model, torch.nn.Module) or not all(
         callable(getattr(model, a, None)) for a in ("generate_batch", "init_continuous_batching")
@@ -480,6 +483,17 @@ def install(
     attribute = contain if attribute is None else attribute
     if contain and not attribute:
         raise ValueError("contain=True needs attribute=True: containment fails the requests the offenders name")
+    if logits:
+        problem = logits_layout_problem(model)
+        if problem is not None:
+            if contain:
+                raise ValueError(
+                    f"tripwire: the non-finite logits check (site {SITE_LOGITS!r}) needs one logits row per sampled "
+                    f"request and {problem}; containment cannot attribute such rows, so install(contain=True) refuses "
+                    f"this model (pass logits=False to serve it without the check)"
+                )
+            log.warning("tripwire: the non-finite logits check is off for this model: %s", problem)
+            logits = False
     mon = monitor if monitor is not None else default_monitor()
     with _lock:
         if model in _handles:
@@ -488,12 +502,14 @@ def install(
                 f"installing again"
             )
         mon.prealloc(torch.device(model.device))  # type: ignore[call-overload]  # before the engine captures anything
-        handle = Handle(model, policy, mon, contain, attribute, verdicts)
+        handle = Handle(model, policy, mon, contain, attribute, verdicts, logits)
         if contain:
             mon.pipeline.containment.enabled = True  # explicit: the caller asked for containment
         if not _handles:
             _engine.patch(_lookup)
         handle._hook = model.register_forward_pre_hook(handle._pre_forward, with_kwargs=True)
+        if handle._logits is not None:
+            handle._post_hook = model.register_forward_hook(handle._post_forward, with_kwargs=True)
         _handles[model] = handle
     return handle
 

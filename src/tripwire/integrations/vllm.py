@@ -59,6 +59,7 @@ from .._runtime.default import default_monitor
 from ..monitor import Monitor
 from . import _vllm_contain
 from ._vllm_hooks import ENV, _patch, _Plugin
+from ._vllm_numerics import ENV_LOGITS, SITE_LOGITS, logits_from_env
 from ._vllm_steps import (
     SITE_BLOCK_COUNTS,
     SITE_BLOCK_TABLE,
@@ -72,10 +73,12 @@ from ._vllm_steps import (
 
 __all__ = [
     "ENV",
+    "ENV_LOGITS",
     "MODES",
     "SITE_BLOCK_COUNTS",
     "SITE_BLOCK_TABLE",
     "SITE_IDX_MAPPING",
+    "SITE_LOGITS",
     "SITE_NUM_BLOCKS",
     "SITE_POSITIONS",
     "SITE_QUERY_START_LOC",
@@ -85,6 +88,7 @@ __all__ = [
     "check_version",
     "install",
     "installed",
+    "logits_from_env",
     "mode_from_env",
     "register",
     "uninstall",
@@ -176,13 +180,18 @@ def _monitor_for(mode: str, monitor: Monitor | None) -> Monitor:
     return monitor
 
 
-def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
+def install(mode: str, *, monitor: Monitor | None = None, logits: bool | None = None) -> _Plugin:
     """Install the integration into this process's vLLM (what the entry point does when ``TRIPWIRE_VLLM`` is set).
-    Call it before vLLM builds its engine. ``mode``: one of :data:`MODES`. Idempotent for the same mode; another mode
-    while installed is an error."""
+    Call it before vLLM builds its engine. ``mode``: one of :data:`MODES`. ``logits``: the per-request NaN/Inf check
+    of the step's logits (site ``vllm.logits_nonfinite``; None: ``TRIPWIRE_VLLM_LOGITS``, unset = on). Idempotent
+    for the same mode; another mode while installed is an error."""
     global _plugin
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a tripwire vLLM mode; expected one of {', '.join(MODES)}")
+    if logits is None:
+        logits = logits_from_env()
+    elif not isinstance(logits, bool):
+        raise TypeError(f"logits must be a bool or None, got {type(logits).__name__}")
     import vllm
 
     version = str(vllm.__version__)
@@ -195,7 +204,7 @@ def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
                 )
             return _plugin
         mon = _monitor_for(mode, monitor)
-        plugin = _Plugin(mode, mon, version)
+        plugin = _Plugin(mode, mon, version, logits=logits)
         _patch(plugin)
         _add_prometheus(mon)
         atexit.register(plugin.drain)
@@ -204,11 +213,12 @@ def install(mode: str, *, monitor: Monitor | None = None) -> _Plugin:
         # which process is guarded, how, and for which runners.
         log.warning(
             "tripwire: vLLM plugin on (pid %d): mode %s, vLLM %s, runners %s; sites vllm.* (slot_mapping, "
-            "block_table, block_counts, positions, query_start_loc, seq_lens, idx_mapping, num_blocks)",
+            "block_table, block_counts, positions, query_start_loc, seq_lens, idx_mapping, num_blocks%s)",
             os.getpid(),
             mode,
             version,
             "/".join(plugin.runners),
+            ", logits_nonfinite" if logits else "; logits check off",
         )
         return plugin
 
@@ -237,6 +247,7 @@ def register() -> None:
     from ..config import check_variable_names
 
     check_variable_names()
+    logits_from_env()  # a bad value stops here too, plugin on or not
     mode = mode_from_env()
     if mode is None:
         return

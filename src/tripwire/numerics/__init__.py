@@ -4,6 +4,8 @@ guards.
 * FP8 KV clip counter: :class:`ClipCounter` (one ``"clip"`` row per layer), its torch-ops path
   :meth:`ClipCounter.count`, and the fused quantise-into-paged-FP8-cache kernel :func:`quantize_kv_to_fp8_cache`.
 * Non-finite counter: :func:`count_nonfinite` into a site from :func:`register_nonfinite_site`.
+* Non-finite rows: :class:`NonFiniteRows` (one hit per row, with its request; a site from
+  :func:`register_nonfinite_rows_site`), what an engine's same-step verdict fails requests by.
 
 Importing this module registers the ``"clip"`` and ``"nonfinite"`` reporters and the fused kernel's slot guard
 site; it touches no device.
@@ -26,6 +28,7 @@ from .clip import (
 )
 from .fused import FP8_CACHE_SLOT_SITE, quantize_kv_to_fp8_cache
 from .nonfinite import NonFiniteReporter, count_nonfinite, register_nonfinite_site
+from .nonfinite_rows import NonFiniteRows, NonFiniteRowsReporter, register_nonfinite_rows_site
 
 __all__ = [
     # FP8 clip counter
@@ -44,7 +47,11 @@ __all__ = [
     # non-finite counter
     "count_nonfinite",
     "register_nonfinite_site",
+    # non-finite rows (one per request: a step's logits)
+    "NonFiniteRows",
+    "register_nonfinite_rows_site",
     # reporters
     "ClipReporter",
     "NonFiniteReporter",
+    "NonFiniteRowsReporter",
 ]

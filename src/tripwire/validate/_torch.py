@@ -83,6 +83,23 @@ def offenders_of(arena: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def offender_block(ctr: torch.Tensor) -> torch.Tensor | None:
+    """The offender block of one CPU arena row ``ctr`` (a view of a kept arena's ``[SLOTS]`` row), found through the
+    address in its slot 7 like the kernel finds it; None for a counter that keeps none."""
+    addr = int(ctr[OFFENDERS])
+    if addr == 0:
+        return None
+    for flat in _IMMORTAL:
+        if flat.device.type != "cpu":
+            continue
+        lo = flat.data_ptr()
+        if lo <= addr < lo + flat.numel() * flat.element_size():
+            start = (addr - lo) // flat.element_size()
+            k = int(flat[start + 1])
+            return flat[start : start + OFF_HEADER + k * OFF_ENTRY]
+    return None
+
+
 def _sat(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64).clamp(VALUE_MIN, VALUE_MAX)
 

@@ -1,0 +1,107 @@
+"""The FP8 clip count of a cache write as ONE launch: :func:`count_clipped` counts, for one layer's new K and V
+(``[tokens, heads, head_dim]``, each token's ``heads * head_dim`` values contiguous), the elements a per-tensor FP8
+scale saturates and the largest magnitude seen, into a :class:`tripwire.numerics.ClipCounter`'s row, with the exact
+comparison of :mod:`tripwire.numerics.clip` (``|x| > fp8_max * scale``, the ceiling rounded down to float32, formed
+on the device from the scale tensor the cache write itself reads).
+
+Why a kernel and not :meth:`ClipCounter.count`'s torch ops: an engine writes its cache once per layer per step, and a
+dozen elementwise launches per layer (abs, compare, sum, masks, max, for K and for V) is hundreds of launches per
+decode step; this is one, with no temporaries (nothing to allocate inside a CUDA graph's capture) and no host sync.
+Tokens past ``slot_mapping``'s length (a captured batch's padding) and tokens whose slot is negative (padding the
+cache write skips) are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .clip import FP8_MAX, K_COUNT, K_MAX, V_COUNT, V_MAX, ClipCounter
+
+__all__ = ["count_clipped"]
+
+_ELEMS = 4096  # elements per program (tokens x heads x head_dim)
+# The row's slots, as constexprs: a compiled Triton kernel reads no plain Python global.
+_KC, _VC, _KM, _VM = (tl.constexpr(x) for x in (K_COUNT, V_COUNT, K_MAX, V_MAX))
+
+
+@triton.jit
+def _threshold(scale_ptr, FMAX: tl.constexpr):
+    """The float32 ``T`` with ``x > T`` <=> ``x > FMAX * scale`` for every float32 ``x``: the float64 product (exact)
+    rounded to float32, then one step down where rounding went up."""
+    c = tl.load(scale_ptr).to(tl.float64) * FMAX
+    t = c.to(tl.float32)
+    down = (t.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    return tl.where(t.to(tl.float64) > c, down, t)
+
+
+@triton.jit
+def _one(x_ptr, stride, tok, e, m, thr, ctr_ptr, COUNT: tl.constexpr, MAX: tl.constexpr):
+    x = tl.load(x_ptr + tok.to(tl.int64) * stride + e, mask=m, other=0).to(tl.float32)
+    a = tl.abs(x)
+    n = tl.sum(((a > thr) & m).to(tl.int32), axis=None)
+    # NaN is left out of the max (its bits sort above +inf); +inf stays (it was clipped). 0 where nothing counted.
+    top = tl.max(tl.where(m & (a == a), a, 0.0), axis=None)
+    if n > 0:
+        tl.atomic_add(ctr_ptr + COUNT, n.to(tl.int64))
+    if top > 0:
+        # Non-negative float32 bits order like the values: an integer max keeps the largest magnitude.
+        tl.atomic_max(ctr_ptr + MAX, top.to(tl.int32, bitcast=True).to(tl.int64))
+
+
+# The step's token count changes every call: not specialised on (a count of 1 would compile a variant mid-serving).
+@triton.jit(do_not_specialize=["n"])
+def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_stride, v_stride, HD: tl.constexpr,
+                       HDP: tl.constexpr, TOK: tl.constexpr, FMAX: tl.constexpr):  # fmt: skip
+    tok = tl.program_id(0) * TOK + tl.arange(0, TOK)[:, None]
+    e = tl.arange(0, HDP)[None, :]
+    live = tok < n
+    slot = tl.load(slot_ptr + tok, mask=live, other=-1)
+    m = live & (slot >= 0) & (e < HD)
+    _one(k_ptr, k_stride, tok, e, m, _threshold(ks_ptr, FMAX), ctr_ptr, _KC, _KM)
+    _one(v_ptr, v_stride, tok, e, m, _threshold(vs_ptr, FMAX), ctr_ptr, _VC, _VM)
+
+
+def _check(x: torch.Tensor, what: str, device: torch.device) -> None:
+    if x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"{what} must be a bf16/fp16/fp32 [tokens, heads, head_dim] tensor, got {x.dtype} {tuple(x.shape)}"
+        )
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError(f"{what}'s heads x head_dim must be contiguous per token, got strides {tuple(x.stride())}")
+    if x.device != device:
+        raise ValueError(f"{what} is on {x.device}, the counter on {device}")
+
+
+def count_clipped(
+    counter: ClipCounter,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Count one cache write's clipped K and V elements into ``counter`` (see the module docstring). ``k_scale`` and
+    ``v_scale``: one-element float32 tensors on the device (per tensor; a per-head scale is refused). ``slot_mapping``:
+    the write's int32/int64 slots, at most as many as there are tokens (the rest are padding). Checks read shapes
+    and dtypes only (no sync): an engine calls this on its step path."""
+    dev = counter.device
+    _check(key, "key", dev)
+    _check(value, "value", dev)
+    if key.shape[1:] != value.shape[1:] or slot_mapping.shape[0] > min(key.shape[0], value.shape[0]):
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)}, {slot_mapping.shape[0]} slots")
+    for s, what in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if s.dtype != torch.float32 or s.numel() != 1 or s.device != dev:
+            raise ValueError(f"{what} must be a one-element float32 tensor on {dev}, got {s.dtype} {tuple(s.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype}")
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    hd = key.shape[1] * key.shape[2]
+    hdp = triton.next_power_of_2(hd)
+    tok = max(1, _ELEMS // hdp)
+    _clip_count_kernel[(triton.cdiv(n, tok),)](key, value, slot_mapping, k_scale, v_scale, counter.ctr, n,
+                                                key.stride(0), value.stride(0), HD=hd, HDP=hdp, TOK=tok,
+                                                FMAX=FP8_MAX[counter.fmt])  # fmt: skip

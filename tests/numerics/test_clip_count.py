@@ -1,0 +1,72 @@
+"""count_clipped (tripwire.numerics.clip_count): one launch's counts and maxima equal ClipCounter.count's torch
+path exactly (values planted just above and just below the ceiling, padding slots and padded tokens left out), 0 on
+healthy input; the control counts the padding too when the slot mapping is not given as padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tripwire.numerics import ClipCounter
+from tripwire.numerics.clip_count import count_clipped
+
+
+def kv(device: str, tokens: int = 9, heads: int = 3, dim: int = 20, big: bool = True):
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(tokens, heads, dim, generator=g) * 50
+    v = torch.randn(tokens, heads, dim, generator=g) * 50
+    if big:
+        k[1, 0, 3] = 448.0 * 0.5 + 1  # just above the ceiling at scale 0.5 (bf16 steps by 1 there)
+        k[2, 1, 0] = 448.0 * 0.5  # at it: not clipped
+        v[4, 2, 7] = -1e4
+        k[7, 0, 0] = 1e5  # a token the slot mapping pads (-1): not counted
+        k[8, 0, 0] = 1e6  # past the slot mapping's length: not counted
+    return k.to(torch.bfloat16).float().to(device), v.to(torch.bfloat16).float().to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_equals_the_torch_path(monitor, kernel_device, dtype):
+    k, v = (t.to(dtype) for t in kv(kernel_device))
+    slots = torch.tensor([5, 6, 7, 8, 9, 10, 11, -1], device=kernel_device)
+    ks = torch.tensor([0.5], device=kernel_device)
+    vs = torch.tensor([4.0], device=kernel_device)
+    a = ClipCounter("layer.a", kernel_device, monitor=monitor)
+    b = ClipCounter("layer.b", kernel_device, monitor=monitor)
+    count_clipped(a, k, v, ks, vs, slots)
+    b.count(k[:8], v[:8], ks, vs, slots)
+    ta, tb = a.totals(), b.totals()
+    assert ta == tb and ta["k"] >= 1 and ta["v"] >= 1, (ta, tb)
+    assert ta["k_max"] < 1e5  # the padded tokens' values are not the max
+
+
+def test_healthy_counts_nothing(monitor, kernel_device):
+    k, v = kv(kernel_device, big=False)
+    c = ClipCounter("layer.c", kernel_device, monitor=monitor)
+    one = torch.ones(1, device=kernel_device)
+    count_clipped(c, k, v, one, one, torch.arange(9, device=kernel_device))
+    t = c.totals()
+    assert t["k"] == 0 and t["v"] == 0 and 0 < t["k_max"] < 448
+
+
+def test_padding_control(monitor, kernel_device):
+    """Control: the same write with the padded token's slot made real counts it (the slot test is what leaves it
+    out)."""
+    k, v = kv(kernel_device)
+    ks = torch.tensor([0.5], device=kernel_device)
+    counts = []
+    for pad in (-1, 12):
+        c = ClipCounter(f"layer.p{pad}", kernel_device, monitor=monitor)
+        slots = torch.tensor([5, 6, 7, 8, 9, 10, 11, pad], device=kernel_device)
+        count_clipped(c, k, v, ks, ks, slots)
+        counts.append(c.totals()["k"])
+    assert counts[1] == counts[0] + 1
+
+
+def test_bad_input_is_named(monitor, kernel_device):
+    c = ClipCounter("layer.bad", kernel_device, monitor=monitor)
+    k, v = kv(kernel_device)
+    one = torch.ones(1, device=kernel_device)
+    with pytest.raises(ValueError, match="k_scale"):
+        count_clipped(c, k, v, torch.ones(3, device=kernel_device), one, torch.arange(3, device=kernel_device))
+    with pytest.raises(ValueError, match="contiguous per token"):
+        count_clipped(c, k.transpose(1, 2), v, one, one, torch.arange(3, device=kernel_device))
