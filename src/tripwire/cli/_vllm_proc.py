@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..sites import GUARD_KINDS
+
 # The folder holding this tripwire package, when it is a source checkout (put first on the vLLM processes' path, so
 # they run this code); an installed tripwire is the vLLM environment's own (another environment's site-packages on
 # its path would bring that environment's torch along).
@@ -73,7 +75,7 @@ class Run:
         """Each site's total count, from its newest guard event."""
         out: dict[str, int] = {}
         for e in self.events:
-            if e["kind"] in ("guard", "nonfinite_rows"):  # the guard layout: a total per site
+            if e["kind"] in GUARD_KINDS:  # the guard layout: a total per site
                 out[e["site"]] = max(out.get(e["site"], 0), int(e["total"]))
         return out
 

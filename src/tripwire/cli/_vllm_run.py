@@ -328,23 +328,21 @@ def _time_hooks() -> tuple[list[float], Any]:
     return spent, restore
 
 
-def _clip_totals() -> dict[str, dict[str, float]]:
+def _clip_totals() -> dict[str, dict[str, int | float]]:
     """The FP8 clip rows of this process's plugin (the engine core in-process): site -> K/V counts and maxima, read
     after the rounds (a synchronous read: the harness's, never the step path's)."""
     from tripwire.integrations import vllm as tw_vllm
-    from tripwire.numerics.clip import K_COUNT, K_MAX, V_COUNT, V_MAX, bits_to_float
+    from tripwire.numerics.clip import clip_totals
 
     plugin = tw_vllm.installed()
     if plugin is None:
         return {}
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, int | float]] = {}
     for device in plugin.monitor.arena.devices():
         rows = plugin.monitor.read_rows(device)
         for site in plugin.monitor.registry.all():
             if site.kind == "clip" and site.id < len(rows):
-                r = [int(w) for w in rows[site.id]]
-                out[site.name] = {"k": r[K_COUNT], "v": r[V_COUNT], "k_max": bits_to_float(r[K_MAX]),
-                                  "v_max": bits_to_float(r[V_MAX])}  # fmt: skip
+                out[site.name] = clip_totals(rows[site.id])
     return out
 
 

@@ -27,7 +27,6 @@ checks run on every call instead of being traced as constants.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 
 from ..monitor import Monitor
 from ..numerics import NonFiniteRows, register_nonfinite_rows_site
+from ._staging import Staged
 
 log = logging.getLogger("tripwire")
 
@@ -66,34 +66,19 @@ class LogitsRows:
     allocated at install (the captured checks hold its address), filled from a pinned ring (async batching may
     enqueue the next step before this one's copy ran)."""
 
-    RING = 4
-
     def __init__(self, device: torch.device, max_rows: int) -> None:
-        self.device = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self._host = [torch.full((max_rows,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(self.RING)]
-        self._np = [h.numpy() for h in self._host]
-        self._turn = 0
+        self._staged = Staged(max_rows, device, fill_value=-1)
+        self.device = self._staged.tensor
         self.max_rows = max_rows
 
     def fill(self, numbers: np.ndarray | list[int], sampled: list[bool], rows: int, stream: Any) -> None:
         """``numbers``: the batch's request numbers in batch order; ``sampled``: whether each samples a token this
         step; ``rows``: how many logits rows the step may have (the engine pads up to its requests per batch)."""
         rows = min(rows, self.max_rows)
-        host, buf = self._host[self._turn], self._np[self._turn]
-        self._turn = (self._turn + 1) % self.RING
-        n = 0
-        for num, s in zip(numbers, sampled, strict=True):
-            if s:
-                buf[n] = num
-                n += 1
+        values = [num for num, s in zip(numbers, sampled, strict=True) if s]
         # Padding rows repeat token 0's logits: the batch's first request's (numbers[0]).
-        buf[n:rows] = numbers[0] if len(numbers) else -1
-        if self.device.device.type == "cuda":
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.device[:rows].copy_(host[:rows], non_blocking=True)
-        else:
-            self.device[:rows].copy_(host[:rows])
+        values += [numbers[0] if len(numbers) else -1] * (rows - len(values))
+        self._staged.fill(rows, values[:rows], stream)
 
 
 class LogitsCheck:

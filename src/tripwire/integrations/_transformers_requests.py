@@ -4,12 +4,12 @@ prefix cache, dropped from later updates)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from ._staging import Staged
 from ._transformers_logits import LogitsRows
 
 __all__ = ["MAX_REQUESTS", "RequestTable", "States"]
@@ -28,15 +28,10 @@ class RequestTable:
     kernels (replayed graphs included) read this step's numbers. ``rows``: the logits check's row map, filled from
     the same numbers in the same call."""
 
-    RING = 4
-
     def __init__(self, device: torch.device, names: Any, rows: LogitsRows | None = None) -> None:
         # Allocated at install, before the engine captures anything: the validators' graphs hold its address.
-        self.device = torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self._host = [torch.full((MAX_REQUESTS,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(self.RING)]
-        self._np = [h.numpy() for h in self._host]
-        self._turn = 0
+        self._staged = Staged(MAX_REQUESTS, device, fill_value=-1)
+        self.device = self._staged.tensor
         self.names = names
         self.rows = rows
 
@@ -46,16 +41,10 @@ class RequestTable:
         k = len(batch)
         if k > MAX_REQUESTS:
             raise RuntimeError(f"tripwire: a step of {k} requests exceeds the request table ({MAX_REQUESTS})")
-        host, buf = self._host[self._turn], self._np[self._turn]
-        self._turn = (self._turn + 1) % self.RING
-        buf[:k] = [self.names.number(fs.state.request_id) for fs in batch]  # into pinned memory: no allocation
-        if self.device.device.type == "cuda":
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.device[:k].copy_(host[:k], non_blocking=True)
-        else:
-            self.device[:k].copy_(host[:k])
+        numbers = [self.names.number(fs.state.request_id) for fs in batch]
+        self._staged.fill(k, numbers, stream)  # into pinned memory, then to the device on the compute stream
         if self.rows is not None:
-            self.rows.fill(buf[:k], [fs.has_new_token for fs in batch], logits_rows, stream)
+            self.rows.fill(numbers, [fs.has_new_token for fs in batch], logits_rows, stream)
 
 
 class States(OrderedDict):  # type: ignore[type-arg]

@@ -38,6 +38,7 @@ import torch
 from ..monitor import Monitor
 from ..sites import Site
 from ..validate import Validator
+from ._staging import Staged
 
 __all__ = [
     "SITE_BLOCK_COUNTS",
@@ -66,54 +67,6 @@ SITE_NUM_BLOCKS = "vllm.num_blocks"
 # vLLM's reserved null block (vllm.v1.core.block_pool: block 0 is never handed to a request) and its PAD_SLOT_ID.
 NULL_BLOCK = 0
 PAD_SLOT = -1
-
-
-class _Staged:
-    """A per-step vector as a tensor on the runner's device. On the CPU: a view of the runner's own numpy array
-    (``source``), or a preallocated tensor written through its numpy view (no copy, no allocation). On CUDA: a
-    persistent device buffer filled from a pinned ring with a non-blocking copy, so a step enqueued before the
-    previous one's copy ran still reads its own values."""
-
-    RING = 4
-
-    def __init__(self, size: int, device: torch.device, source: np.ndarray | None = None) -> None:
-        self._source = source
-        self._view: torch.Tensor | None = None
-        if device.type == "cpu" and source is not None:
-            self._view = torch.from_numpy(source)
-            return
-        self.tensor = torch.zeros(size, dtype=torch.int64, device=device)
-        if device.type == "cpu":
-            self._np = [self.tensor.numpy()]
-            self._host = [self.tensor]
-        else:
-            self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(self.RING)]
-            self._np = [h.numpy() for h in self._host]
-        self._turn = 0
-
-    def fill(self, n: int, values: Any = None) -> torch.Tensor:
-        """The first ``n`` entries: of the source array, or ``values`` (a sequence of ints) when given."""
-        if self._view is not None:
-            return self._view[:n]
-        buf, host = self._np[self._turn], self._host[self._turn]
-        self._turn = (self._turn + 1) % len(self._np)
-        if values is None:
-            assert self._source is not None
-            values = self._source[:n]
-        buf[:n] = values  # numpy assignment: no torch allocation
-        if host is not self.tensor:
-            self.tensor[:n].copy_(host[:n], non_blocking=True)
-        return self.tensor[:n]
-
-    def scatter(self, at: np.ndarray, values: Any) -> torch.Tensor:
-        """The whole vector: ``values`` at the indices ``at``, -1 (none) everywhere else."""
-        buf, host = self._np[self._turn], self._host[self._turn]
-        self._turn = (self._turn + 1) % len(self._np)
-        buf.fill(-1)
-        buf[at] = values  # numpy fancy assignment into the pinned slot: no torch allocation
-        if host is not self.tensor:
-            self.tensor.copy_(host, non_blocking=True)
-        return self.tensor
 
 
 def declare_inputs(v: Validator, max_model_len: int) -> None:
@@ -226,8 +179,8 @@ class StepValidator:
         self.v = Validator("vllm", self.device, policy=policy, monitor=monitor)
         names = declare_outputs(self.v, specs, self.max_model_len)
         self.groups: list[tuple[str, str, str, Any]] = [(*n, t) for n, t in zip(names, tables, strict=True)]
-        self._counts = [_Staged(max_reqs, self.device, t.num_blocks_per_row) for t in tables]
-        self._requests = _Staged(max_reqs, self.device)
+        self._counts = [Staged(max_reqs, self.device, t.num_blocks_per_row) for t in tables]
+        self._requests = Staged(max_reqs, self.device)
         self._req: torch.Tensor | None = None  # this step's request numbers, filled by the first exact phase
         self.sites: tuple[Site, ...] = tuple(dict.fromkeys([*self.vin.sites().values(), *self.v.sites().values()]))
         self._host = _HostCheck(self) if self.device.type == "cpu" else None

@@ -40,7 +40,8 @@ from ..monitor import Monitor
 from ..sites import Site
 from ..validate import Validator
 from . import _vllm_rows
-from ._vllm_steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, _Staged, covers, declare_inputs, declare_outputs
+from ._staging import Staged
+from ._vllm_steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, covers, declare_inputs, declare_outputs
 
 __all__ = ["HOOKS", "INPUT_BATCH_FIELDS", "V2StepValidator", "check_input_batch"]
 
@@ -157,8 +158,8 @@ class V2StepValidator:
         if self._total_len is not None:
             layout["req_states.total_len.gpu"] = (self._total_len, torch.int32)
         _vllm_rows.check_buffers(self.device, **layout)
-        self._requests = _Staged(max_reqs, self.device)
-        self._by_state = _Staged(max_reqs, self.device)
+        self._requests = Staged(max_reqs, self.device)
+        self._by_state = Staged(max_reqs, self.device)
         self._req: torch.Tensor = self._requests.tensor
         self.sites: tuple[Site, ...] = tuple(
             dict.fromkeys([rows_site, *self.vin.sites().values(), *self.v.sites().values()])

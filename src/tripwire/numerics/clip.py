@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -95,6 +95,16 @@ def _check_fmt(fmt: str) -> str:
 def bits_to_float(word: int) -> float:
     """Decode a max slot (zero-extended float32 bits) to a Python float; 0 decodes as 0.0."""
     return float(np.array([word & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
+
+
+def clip_totals(row: Any) -> dict[str, int | float]:
+    """A ``"clip"`` row (its eight words, host-side) decoded: ``{"k", "v", "k_max", "v_max"}``."""
+    return {
+        "k": int(row[K_COUNT]),
+        "v": int(row[V_COUNT]),
+        "k_max": bits_to_float(int(row[K_MAX])),
+        "v_max": bits_to_float(int(row[V_MAX])),
+    }
 
 
 def _host_threshold(scale: float, fmt: str) -> float:
@@ -317,13 +327,7 @@ class ClipCounter:
     def totals(self) -> dict[str, int | float]:
         """``{"k", "v", "k_max", "v_max"}``: clipped counts and max magnitudes so far, decoded. A synchronous read
         (it waits for the device): a tool's and a test's call, never the step path's."""
-        row = self.monitor.read_rows(self.device)[self.site.id]
-        return {
-            "k": int(row[K_COUNT]),
-            "v": int(row[V_COUNT]),
-            "k_max": bits_to_float(int(row[K_MAX])),
-            "v_max": bits_to_float(int(row[V_MAX])),
-        }
+        return clip_totals(self.monitor.read_rows(self.device)[self.site.id])
 
     def __repr__(self) -> str:
         return f"ClipCounter({self.name!r}, {str(self.device)!r}, fmt={self.fmt!r}, fatal={self.site.fatal})"

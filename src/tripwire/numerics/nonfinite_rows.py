@@ -119,7 +119,8 @@ class NonFiniteRows:
     row stride of its own is fine: a slice of a bigger buffer), ``rows <= max_rows``; ``requests`` an int64 tensor
     of request numbers by row (``Monitor.requests.number``), or None (the rows name no request: a verdict fails the
     step closed). A row past ``requests``' end names none either. Capture-safe and sync-free on CUDA (the epoch is a
-    host counter passed as an argument); on the CPU a torch path records the same words."""
+    device word each call increments: a captured call counts every replay); on the CPU a torch path records the same
+    words."""
 
     __slots__ = ("_epoch", "_seen", "ctr", "device", "max_rows")
 
