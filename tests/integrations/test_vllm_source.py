@@ -16,7 +16,7 @@ import urllib.error
 import pytest
 
 from tripwire.integrations import vllm as tw_vllm
-from vllm_source import check, source, uses_request_error
+from vllm_source import check, check_numerics, source, uses_request_error
 
 RELEASES = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 
@@ -43,6 +43,7 @@ def test_every_hook_point_is_in_the_release(version):
     files = _source(version)
     assert f"\nVersion: {version}\n" in files["metadata"]  # the release's own wheel
     assert check(files) == [], version
+    assert check_numerics(files) == [], version
     # V1's runner exists up to 0.33 and is gone from 0.34 (the plugin then hooks V2 alone).
     assert ("v1_runner" in files) == (version != "0.34.0")
     # From 0.33 a contained request's error carries tripwire's message to the API client (vllm.outputs.RequestError
@@ -69,3 +70,28 @@ def test_a_missing_hook_point_is_found():
     assert "V2 execute_model does not call self.prepare_attn" not in problems  # the call site still says prepare_attn
     assert "V2 InputBatch: no field idx_mapping" in problems
     assert "Scheduler: no grammar_compile_error_reqs" in problems
+
+
+def test_a_missing_numerics_hook_point_is_found():
+    """Control for the numeric checks' hook points: the bitmask moved before V2's logits, V1's kept logits renamed,
+    the cache-write op calling the write with a sixth argument, a backend's write renamed: each is reported (0.33
+    carries both runners)."""
+    files = dict(_source("0.33.0"))
+    assert check_numerics(files) == []
+    v2 = files["v2_runner"]
+    head, tail = v2.split("    def sample(", 1)
+    body, rest = tail.split("\n    def ", 1)
+    sig, code = body.split("]:\n", 1)  # the bitmask applied first thing, before any logits exist
+    body = sig + "]:\n        self.structured_outputs_worker.apply_grammar_bitmask()\n" + code
+    files["v2_runner"] = head + "    def sample(" + body + "\n    def " + rest
+    files["v1_runner"] = files["v1_runner"].replace("    logits: torch.Tensor\n", "    raw_logits: torch.Tensor\n", 1)
+    files["attn_layer"] = files["attn_layer"].replace(
+        "            layer_slot_mapping,\n", "            layer_slot_mapping,\n            None,\n", 1
+    )
+    files["triton_backend"] = files["triton_backend"].replace("def do_kv_cache_update(", "def write_kv_cache(")
+    problems = check_numerics(files)
+    assert "V2 sample: the grammar bitmask before the logits" in problems
+    assert "V1 ExecuteModelState: no logits" in problems
+    assert "unified_kv_cache_update: impl.do_kv_cache_update's 5 arguments" in problems
+    assert "vllm/v1/attention/backends/triton_attn.py: no do_kv_cache_update" in problems
+    assert "vllm/v1/attention/backends/flash_attn.py: do_kv_cache_update's parameters" not in problems

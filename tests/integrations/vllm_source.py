@@ -35,11 +35,15 @@ FILES = {
     "v2_tables": "vllm/v1/worker/gpu/block_table.py",
     "v2_states": "vllm/v1/worker/gpu/states.py",
     "v2_async": "vllm/v1/worker/gpu/async_utils.py",
+    "v2_model_state": "vllm/v1/worker/gpu/model_states/interface.py",
     "v1_runner": "vllm/v1/worker/gpu_model_runner.py",
     "v1_tables": "vllm/v1/worker/block_table.py",
     "scheduler": "vllm/v1/core/sched/scheduler.py",
     "core": "vllm/v1/engine/core.py",
     "outputs": "vllm/outputs.py",
+    "attn_layer": "vllm/model_executor/layers/attention/attention.py",
+    "fa_backend": "vllm/v1/attention/backends/flash_attn.py",
+    "triton_backend": "vllm/v1/attention/backends/triton_attn.py",
 }
 
 
@@ -116,7 +120,10 @@ def source(version: str) -> dict[str, str]:
     wheel's METADATA (``"metadata"``), fetched once into the cache."""
     d = cache_dir() / version
     done = d / "complete.json"
-    if not done.exists():
+    # The marker names the roles it fetched: a role added to FILES later makes the cached release stale (a marker of
+    # the older shape, role -> path, too), so the new file is read instead of reported missing.
+    marker = json.loads(done.read_text()) if done.exists() else {}
+    if marker.get("wanted") != sorted(FILES):
         zf = zipfile.ZipFile(io.BufferedReader(_RangeFile(wheel_url(version)), buffer_size=1 << 16))
         names = set(zf.namelist())
         record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
@@ -138,9 +145,9 @@ def source(version: str) -> dict[str, str]:
             (d / path).parent.mkdir(parents=True, exist_ok=True)
             (d / path).write_bytes(data)
             present[role] = path
-        done.write_text(json.dumps(present))
-    present = json.loads(done.read_text())
-    return {role: (d / path).read_text() for role, path in present.items()}
+        marker = {"wanted": sorted(FILES), "present": present}
+        done.write_text(json.dumps(marker))
+    return {role: (d / path).read_text() for role, path in marker["present"].items()}
 
 
 # ---------------------------------------------------------------------------------------------- the checks
@@ -181,6 +188,96 @@ def _calls(fn: ast.AST, dotted: str) -> bool:
         if isinstance(node, ast.Call) and ast.unparse(node.func) == dotted:
             return True
     return False
+
+
+def _first_call(fn: ast.AST, names: tuple[str, ...]) -> int | None:
+    """The line of ``fn``'s first call whose callee ends with one of ``names`` (e.g. ``.compute_logits``)."""
+    lines = [
+        node.lineno for node in ast.walk(fn) if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(names)
+    ]
+    return min(lines, default=None)
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def check_numerics(files: dict[str, str]) -> list[str]:
+    """What the numeric checks (``_vllm_numerics``) rely on and ``files`` lack: V2's ``sample`` computing the logits
+    through the model's ``compute_logits`` before the grammar bitmask; V1 keeping them in ``ExecuteModelState.logits``
+    for ``sample_tokens``, which applies the bitmask; the attention layer's cache-write op calling
+    ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` with the scales on the layer; and the
+    backends' ``do_kv_cache_update`` signature."""
+    problems: list[str] = []
+    trees = {role: ast.parse(text) for role, text in files.items() if role in FILES}
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            problems.append(what)
+
+    logits_calls = (".compute_logits", ".compute_sample_logits")
+    v2 = _class(trees["v2_runner"], "GPUModelRunner") if "v2_runner" in trees else None
+    sample = _methods(v2).get("sample") if v2 is not None else None
+    need(sample is not None, "V2 runner: no sample")
+    if sample is not None:
+        need(_params(sample)[:3] == ["self", "hidden_states", "input_batch"], "V2 sample's parameters")
+        first = _first_call(sample, logits_calls)
+        bitmask = _first_call(sample, ("apply_grammar_bitmask",))
+        need(first is not None, "V2 sample: no compute_logits")
+        need(first is None or bitmask is None or first < bitmask, "V2 sample: the grammar bitmask before the logits")
+        if _first_call(sample, (".compute_sample_logits",)) is not None:
+            # 0.34: through the model state, which must call the model's compute_logits (the one the plugin wraps).
+            state = trees.get("v2_model_state")
+            fn = next(
+                (n for n in ast.walk(state) if isinstance(n, ast.FunctionDef) and n.name == "compute_sample_logits"),
+                None,
+            ) if state is not None else None  # fmt: skip
+            need(
+                fn is not None and _first_call(fn, (".compute_logits",)) is not None,
+                "V2 model state: compute_sample_logits does not call the model's compute_logits",
+            )
+    if "v1_runner" in trees:
+        state_cls = _class(trees["v1_runner"], "ExecuteModelState")
+        need(state_cls is not None and "logits" in _self_attrs(state_cls), "V1 ExecuteModelState: no logits")
+        v1 = _class(trees["v1_runner"], "GPUModelRunner")
+        m = _methods(v1) if v1 is not None else {}
+        need(
+            "execute_model" in m and _first_call(m["execute_model"], ("ExecuteModelState",)) is not None,
+            "V1 execute_model does not keep an ExecuteModelState",
+        )
+        need(
+            "sample_tokens" in m and _first_call(m["sample_tokens"], ("apply_grammar_bitmask",)) is not None,
+            "V1 sample_tokens does not apply the grammar bitmask (the check must run before it)",
+        )
+    layer = trees.get("attn_layer")
+    op = _function(layer, "unified_kv_cache_update") if layer is not None else None
+    need(op is not None, "attention layer: no unified_kv_cache_update")
+    if op is not None:
+        call = next(
+            (
+                n
+                for n in ast.walk(op)
+                if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(".do_kv_cache_update")
+            ),
+            None,
+        )
+        need(call is not None and len(call.args) == 5, "unified_kv_cache_update: impl.do_kv_cache_update's 5 arguments")
+    text = ast.unparse(layer) if layer is not None else ""  # unparse quotes strings with '
+    need("register_buffer('_k_scale'" in text and "register_buffer('_v_scale'" in text,
+         "attention layer: no _k_scale / _v_scale buffers")  # fmt: skip
+    for role in ("fa_backend", "triton_backend"):
+        impls = [
+            fn
+            for cls in ast.walk(trees[role]) if isinstance(cls, ast.ClassDef)
+            for fn in cls.body if isinstance(fn, ast.FunctionDef) and fn.name == "do_kv_cache_update"
+        ] if role in trees else []  # fmt: skip
+        need(bool(impls), f"{FILES[role]}: no do_kv_cache_update")
+        for fn in impls:
+            need(
+                _params(fn) == ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
+                f"{FILES[role]}: do_kv_cache_update's parameters",
+            )
+    return problems
 
 
 def check(files: dict[str, str]) -> list[str]:

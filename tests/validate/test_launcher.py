@@ -1,21 +1,17 @@
 """The validator's bound launch (tripwire.validate._launcher.Launcher): what decides between the compiled kernel's
-own launcher and the JITFunction, whether the launcher's C function is called directly, and, on a GPU, that the bound
-path is taken, counts exactly what the JIT path does, and is not bound to the sizes of its first call.
+own launcher and the JITFunction, and, on a GPU, that the bound path is taken, counts exactly what the JIT path does,
+and is not bound to the sizes of its first call.
 """
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
 import triton
 
 from tripwire import Monitor, SiteRegistry
-from tripwire.triton._callee import _version
 from tripwire.validate import Validator
 from tripwire.validate import _launcher as vk
-from tripwire.validate._launcher import _C_LAUNCH_RELEASES, _c_launch
 
 
 def test_hooked_only_when_a_hook_is_installed(monkeypatch):
@@ -52,10 +48,7 @@ def test_gpu_bound_launch_is_taken_and_counts_exactly():
         v(slots=slots.clone())
     plan = v._plan
     assert plan is not None and len(plan.launch._bound) == 1
-    # On the releases whose launcher's C function is known (Triton 3.6), the bound call is that function's.
-    ((_, c_launch, _),) = plan.launch._bound.values()
-    assert plan.launch.path == ("triton-c" if c_launch is not None else "triton")
-    assert (c_launch is not None) == (_version(triton.__version__) in _C_LAUNCH_RELEASES)
+    assert plan.launch.path == "triton"
     fixed = slots.clone()
     v(slots=fixed)
     torch.cuda.synchronize()
@@ -176,7 +169,7 @@ def test_gpu_a_first_call_with_one_entry_does_not_bind_later_calls_to_one(monkey
         assert counts.get(("cuda:0", "one.slots"), 0) < want[("cuda:0", "one.slots")]
     else:
         assert counts == want
-        assert v._plan.launch.path in ("triton-c", "triton")
+        assert v._plan.launch.path == "triton"
         assert len(v._plan.launch._bound) == 2  # the one-entry kernel and the full one
 
 
@@ -255,36 +248,3 @@ def test_key_holds_what_triton_specialises_a_tuple_element_on():
     assert key([aligned], [2**31 + 3], [5])[1] == (4, 0) and key([aligned], [2**31], [5])[1] == (6, 0)
     assert key([aligned], [3], [1])[1] == (0, 1) and key([aligned], [3], [16])[1] == (0, 2)
     assert key([aligned], [3], [5])[0] != key([aligned.int()], [3], [5])[0]
-
-
-class CudaLauncher:
-    """Stands in for a compiled kernel's Triton 3.6 launcher (the attributes _c_launch reads)."""
-
-    def __init__(self, **kw: object) -> None:
-        self.launch = lambda *a: a
-        self.global_scratch_size = 0
-        self.profile_scratch_size = 0
-        self.launch_cooperative_grid = False
-        self.launch_pdl = True
-        self.__dict__.update(kw)
-
-
-@pytest.mark.parametrize(
-    "version,kw,direct",
-    [
-        ("3.6.0", {}, True),
-        ("3.6.1+git", {}, True),
-        ("3.9.0", {}, False),  # another launcher signature
-        ("3.7.1", {}, False),
-        ("3.6.0", {"global_scratch_size": 8}, False),  # scratch the wrapper would allocate
-        ("3.6.0", {"profile_scratch_size": 8}, False),
-        ("3.6.0", {"arg_annotations": ()}, False),  # the annotated launcher's shape
-    ],
-)
-def test_the_c_launch_is_used_only_where_it_skips_nothing(monkeypatch, version, kw, direct):
-    monkeypatch.setattr(triton, "__version__", version)
-    k = types.SimpleNamespace(run=CudaLauncher(**kw))
-    got = _c_launch(k)
-    assert (got is not None) == direct
-    if direct:
-        assert got == (k.run.launch, False, True)

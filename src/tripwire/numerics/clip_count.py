@@ -21,7 +21,7 @@ from .clip import FP8_MAX, K_COUNT, K_MAX, V_COUNT, V_MAX, ClipCounter
 
 __all__ = ["count_clipped"]
 
-_ELEMS = 4096  # elements per program (tokens x heads x head_dim)
+_ELEMS = 4096  # elements per program per tensor (tokens x heads x head_dim); < 2**16: the packed count
 # The row's slots, as constexprs: a compiled Triton kernel reads no plain Python global.
 _KC, _VC, _KM, _VM = (tl.constexpr(x) for x in (K_COUNT, V_COUNT, K_MAX, V_MAX))
 
@@ -37,17 +37,15 @@ def _threshold(scale_ptr, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _one(x_ptr, stride, tok, e, m, thr, ctr_ptr, COUNT: tl.constexpr, MAX: tl.constexpr):
-    x = tl.load(x_ptr + tok.to(tl.int64) * stride + e, mask=m, other=0).to(tl.float32)
-    a = tl.abs(x)
-    n = tl.sum(((a > thr) & m).to(tl.int32), axis=None)
-    # NaN is left out of the max (its bits sort above +inf); +inf stays (it was clipped). 0 where nothing counted.
-    top = tl.max(tl.where(m & (a == a), a, 0.0), axis=None)
+def _flush(ctr_ptr, n, top, COUNT: tl.constexpr, MAX: tl.constexpr):
+    # Relaxed: the row's words are independent counters nobody orders against within the step (the reader and the
+    # verdict read them after the stream's later work); an acq_rel atomic would wait out its round trip before the
+    # next one issues, and this kernel's cost is that latency chain, not its bandwidth.
     if n > 0:
-        tl.atomic_add(ctr_ptr + COUNT, n.to(tl.int64))
+        tl.atomic_add(ctr_ptr + COUNT, n.to(tl.int64), sem="relaxed")
     if top > 0:
         # Non-negative float32 bits order like the values: an integer max keeps the largest magnitude.
-        tl.atomic_max(ctr_ptr + MAX, top.to(tl.int32, bitcast=True).to(tl.int64))
+        tl.atomic_max(ctr_ptr + MAX, top.to(tl.int32, bitcast=True).to(tl.int64), sem="relaxed")
 
 
 # The step's token count changes every call: not specialised on (a count of 1 would compile a variant mid-serving).
@@ -57,10 +55,24 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
     tok = tl.program_id(0) * TOK + tl.arange(0, TOK)[:, None]
     e = tl.arange(0, HDP)[None, :]
     live = tok < n
+    inside = live & (e < HD)
+    # Every load is issued before any result is used: the K/V loads are masked by the batch bound only (not by the
+    # slot, which would make them wait for the slot's load), and the slot's padding mask is applied afterwards. A
+    # decode step calls this once per layer on a few KiB, so its time is the chain of dependent memory round trips.
     slot = tl.load(slot_ptr + tok, mask=live, other=-1)
-    m = live & (slot >= 0) & (e < HD)
-    _one(k_ptr, k_stride, tok, e, m, _threshold(ks_ptr, FMAX), ctr_ptr, _KC, _KM)
-    _one(v_ptr, v_stride, tok, e, m, _threshold(vs_ptr, FMAX), ctr_ptr, _VC, _VM)
+    k = tl.load(k_ptr + tok.to(tl.int64) * k_stride + e, mask=inside, other=0).to(tl.float32)
+    v = tl.load(v_ptr + tok.to(tl.int64) * v_stride + e, mask=inside, other=0).to(tl.float32)
+    kt = _threshold(ks_ptr, FMAX)
+    vt = _threshold(vs_ptr, FMAX)
+    m = inside & (slot >= 0)
+    ka, va = tl.abs(k), tl.abs(v)
+    # One reduction for both counts (each program sees at most TOK * HDP <= _ELEMS < 2**16 elements per tensor).
+    both = tl.sum(((ka > kt) & m).to(tl.int32) + (((va > vt) & m).to(tl.int32) << 16), axis=None)
+    # NaN is left out of the max (its bits sort above +inf); +inf stays (it was clipped). 0 where nothing counted.
+    ktop = tl.max(tl.where(m & (ka == ka), ka, 0.0), axis=None)
+    vtop = tl.max(tl.where(m & (va == va), va, 0.0), axis=None)
+    _flush(ctr_ptr, both & 0xFFFF, ktop, _KC, _KM)
+    _flush(ctr_ptr, both >> 16, vtop, _VC, _VM)
 
 
 def _check(x: torch.Tensor, what: str, device: torch.device) -> None:
@@ -101,6 +113,8 @@ def count_clipped(
         return
     hd = key.shape[1] * key.shape[2]
     hdp = triton.next_power_of_2(hd)
+    if hdp >= 1 << 16:  # the kernel packs K's and V's per-program counts in 16 bits each
+        raise ValueError(f"{hd} K/V elements per token (heads x head_dim) is past this counter's 65535")
     tok = max(1, _ELEMS // hdp)
     _clip_count_kernel[(triton.cdiv(n, tok),)](key, value, slot_mapping, k_scale, v_scale, counter.ctr, n,
                                                 key.stride(0), value.stride(0), HD=hd, HDP=hdp, TOK=tok,

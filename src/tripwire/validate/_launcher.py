@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import triton
 
-from ..triton._callee import _version
 from . import _triton
 from ._rules import BLOCK, Rules
 
@@ -40,7 +39,7 @@ class Launcher:
     fixed tensor, the rest are the rules' constexprs. Same preconditions as :func:`tripwire.validate._triton.launch`.
     """
 
-    __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "arena", "mask", "rules")
+    __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "_stream", "arena", "mask", "rules")
 
     def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool) -> None:
         self.arena = arena
@@ -56,6 +55,7 @@ class Launcher:
         # Decided at the first eager call, not here: a plan built while torch.compile traces (its op never calls
         # this launcher) must not touch the JITFunction, which the tracer cannot follow.
         self._direct: bool | None = None
+        self._stream: Any = None  # Triton's get_current_stream(device), set with _direct
 
     def _args(self, tensors: Sequence[torch.Tensor], numels: list[int], widths: list[int]) -> tuple:
         # Every tensor's numel read once (by the caller) and picked with the tensors (a tensor can serve several
@@ -79,6 +79,8 @@ class Launcher:
             # Direct calls need a compiled kernel on a GPU: under the interpreter _validate is an
             # InterpretedFunction.
             self._direct = self.arena.is_cuda and hasattr(_triton._validate, "device_caches")
+            if self._direct:
+                self._stream = triton.runtime.driver.active.get_current_stream
         key = self._key(tensors, numels, widths)
         if not self._direct or _hooked():
             args = self._args(tensors, numels, widths)
@@ -92,18 +94,15 @@ class Launcher:
             # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter), with the
             # constexprs it was compiled with: the rules' and the CALLS the register budget chose for this key.
             if hasattr(k, "packed_metadata"):
-                self._bound[key] = (k, _c_launch(k), (*self._consts, kw["CALLS"]))
+                self._bound[key] = (k, (*self._consts, kw["CALLS"]))
             return
-        k, c, consts = bound
-        # The stream straight from torch (what Triton's driver asks too), on the arena's device; no launch metadata
-        # and no hooks (_hooked() said none is set).
-        stream = torch._C._cuda_getCurrentRawStream(self._dev)
+        k, consts = bound
+        # The current stream as Triton's own launch asks for it (its driver's get_current_stream, bound once), on
+        # the arena's device; no launch metadata and no hooks (_hooked() said none is set). The compiled kernel's
+        # ``run`` is the launcher every Triton release gives a CompiledKernel (no release-specific C entry: a path
+        # CI cannot run would be one no test keeps honest).
+        stream = self._stream(self._dev)
         args = self._args(tensors, numels, widths)
-        if c is not None:
-            # The launcher's C function itself (see _c_launch): no scratch buffers to allocate first.
-            c[0](total, 1, 1, stream, k.function, c[1], c[2], None, None, k.packed_metadata, None, None, None, *args,
-                 *consts)  # fmt: skip
-            return
         k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *consts)
 
     # The bound kernel's key: what Triton specialises the call's kernel on (_triton.spec_key says what and why).
@@ -112,38 +111,9 @@ class Launcher:
 
     @property
     def path(self) -> str:
-        """How bound calls launch: ``"triton-c"`` (the launcher's C function), ``"triton"`` (its Python wrapper), or
-        ``"jit"`` (nothing bound yet, or no compiled kernel: the interpreter)."""
-        if not self._bound:
-            return "jit"
-        _, c, _ = next(iter(self._bound.values()))
-        return "triton-c" if c is not None else "triton"
-
-
-# The Triton releases whose CUDA launcher (CudaLauncher in backends/nvidia/driver.py) does nothing in Python but
-# allocate the kernel's global and profile scratch and then call its C ``launch(gridX, gridY, gridZ, stream, function,
-# cooperative, pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)``
-# (read in the release's source; the GPU tests run it). Triton 3.7 to 3.9 call a shared launcher with the arguments
-# annotated in one tuple: there, and on any release not read and run here, the bound launch calls the CudaLauncher.
-_C_LAUNCH_RELEASES = ((3, 6),)
-
-
-def _c_launch(k: Any) -> tuple[Callable[..., Any], Any, Any] | None:
-    """``(launch, cooperative, pdl)``: the C launch function of compiled kernel ``k`` and the two flags its Python
-    wrapper passes, when calling it directly skips nothing (a release above, no scratch buffers); else None.
-
-    Why: the wrapper's frame, closures and scratch checks are a few microseconds of every eager call's host time
-    (``benchmarks/bench_validate.py`` measures the call both ways)."""
-    run = k.run
-    if _version(triton.__version__) not in _C_LAUNCH_RELEASES or type(run).__name__ != "CudaLauncher":
-        return None
-    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-        return None
-    launch = getattr(run, "launch", None)
-    flags = ("launch_cooperative_grid", "launch_pdl")
-    if launch is None or hasattr(run, "arg_annotations") or not all(hasattr(run, f) for f in flags):
-        return None
-    return launch, run.launch_cooperative_grid, run.launch_pdl
+        """How calls launch: ``"triton"`` (a bound compiled kernel's launcher) or ``"jit"`` (nothing bound yet, or no
+        compiled kernel: the interpreter)."""
+        return "triton" if self._bound else "jit"
 
 
 def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
