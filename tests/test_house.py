@@ -117,7 +117,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     ("tests/numerics/test_fused.py", "tripwire.numerics._fused_jit"),
     ("tests/numerics/test_fused.py", "tripwire.numerics._fused_kernel"),
     ("tests/numerics/test_fused.py", "tripwire.numerics._fused_ptx"),
-    ("tests/test_include.py", "tripwire._runtime.hit"),
     ("tests/test_monitor.py", "tripwire._runtime.arena"),
     ("tests/test_monitor.py", "tripwire._runtime.confirm"),
     ("tests/triton/test_budget.py", "tripwire.triton._budget"),
