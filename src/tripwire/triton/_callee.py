@@ -36,7 +36,7 @@ def interpreting() -> bool:
 # How the launches of this process run is one question with three answers: interpreted (above), compiled and run, or
 # recorded instead of run (tripwire.resources.capture_launches). The recorder is here, beside the interpreter's test,
 # so that both the launchers (tripwire.kernels) and the register budget (tripwire.triton._budget) read it from below.
-# Open recorded_launches() blocks:
+# The open recorded_launches() blocks (a count: they nest).
 _recording = 0
 # The innermost block's compiler: (jit function, args, kwargs) -> Triton's compiled kernel, for the GPU target the
 # recorder compiles for (a launcher that compiles before it launches asks it: tripwire.triton._budget).
