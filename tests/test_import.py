@@ -21,10 +21,11 @@ import torch
 mods = sys.argv[1].split(",")
 for m in mods:
     __import__(m)
-import tripwire, tripwire._runtime.arena, tripwire._runtime.default
+import tripwire, tripwire._runtime.arena, tripwire._runtime.default, tripwire._runtime.driver
 exec(sys.argv[2])
 print(json.dumps({
     "threads": sorted(t.name for t in threading.enumerate()),
+    "driver_bound": tripwire._runtime.driver.Driver._instance is not False,
     "cuda_initialized": torch.cuda.is_initialized(),
     "arenas": tripwire._runtime.arena.arenas_made(),
     "default_monitor_built": tripwire._runtime.default.built(),
@@ -47,7 +48,7 @@ def probe(mods: list[str], after: str = "", env_extra: dict | None = None) -> di
 
 
 def available_modules() -> list[str]:
-    mods = ["tripwire", "tripwire.triton"]
+    mods = ["tripwire", "tripwire.triton", "tripwire.report"]
     for m in ("tripwire.kernels", "tripwire.numerics", "tripwire.distributed"):
         try:
             __import__(m)
@@ -60,12 +61,24 @@ def available_modules() -> list[str]:
 def test_import_is_lean():
     # A broken setting in the environment must not break the import (settings are read on first use).
     r = probe(available_modules(), env_extra={"TRIPWIRE_MODE": "loud", "TRITON_INTERPRET": "1"})
-    assert r == {"threads": ["MainThread"], "cuda_initialized": False, "arenas": 0, "default_monitor_built": False}
+    assert r == {
+        "threads": ["MainThread"],
+        "driver_bound": False,
+        "cuda_initialized": False,
+        "arenas": 0,
+        "default_monitor_built": False,
+    }
 
 
 def test_control_probe_sees_threads_and_arenas():
     r = probe(["tripwire"], "tripwire.counter(tripwire.register_site('x'), 'cpu'); tripwire.start()")
     assert "tripwire-reader" in r["threads"] and r["arenas"] == 1 and r["default_monitor_built"]
+
+
+def test_control_probe_sees_the_driver_bound():
+    """libcuda is bound on first use (tripwire._runtime.driver), never at import: the probe sees a lookup made."""
+    r = probe(["tripwire"], "tripwire._runtime.driver.Driver.get()")
+    assert r["driver_bound"] is True
 
 
 @pytest.mark.gpu
@@ -80,6 +93,7 @@ def test_import_is_lean_on_a_gpu_machine():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = probe(available_modules(), env_extra=env)
     assert r["cuda_initialized"] is False and r["threads"] == ["MainThread"] and r["arenas"] == 0
+    assert r["driver_bound"] is False
 
 
 def _versions(root: Path) -> dict[str, str]:

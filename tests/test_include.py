@@ -39,8 +39,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tripwire
-from tripwire import layout
-from tripwire._runtime.hit import decode_offenders
+from tripwire import Hit, layout
 from tripwire.layout import decode, decode_neg, encode, offender_key
 from tripwire.triton import record_hits
 
@@ -227,7 +226,9 @@ class Sim(NamedTuple):
 
     def offenders(self) -> list[tuple[int, int, int | None]]:
         assert self.block is not None
-        return [tuple(o) for o in decode_offenders(self.block)]
+        # A row read with its block carries it after the SLOTS words: Hit decodes it (the counter words are unused).
+        row = np.concatenate([np.zeros(layout.SLOTS, dtype=np.int64), self.block])
+        return [tuple(o) for o in Hit.from_row(row).offenders]
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,7 @@ class _BrokenReporter:
 
 
 def test_reader_loop_exception_logs_arms_and_keeps_going(registry, caplog):
-    from tripwire.monitor import register_reporter
+    from tripwire.report import register_reporter
 
     register_reporter("test.broken", _BrokenReporter)
     m = Monitor(registry=registry, capacity=64, interval=0.005)
@@ -561,7 +561,7 @@ class _LockProbe:
 
 def test_control_the_probe_sees_the_lock_held(registry):
     """Control for the test above: called where the monitor's lock is held, the probe says so."""
-    from tripwire.monitor import register_reporter
+    from tripwire.report import register_reporter
 
     register_reporter("test.lockprobe", _LockProbe)
     m = Monitor(registry=registry, capacity=64)

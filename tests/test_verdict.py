@@ -380,20 +380,6 @@ def test_a_stale_reader_copy_after_the_take_reports_nothing_again(kernel_device)
         mon.stop()
 
 
-def test_the_window_releases_no_report_of_nothing_new():
-    """A key submitted again at the total it last reported releases nothing (no "0 new" line or event); control:
-    one more hit releases a report of 1."""
-    from tripwire._runtime.report import ReportWindow
-
-    out: list = []
-    w = ReportWindow(0.0, out.append)
-    w.submit(("cpu", 1), 3, 0.0, lambda d: d)
-    w.submit(("cpu", 1), 3, 1.0, lambda d: d)
-    assert out == [3]
-    w.submit(("cpu", 1), 4, 2.0, lambda d: d)
-    assert out == [3, 1]
-
-
 def _enqueued(ring, kernel_device):
     t = ring.enqueue()
     _sync(kernel_device)

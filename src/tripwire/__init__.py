@@ -5,8 +5,9 @@ Importing tripwire reads no setting, initialises no CUDA context, starts no thre
 
 Triton device helpers live in :mod:`tripwire.triton` (CUDA C++ ones in the header under :func:`include_dir`);
 reference guarded kernels in :mod:`tripwire.kernels`; numeric instruments in :mod:`tripwire.numerics`; several ranks
-in :mod:`tripwire.distributed`; events and their sinks (JSON lines, Prometheus) in :mod:`tripwire.sinks`; metadata
-validators in :mod:`tripwire.validate`; engine integrations in :mod:`tripwire.integrations`.
+in :mod:`tripwire.distributed`; events and their sinks (JSON lines, Prometheus) in :mod:`tripwire.sinks`; the API for
+reporters of one's own (and :class:`Offender`) in :mod:`tripwire.report`; metadata validators in
+:mod:`tripwire.validate`; engine integrations in :mod:`tripwire.integrations`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ __all__ = [
     "reset",
     "health",
     "Hit",
-    # events (tripwire.sinks has the sinks), offenders, containment and same-step verdicts (Monitor.verdicts)
+    # events (tripwire.sinks has the sinks), offenders (tripwire.report has the reporter API), containment and
+    # same-step verdicts (Monitor.verdicts)
     "Event",
     "Offender",
     "Taint",

@@ -115,7 +115,7 @@ def _recording(out: list[Launch]) -> Iterator[None]:
     def record(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> None:
         out.append(Launch(self, args, kwargs))
 
-    from .kernels._common import recorded_launches
+    from .triton._callee import recorded_launches
 
     JITFunction.run = record  # type: ignore[method-assign]
     try:

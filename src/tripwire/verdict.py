@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from ._runtime.capture import is_capturing
+from ._runtime.driver import NOT_READY
 from ._runtime.report import offenders_text
 from .contain import Taint
 from .errors import CaptureError, GuardTripped
@@ -219,7 +220,7 @@ class Verdicts:
             for e in self._events:
                 e.record()  # creates the event now (torch creates it lazily), so the driver calls below have a handle
             torch.cuda.synchronize(device)
-            self._driver = _vk.Driver.make(self._graphs)
+            self._driver = _vk.graph_driver(self._graphs)
             if self._driver is not None:
                 self._execs = [ctypes.c_void_p(g.raw_cuda_graph_exec()) for g in self._graphs]
                 self._cu_events = [ctypes.c_void_p(e.cuda_event) for e in self._events]
@@ -261,7 +262,7 @@ class Verdicts:
         if drv is not None:
             # The slot's graph and its event through the driver: two C calls, no Python stream switch.
             handle = s.cuda_stream  # an int: the argtypes (c_void_p) convert it in C, no ctypes object per step
-            rc = drv.launch(self._execs[slot], handle) or drv.record(self._cu_events[slot], handle)
+            rc = drv.graph_launch(self._execs[slot], handle) or drv.event_record(self._cu_events[slot], handle)
             if rc != 0:
                 raise RuntimeError(f"tripwire: the verdict's graph launch on {self.name} failed (CUDA error {rc})")
         else:
@@ -344,8 +345,8 @@ class Verdicts:
         drv = self._driver
         if drv is None:
             return bool(self._events[slot].query())
-        rc = drv.query(self._cu_events[slot])
-        if rc not in (0, drv.NOT_READY):
+        rc = drv.event_query_released(self._cu_events[slot])
+        if rc not in (0, NOT_READY):
             raise RuntimeError(f"tripwire: the verdict's event query on {self.name} failed (CUDA error {rc})")
         return rc == 0
 

@@ -189,3 +189,15 @@ def test_the_reporter_table():
         reps.make("no-such-kind")
     reps.clear()
     assert reps.made() == []
+
+
+def test_the_window_releases_no_report_of_nothing_new():
+    """A key submitted again at the total it last reported releases nothing (no "0 new" line or event); control:
+    one more hit releases a report of 1."""
+    out: list = []
+    w = ReportWindow(0.0, out.append)
+    w.submit(("cpu", 1), 3, 0.0, lambda d: d)
+    w.submit(("cpu", 1), 3, 1.0, lambda d: d)
+    assert out == [3]
+    w.submit(("cpu", 1), 4, 2.0, lambda d: d)
+    assert out == [3, 1]

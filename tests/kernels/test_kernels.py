@@ -453,7 +453,7 @@ launches = []
 JITFunction.run = lambda self, *args, grid, warmup, **kw: launches.append((self, args, kw))
 
 import tests_kernels_cases as cases  # noqa: E402  (written next to this probe)
-from tripwire.kernels._common import recorded_launches  # noqa: E402
+from tripwire.triton._callee import recorded_launches  # noqa: E402
 
 # For the whole probe (it exits after): every launch is recorded, never run, so the launchers take CPU tensors
 # without Triton's interpreter.

@@ -76,6 +76,6 @@ def test_the_launchers_ask_whether_triton_interprets_at_each_call(monkeypatch):
         with pytest.raises(RuntimeError, match="cache is on the CPU"):
             pg.paged_gather(cache, table, out)
     pg.paged_gather(cache, table, out)  # runs: the stand-in is gone
-    monkeypatch.setattr(_common, "_callee", types.SimpleNamespace(interpreting=lambda: False))
+    monkeypatch.setattr(_common, "_callee", types.SimpleNamespace(interpreting=lambda: False, recording=lambda: False))
     with pytest.raises(RuntimeError, match="cache is on the CPU"):
         pg.paged_gather(cache, table, out)

@@ -8,9 +8,9 @@ its calls exempt without touching the engine's capture semantics (benchmarks/RES
 plain reader thread breaks and tripwire's does not).
 
 The mode lives in the driver (the runtime entry point forwards to it), so we call the driver's
-``cuThreadExchangeStreamCaptureMode`` from ``libcuda.so.1`` (the one library every CUDA process shares); if that is
-missing we try the runtime ``libcudart`` that torch loaded; if neither works, the caller falls back to pausing
-during captures it can see (:func:`install_capture_watch`).
+``cuThreadExchangeStreamCaptureMode`` from ``libcuda.so.1`` (the one library every CUDA process shares, bound in
+:mod:`tripwire._runtime.driver`); if that is missing we try the runtime ``libcudart`` that torch loaded; if neither
+works, the caller falls back to pausing during captures it can see (:func:`install_capture_watch`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .driver import CAPTURE_MODE_EXCHANGE, LIBRARY, Driver
 
 log = logging.getLogger("tripwire")
 
@@ -61,12 +63,15 @@ def _lookup_exchange() -> object:
     with _lib_lock:
         if _exchange_fn is not None:
             return _exchange_fn
-        candidates: list[tuple[str, str]] = [("libcuda.so.1", "cuThreadExchangeStreamCaptureMode")]
-        candidates += [(p, "cudaThreadExchangeStreamCaptureMode") for p in _find_loaded("libcudart")]
-        for lib_name, sym in candidates:
+        drv = Driver.get()
+        if drv is not None and drv.capture_mode_exchange is not None:
+            _exchange_fn, _exchange_how = drv.capture_mode_exchange, f"{CAPTURE_MODE_EXCHANGE} in {LIBRARY}"
+            return _exchange_fn
+        # The runtime's own entry point, from the libcudart this process loaded (the driver binding is libcuda's).
+        for lib_name in _find_loaded("libcudart"):
+            sym = "cudaThreadExchangeStreamCaptureMode"
             try:
-                lib = ctypes.CDLL(lib_name)
-                fn = getattr(lib, sym)
+                fn = getattr(ctypes.CDLL(lib_name), sym)
             except (OSError, AttributeError):
                 continue
             fn.argtypes = [ctypes.POINTER(ctypes.c_int)]

@@ -12,7 +12,7 @@ CPU arenas are read directly (a numpy copy under the GIL).
 Fast path: the tick runs on a thread that shares the GIL with the engine, so every microsecond it holds the GIL is
 taken from the engine's Python. Issuing the copy through torch (stream context + ``copy_``) runs far more Python per
 tick than the same driver calls through ctypes (push context, query, ``cuMemcpyDtoHAsync``, record, pop), so the
-tick uses those. Each ctypes call that releases the GIL hands it to the engine mid-tick, and the reader must then
+tick uses those (bound once, for every caller, in :mod:`tripwire._runtime.driver`). Each ctypes call that releases the GIL hands it to the engine mid-tick, and the reader must then
 take it back (CPython forces that switch only after its switch interval, ``sys.getswitchinterval()``): a tick whose
 five calls all release waits for up to five switch intervals. So the calls that cannot block -- the event query and
 the thread-local context push and pop -- keep the GIL (``ctypes.PyDLL``), like torch's own ``Event.query()``. The two that ENQUEUE
@@ -45,65 +45,9 @@ import torch
 
 from ..errors import CaptureError, GuardTripped
 from .capture import install_capture_watch, is_capturing, relax_thread_capture_mode, visible_captures
+from .driver import NOT_READY, SUCCESS, Driver
 
 log = logging.getLogger("tripwire")
-
-_CUDA_SUCCESS = 0
-_CUDA_ERROR_NOT_READY = 600
-
-
-class Driver:
-    """The few CUDA driver entry points the tick needs, via ctypes (None when libcuda cannot be loaded)."""
-
-    _lock = threading.Lock()
-    _instance: Driver | bool | None = False  # False: not looked up yet
-
-    def __init__(self, keeps_gil: ctypes.CDLL, releases_gil: ctypes.CDLL) -> None:
-        vp, u64, sz, i = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
-
-        def fn(lib: ctypes.CDLL, name: str, *argtypes: object) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-            f = getattr(lib, name)
-            f.argtypes = list(argtypes)
-            f.restype = ctypes.c_int
-            return f
-
-        # Set-up calls (once per device, may initialise the context): release the GIL.
-        self.device_get = fn(releases_gil, "cuDeviceGet", ctypes.POINTER(i), i)
-        self.stream_create = fn(releases_gil, "cuStreamCreate", ctypes.POINTER(vp), ctypes.c_uint)
-        self.primary_ctx_retain = fn(releases_gil, "cuDevicePrimaryCtxRetain", ctypes.POINTER(vp), i)
-        # Per tick, cannot block (a thread-local stack, an event's status): keep the GIL (module docstring).
-        self.ctx_push = fn(keeps_gil, "cuCtxPushCurrent_v2", vp)
-        self.ctx_pop = fn(keeps_gil, "cuCtxPopCurrent_v2", ctypes.POINTER(vp))
-        self.event_query = fn(keeps_gil, "cuEventQuery", vp)
-        # Per tick, enqueue and so can block: release the GIL (module docstring).
-        self.memcpy_dtoh_async = fn(releases_gil, "cuMemcpyDtoHAsync_v2", vp, u64, sz, vp)
-        self.event_record = fn(releases_gil, "cuEventRecord", vp, vp)
-        # The same entry points as raw addresses, for the native quiet tick (tripwire._runtime.native), which calls them
-        # from its own thread without Python.
-        self.raw: dict[str, int | None] = {
-            name: ctypes.cast(getattr(releases_gil, name), ctypes.c_void_p).value
-            for name in (
-                "cuEventQuery",
-                "cuMemcpyDtoHAsync_v2",
-                "cuEventRecord",
-                "cuCtxPushCurrent_v2",
-                "cuCtxPopCurrent_v2",
-            )
-        }
-        # CUDA >= 10.1; without it the native tick cannot relax its capture mode and is not used (never an error).
-        mode_fn = getattr(releases_gil, "cuThreadExchangeStreamCaptureMode", None)
-        self.raw["cuThreadExchangeStreamCaptureMode"] = ctypes.cast(mode_fn, ctypes.c_void_p).value if mode_fn else None
-
-    @classmethod
-    def get(cls) -> Driver | None:
-        with cls._lock:
-            if cls._instance is False:
-                try:
-                    # One library, two views: PyDLL's functions keep the GIL, CDLL's release it.
-                    cls._instance = Driver(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
-                except (OSError, AttributeError):
-                    cls._instance = None
-            return cls._instance  # type: ignore[return-value]
 
 
 def _same_or_copy(fresh: np.ndarray, same_as: np.ndarray | None) -> np.ndarray:
@@ -116,7 +60,7 @@ def _same_or_copy(fresh: np.ndarray, same_as: np.ndarray | None) -> np.ndarray:
 
 
 def _ok(rc: int, what: str) -> None:
-    if rc != _CUDA_SUCCESS:
+    if rc != SUCCESS:
         raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
 
 
@@ -310,7 +254,7 @@ class DeviceReader:
         if drv is None:
             return bool(self.event.query())
         rc = drv.event_query(self._event_h)
-        if rc == _CUDA_ERROR_NOT_READY:
+        if rc == NOT_READY:
             return False
         _ok(rc, "cuEventQuery")
         return True

@@ -7,13 +7,12 @@ It runs in the step's stream order, so the slot holds every hit the step's kerne
 The slot is pinned host memory written by the kernel itself (zero-copy: pinned memory is device-accessible under
 unified addressing), so a verdict is ONE kernel node, not a kernel and a copy; where the kernel cannot take the host
 pointer the ring falls back to a device staging slot and a copy (:func:`zero_copy`). Eager enqueues launch a small
-CUDA graph per slot, captured at construction, through the driver (``cuGraphLaunch`` and ``cuEventRecord`` by
-ctypes): a few microseconds of host time where a Triton launch from Python costs tens.
+CUDA graph per slot, captured at construction, through the driver (``cuGraphLaunch`` and ``cuEventRecord``,
+:mod:`tripwire._runtime.driver`): a few microseconds of host time where a Triton launch from Python costs tens.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..layout import OFF_HEADER, SLOTS
+from .driver import Driver
 
 log = logging.getLogger("tripwire")
 
@@ -125,26 +125,9 @@ def slot_graphs(
     return graphs
 
 
-class Driver:
-    """``cuGraphLaunch``, ``cuEventRecord`` and ``cuEventQuery`` through ctypes (the runtime's handles are the
-    driver's), or None where libcuda or the graph's raw handle is not available (torch's Python calls then)."""
-
-    NOT_READY = 600  # CUDA_ERROR_NOT_READY
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.launch = lib.cuGraphLaunch
-        self.record = lib.cuEventRecord
-        self.query = lib.cuEventQuery
-        for fn, n in ((self.launch, 2), (self.record, 2), (self.query, 1)):
-            fn.argtypes = [ctypes.c_void_p] * n
-            fn.restype = ctypes.c_int
-
-    @classmethod
-    def make(cls, graphs: list[Any]) -> Driver | None:
-        if not all(hasattr(g, "raw_cuda_graph_exec") for g in graphs):
-            return None
-        try:
-            return cls()
-        except (OSError, AttributeError):
-            return None
+def graph_driver(graphs: list[Any]) -> Driver | None:
+    """The driver to launch the slots' graphs and record and query their events through (the runtime's handles are
+    the driver's), or None where libcuda or a graph's raw handle is not available (torch's Python calls then)."""
+    if not all(hasattr(g, "raw_cuda_graph_exec") for g in graphs):
+        return None
+    return Driver.get()

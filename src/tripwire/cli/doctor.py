@@ -65,7 +65,7 @@ def _cuda() -> Check:
         )
     names = [f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
              for i in range(torch.cuda.device_count())]  # fmt: skip
-    from .._runtime.reader import Driver
+    from .._runtime.driver import Driver
 
     drv = Driver.get()
     fast = (

@@ -7,9 +7,7 @@ illegal memory access (or, worse, a silently wrong read) inside the kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -66,7 +64,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         raise ValueError(f"tripwire kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), got {dev}")
     # _callee's function looked up at the call, not bound at import: a stand-in a test sets on _callee is seen while
     # it is set and gone after, whichever module was imported first.
-    if dev.type == "cpu" and not _callee.interpreting() and not _recording:
+    if dev.type == "cpu" and not _callee.interpreting() and not _callee.recording():
         # Else Triton's own error, "0 active drivers", says neither what is wrong nor what to do.
         raise RuntimeError(
             f"{first_name} is on the CPU, but tripwire's reference kernels are Triton kernels and Triton compiles "
@@ -75,29 +73,6 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             f"it itself), or pass CUDA tensors"
         )
     return dev
-
-
-# Open recorded_launches() blocks: launches are recorded instead of run (tripwire.resources.capture_launches).
-_recording = 0
-# The innermost block's compiler: (jit function, args, kwargs) -> Triton's compiled kernel, for the GPU target the
-# recorder compiles for (a launcher that compiles before it launches asks it: tripwire.triton._budget).
-_recorded_compile: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
-
-
-@contextmanager
-def recorded_launches(compile: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> Iterator[None]:
-    """Within it the launchers take CPU tensors without Triton's interpreter: their launches are being recorded
-    instead of run (nothing reaches a driver), to be compiled for a GPU target from the recorded arguments
-    (``compile``, the recorder's own compiler)."""
-    global _recording, _recorded_compile
-    saved = _recorded_compile
-    _recording += 1
-    _recorded_compile = compile
-    try:
-        yield
-    finally:
-        _recording -= 1
-        _recorded_compile = saved
 
 
 def check_ctr(name: str, ctr: object, device: torch.device, n_sites: int = 1) -> torch.Tensor:

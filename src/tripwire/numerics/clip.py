@@ -41,9 +41,8 @@ import torch
 
 from .._runtime.arena import normalize_device
 from .._runtime.capture import is_capturing
-from .._runtime.report import Report, ReportContext, Wording, register_reporter, short_name
 from ..errors import GuardTripped
-from ..sinks import Event
+from ..report import Event, Report, ReportContext, Wording, register_reporter, short_name
 from ..sites import Site, SiteRegistry
 
 if TYPE_CHECKING:

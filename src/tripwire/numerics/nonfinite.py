@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime.hit import Hit
-from .._runtime.report import GuardReporter, Wording, register_reporter, short_name
 from ..monitor import Monitor
+from ..report import GuardReporter, Hit, Wording, register_reporter, short_name
 from ..sites import Site
 from ..triton import record_hits
 from ..triton._budget import register_cap

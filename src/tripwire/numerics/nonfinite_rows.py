@@ -25,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime.hit import Hit
-from .._runtime.report import GuardReporter, Wording, offenders_text, register_reporter, short_name
 from ..layout import GUARD_BIAS, VALUE_MAX
 from ..monitor import Monitor
+from ..report import GuardReporter, Hit, Wording, offenders_text, register_reporter, short_name
 from ..sites import Site
 from ..triton import record_hits
 from .nonfinite import _BITS, _FLOAT_DTYPES

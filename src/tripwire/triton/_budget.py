@@ -46,6 +46,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from . import _callee
+
 log = logging.getLogger("tripwire")
 _REG_UNIT = 8  # registers per thread are allocated in units of 8
 _MAX_REGS = 255
@@ -253,13 +255,12 @@ def _units(regs: int) -> int:
 
 
 def _compiled_ptx(fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    from ..kernels import _common
-
-    if _common._recording:
+    if _callee.recording():
         # Launches are being recorded (tripwire.resources): compile as the recorder does, for its target.
-        if _common._recorded_compile is None:
+        compile = _callee.recorded_compile()
+        if compile is None:
             raise RuntimeError("launches are being recorded with no compiler to find a register cap with")
-        return str(_common._recorded_compile(fn, args, kwargs).asm["ptx"])
+        return str(compile(fn, args, kwargs).asm["ptx"])
     kernel = fn.warmup(*args, grid=grid, **kwargs)
     if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
         kernel = kernel.result()

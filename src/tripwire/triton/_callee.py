@@ -1,12 +1,16 @@
 """The out-of-line fault path's calls across Triton versions and the interpreter: which helper functions can be
 called out of line (``noinline``) and which must be inlined, the PTX claims that use no shared memory, and loop
 bounds the interpreter takes. ``tripwire.triton`` imports what it needs from here; nothing here is public but
-:data:`CALLEE_SMEM_SAFE`, which ``tripwire.triton`` exports (and ``interpreting``, which the launchers share).
+:data:`CALLEE_SMEM_SAFE`, which ``tripwire.triton`` exports (and ``interpreting`` and the launch recorder, which the
+launchers share).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -27,6 +31,42 @@ def interpreting() -> bool:
     test of it: the kernels' launchers and the fused FP8 counter call this too)."""
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable directly
     return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# How the launches of this process run is one question with three answers: interpreted (above), compiled and run, or
+# recorded instead of run (tripwire.resources.capture_launches). The recorder is here, beside the interpreter's test,
+# so that both the launchers (tripwire.kernels) and the register budget (tripwire.triton._budget) read it from below.
+# The open recorded_launches() blocks (a count: they nest).
+_recording = 0
+# The innermost block's compiler: (jit function, args, kwargs) -> Triton's compiled kernel, for the GPU target the
+# recorder compiles for (a launcher that compiles before it launches asks it: tripwire.triton._budget).
+_recorded_compile: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+
+
+def recording() -> bool:
+    """Whether launches are being recorded instead of run (within :func:`recorded_launches`)."""
+    return _recording > 0
+
+
+def recorded_compile() -> Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None:
+    """The innermost :func:`recorded_launches` block's compiler, or None (none open, or one opened without)."""
+    return _recorded_compile
+
+
+@contextmanager
+def recorded_launches(compile: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> Iterator[None]:
+    """Within it the launchers take CPU tensors without Triton's interpreter: their launches are being recorded
+    instead of run (nothing reaches a driver), to be compiled for a GPU target from the recorded arguments
+    (``compile``, the recorder's own compiler)."""
+    global _recording, _recorded_compile
+    saved = _recorded_compile
+    _recording += 1
+    _recorded_compile = compile
+    try:
+        yield
+    finally:
+        _recording -= 1
+        _recorded_compile = saved
 
 
 # Before Triton 3.9 a noinline function's shared memory is the kernel's from offset 0, not the offset the caller's
