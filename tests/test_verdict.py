@@ -1,6 +1,6 @@
 """tripwire.verdict: same-step verdicts over the real validator kernel (the interpreter on the CPU, the GPU when there
 is one): what a step's hits taint, per-step offenders, fail-closed, the stop without containment, the reader's
-deference to the ring, and the bad-input errors. Controls show what the reader-only path would have said."""
+deference to the ring, and the bad-input errors, each with a control that re-creates what it guards against."""
 
 from __future__ import annotations
 
@@ -138,15 +138,25 @@ def test_under_containment_a_fatal_site_is_contained_and_the_reader_defers(kerne
     assert isinstance(control.armed, GuardTripped)
 
 
-def test_reading_taints_changes_no_policy(kernel_device):
-    """take_tainted() is a getter: in raise mode without the contain setting a hit still arms after it was called."""
-    mon = _monitor(mode="raise")
-    v = Validator("s", kernel_device, policy="mask", monitor=mon)
-    v.index("slots", hi=100, padding=-1, requests="req", segments="cu")
-    assert mon.take_tainted() == []
-    _step(v, mon, kernel_device, [2])
-    mon.drain()
-    assert isinstance(mon.armed, GuardTripped) and mon.health()["ok"] is False
+def test_reading_a_verdict_changes_no_policy(kernel_device):
+    """A verdict's taints are read, never a switch: in ``raise`` mode without the contain setting, reading the
+    verdict's taints and failures leaves containment off and the stop armed in the step. Control: the same hit with
+    the setting on arms nothing."""
+    for contain in (False, True):
+        mon = _monitor(mode="raise", contain=contain)
+        v, ring = _setup(mon, kernel_device)
+        _step(v, mon, kernel_device, [2])
+        t = ring.enqueue()
+        _sync(kernel_device)
+        verdict = ring.take(t)
+        assert [tt.request for tt in verdict.taints] == ["a"] and verdict.failure("a").row == 2
+        assert mon.contain is contain
+        if contain:
+            assert verdict.stop is None and mon.armed is None and mon.health()["armed"] is False
+        else:
+            assert isinstance(verdict.stop, GuardTripped) and mon.armed is verdict.stop
+            assert mon.health()["armed"] is True
+        mon.stop()
 
 
 def test_reset_rebaselines_the_ring(kernel_device):

@@ -201,9 +201,9 @@ class Settings:
     * ``store_poll``: seconds between :func:`tripwire.distributed.coordinate`'s polls of the job's store, on its own
       thread (the reader's ticks stay native): how late a peer's stop arrives, against the store's load (one request
       per rank per poll).
-    * ``contain``: containment (:mod:`tripwire.contain`): an attributed masked fault fails the requests it hit
-      instead of arming the stop; off by default, switched on only explicitly (this setting, or an integration's
-      ``install(contain=True)``).
+    * ``contain``: containment (:mod:`tripwire.contain`): a same-step verdict's attributed masked fault fails the
+      requests it hit instead of arming the stop; off by default, switched on only explicitly (this setting, or
+      :meth:`tripwire.Monitor.set_contain`, which an integration's ``install(contain=True)`` calls).
     """
 
     mode: str = "warn"
@@ -240,7 +240,12 @@ def check_timeout(what: str, timeout: Any) -> None:
 
 
 class SettingView:
-    """A read-only attribute that shows one of its object's settings: ``Monitor.mode`` is ``monitor.settings.mode``."""
+    """A read-only attribute that shows one of its object's settings: ``Monitor.mode`` is ``monitor.settings.mode``.
+    ``setter``: the method that changes this setting on a built object, named by the error an assignment raises
+    (None: it is fixed when the object is built)."""
+
+    def __init__(self, setter: str | None = None) -> None:
+        self.setter = setter
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -249,7 +254,8 @@ class SettingView:
         return self if obj is None else getattr(obj.settings, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(f"{type(obj).__name__}.{self.name} is read-only: build it with {self.name}=... instead")
+        how = f"call .{self.setter}({value!r})" if self.setter else f"build it with {self.name}=... instead"
+        raise AttributeError(f"{type(obj).__name__}.{self.name} is read-only: {how}")
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

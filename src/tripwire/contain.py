@@ -5,22 +5,21 @@ row-to-request map: :mod:`tripwire.layout`). Engines name their requests with st
 :class:`RequestNames` (``Monitor.requests``) gives each engine id a number for the kernels' request maps and turns the
 numbers back into the engine's ids in reports, events and taints (an operator greps the engine's own logs for them).
 
-Containment is an explicit setting (``Monitor(contain=True)``, ``TRIPWIRE_CONTAIN=1``, or an integration's
-``install(contain=True)``); reading taints never changes it. Two paths decide what to fail:
+Containment is ONE monitor setting, ``contain``: ``Monitor(contain=True)``, ``TRIPWIRE_CONTAIN=1``, or
+:meth:`tripwire.Monitor.set_contain` (the call an integration's ``install(contain=True)`` makes). Reading a verdict or
+its taints never changes it.
 
-* The same-step verdict (:mod:`tripwire.verdict`), for the sites an engine's verdict ring covers: the ring decides
-  before the step's requests are handed back. The reader reports those sites' rises and, under containment, leaves
-  the decision to the ring (:class:`VerdictLedger` says which rows it covers and holds the offenders it consumed).
-* The reader, for every other site: when a rise of a NON-fatal site is confirmed, :class:`Containment` turns the
-  offenders it has not seen yet into :class:`Taint` records, which the engine takes with
-  :meth:`tripwire.Monitor.take_tainted`. Such a rise does not arm the stop even in ``raise`` mode, as long as every
-  new hit is attributed; a fatal site still stops. Latency: a taint exists about two reader intervals after the
-  kernel ran, so a request that finishes sooner is handed back with the masked result: use a verdict ring for that.
+There is one containment path: the same-step verdict (:mod:`tripwire.verdict`). An engine's verdict ring decides,
+for the sites it covers, before any request of the step is handed back: under containment it names the requests to
+fail (:class:`Taint`) and arms nothing. The reader still reports those sites' rises (its reports carry the offenders
+the verdicts consumed, which :class:`VerdictLedger` keeps) and, under containment, leaves the decision to the ring.
+A site no ring covers is never contained: the reader's verdict comes about two reader intervals after the kernel
+ran, so a request that finishes sooner would be handed back with its masked result as a success; such a site arms
+the stop exactly as without containment (a fatal site, or any hit in ``raise`` mode).
 
-Fail closed: a rise that cannot be attributed in full -- an offender without a request, a counter without an offender
-block, or a full block (K distinct kept) whose count rose by more than its new offenders (one dropped may have named
-another request) -- yields a taint with ``request=None``, which an engine must treat as "fail everything", and arms
-the stop under ``raise`` exactly as without containment.
+Fail closed: a rise a verdict cannot attribute in full (an offender without a request, hits without offenders, or a
+full block: K distinct kept, whose count rose by more than its offenders) yields a taint with ``request=None``, and
+the engine fails every request of that step (:attr:`tripwire.verdict.Verdict.fail_all`).
 """
 
 from __future__ import annotations
@@ -31,11 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._runtime.hit import Hit
     from .sinks import Offender
-    from .sites import Site
 
-__all__ = ["Containment", "RequestNames", "Taint", "VerdictLedger"]
+__all__ = ["RequestNames", "Taint", "VerdictLedger"]
 
 
 @dataclass(frozen=True)
@@ -102,9 +99,10 @@ class RequestNames:
 
 
 class VerdictLedger:
-    """The rows verdict rings cover, per device, and the offenders their verdicts consumed (the first K distinct of
-    each row's life, for the reader's reports: the device block holds only the current step's). Thread-safe: the
-    engine's verdicts add, the reader reads."""
+    """What the same-step verdicts share with the reader of one monitor: the rows verdict rings cover, per device
+    (under containment the reader leaves their decision to the ring), and the offenders the verdicts consumed from
+    the device blocks (the first K distinct of each row's life: the block holds only the current step's, and the
+    reader's reports and snapshots name these first). Thread-safe: the engine's verdicts add, the reader reads."""
 
     def __init__(self, offenders_per_row: int) -> None:
         self._k = offenders_per_row
@@ -113,6 +111,7 @@ class VerdictLedger:
         self._offenders: dict[tuple[str, int], list[Offender]] = {}
 
     def cover(self, device: str, row: int) -> None:
+        """Mark ``row`` on ``device`` as a ring's (ValueError when another ring has it)."""
         with self._lock:
             if (device, row) in self._covered:
                 raise ValueError(
@@ -124,7 +123,8 @@ class VerdictLedger:
     def covers(self, device: str, row: int) -> bool:
         return (device, row) in self._covered
 
-    def add(self, device: str, row: int, total: int, offenders: tuple[Offender, ...]) -> None:
+    def add(self, device: str, row: int, offenders: tuple[Offender, ...]) -> None:
+        """Keep the ``offenders`` a verdict consumed from ``row``'s block (each once, at most K)."""
         with self._lock:
             kept = self._offenders.setdefault((device, row), [])
             for o in offenders:
@@ -141,52 +141,3 @@ class VerdictLedger:
         """Forget the offenders (a reset zeroes the counters they came from); the rows stay covered."""
         with self._lock:
             self._offenders.clear()
-
-
-class Containment:
-    """The taints of one monitor. ``enabled``: whether attributed rises of non-fatal sites stop arming the stop (the
-    monitor's ``contain`` setting, or an integration's ``install(contain=True)``; never a side effect of reading).
-    Thread-safe: the reader adds, the engine takes."""
-
-    def __init__(self, offenders_per_row: int, enabled: bool = False) -> None:
-        self.enabled = enabled
-        self._k = offenders_per_row
-        self._lock = threading.Lock()
-        self._seen: dict[tuple[str, int], set[tuple[int, int, object]]] = {}
-        self._counts: dict[tuple[str, int], int] = {}
-        self._taints: list[Taint] = []
-
-    def note(self, site: Site, device: str, hit: Hit) -> bool:
-        """A confirmed rise of a guard row: record the taints of its new offenders; True when every new hit of the
-        rise is attributed to a request (the stop need not arm for it)."""
-        key = (device, site.id)
-        with self._lock:
-            delta = hit.count - self._counts.get(key, 0)
-            self._counts[key] = hit.count
-            if site.fatal or delta <= 0:
-                return False
-            seen = self._seen.setdefault(key, set())
-            new = [o for o in hit.offenders if (o.row, o.value, o.request) not in seen]
-            seen.update((o.row, o.value, o.request) for o in new)
-            attributed = (
-                bool(hit.offenders)
-                and all(o.request is not None for o in new)
-                and (len(hit.offenders) < self._k or delta <= len(new))
-            )
-            self._taints.extend(Taint(o.request, site.name, device, o.row, o.value) for o in new)
-            if not attributed and all(o.request is not None for o in new):
-                self._taints.append(Taint(None, site.name, device, hit.first_row, hit.first_value))
-            return attributed
-
-    def take(self) -> list[Taint]:
-        """The taints since the last call. Reading them changes no policy."""
-        with self._lock:
-            taints, self._taints = self._taints, []
-            return taints
-
-    def clear(self) -> None:
-        """Forget every offender seen and every taint not taken (a reset zeroes the counters they came from)."""
-        with self._lock:
-            self._seen.clear()
-            self._counts.clear()
-            self._taints.clear()

@@ -33,7 +33,7 @@ from ._runtime.pipeline import Callbacks, Pipeline
 from ._runtime.reader import DeviceReader, Readers
 from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, tripped_for
 from .config import Settings, SettingView, check_timeout, load_settings
-from .contain import RequestNames, Taint
+from .contain import RequestNames
 from .errors import CaptureError, GuardTripped
 from .sinks import Event, JsonLines
 from .sites import GUARD_KINDS, Site, SiteRegistry, default_registry
@@ -48,7 +48,8 @@ class Monitor:
 
     Every setting is a keyword argument (``mode``, ``interval``, ``idle_tail``, ``report_every``, ``capacity``,
     ``offenders``, ``heartbeat``, ``native_tick``, ``event_log``, ``store_poll``, ``contain``), validated exactly like the ``TRIPWIRE_*``
-    variable it overrides, and readable as a read-only attribute (``monitor.mode``). A fresh Monitor has its own
+    variable it overrides, and readable as a read-only attribute (``monitor.mode``); containment alone is switched on
+    a built monitor too, with :meth:`set_contain` (what integrations call). A fresh Monitor has its own
     arena, reader and reported state, so tests can build one each. ``registry`` defaults to the process-wide one.
     """
 
@@ -61,7 +62,7 @@ class Monitor:
     heartbeat = SettingView()
     event_log = SettingView()
     store_poll = SettingView()
-    contain = SettingView()
+    contain = SettingView(setter="set_contain")
 
     def __init__(
         self, *, registry: SiteRegistry | None = None, env: dict[str, str] | None = None, **settings: Any
@@ -452,13 +453,16 @@ class Monitor:
             self._tripped = None
         self._deliver()
 
-    def take_tainted(self) -> list[Taint]:
-        """The requests masked faults at non-fatal sites hit since the last call, as the READER confirmed them
-        (:mod:`tripwire.contain`), for the engine to fail one by one. A ``request`` of None: a hit naming no request
-        (fail everything). Never touches the GPU, and changes no policy (containment is the ``contain`` setting).
-        Late by about two reader intervals: an engine that hands requests back sooner takes same-step verdicts
-        (:meth:`verdicts`) instead."""
-        return self.pipeline.containment.take()
+    def set_contain(self, on: bool) -> None:
+        """Switch containment (the ``contain`` setting, as ``Monitor(contain=...)`` and ``TRIPWIRE_CONTAIN``) on or
+        off: the call an integration's ``install(contain=True)`` makes, and an engine of one's own. Under it a
+        same-step verdict (:meth:`verdicts`) arms nothing and names the requests to fail; sites no ring covers arm
+        as without it (:mod:`tripwire.contain`). Read at each dirty verdict and reader confirmation, so rings built
+        before the call follow it. TypeError unless ``on`` is a bool."""
+        if not isinstance(on, bool):
+            raise TypeError(f"Monitor.set_contain(on) takes True or False, got {on!r}")
+        with self._lock:  # Settings are immutable: one replacement, seen whole by every reader
+            self.settings = self.settings.with_overrides(contain=on)
 
     def verdicts(self, device: torch.device | str | int, sites: Any, *, depth: int = 4) -> Any:
         """A ring of same-step verdicts over ``sites`` (Site objects or registered names) on ``device``

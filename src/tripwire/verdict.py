@@ -24,13 +24,16 @@ verdict of ITS OWN step, before it hands any request of that step back::
   kernels' request maps used :meth:`RequestNames.number`), ``fail_all`` when a rise cannot be attributed in full (an
   offender without a request, a full block whose count rose past its offenders, hits without offenders), and the stop
   it armed (``stop``): without containment a fatal site, or any rise in ``raise`` mode, arms the monitor's stop at
-  once, in the same step. With containment (``Monitor(contain=True)``) it arms nothing: the engine fails
-  ``tainted`` (or, under ``fail_all``, every request of the step) and goes on; a fatal site's masked write is then
-  contained too (the write went to a trash slot: the damage is the writer's own).
+  once, in the same step. With containment (the monitor's ``contain`` setting: ``Monitor(contain=True)``,
+  ``TRIPWIRE_CONTAIN=1`` or :meth:`tripwire.Monitor.set_contain`, read at each verdict that saw a rise) it arms
+  nothing: the engine fails ``tainted`` (or, under ``fail_all``, every request of the step) and goes on; a fatal
+  site's masked write is then contained too (the write went to a trash slot: the damage is the writer's own).
+  Reading a verdict (``tainted``, ``taints``, ``failure``) changes no policy.
 * A verdict that saw a rise reports it before ``take`` returns (the monitor's report, every sink included: an engine
   never fails a request its events do not yet explain); the reader reports every other rise (its reports carry the
   offenders the verdicts consumed) and, for the ring's sites under containment, leaves the verdict to the ring: it
-  neither taints nor arms for them.
+  does not arm for them. The ring is the only containment path: a site no ring covers arms the stop under
+  containment exactly as without it (:mod:`tripwire.contain`).
 
 One ring per (device, site): a second ring over a site would find its offenders consumed. Kernels on another stream
 that hit the ring's sites concurrently with an ``enqueue`` may lose offenders to its consumption: their rise then
@@ -339,7 +342,7 @@ class Verdicts:
         ctx = self.context
         for i in np.nonzero(slot[:, SLOTS + OFF_HEADER :].any(axis=1))[0].tolist():
             offenders = _offenders(slot[i, SLOTS:], ctx.requests)
-            ctx.ledger.add(self.name, self.sites[i].id, int(slot[i, COUNT]), offenders)
+            ctx.ledger.add(self.name, self.sites[i].id, offenders)
 
     def _landed(self, slot: int) -> bool:
         drv = self._driver
@@ -365,7 +368,7 @@ class Verdicts:
             return self._clean  # the common step: one comparison of a few words, no allocation of a verdict
         ctx = self.context
         names = ctx.requests
-        contain = ctx.containment.enabled
+        contain = ctx.settings().contain  # the monitor's one setting, read per dirty verdict
         hits: list[VerdictHit] = []
         taints: list[Taint] = []
         tainted: set[Any] = set()
@@ -394,7 +397,7 @@ class Verdicts:
                 first = offenders[0] if offenders else None
                 row, value = (None, None) if first is None else (first.row, first.value)
                 taints.append(Taint(None, site.name, self.name, row, value, site.kind))
-            ctx.ledger.add(self.name, site.id, total, offenders)
+            ctx.ledger.add(self.name, site.id, offenders)
             if not contain and (site.fatal or ctx.settings().mode == "raise"):
                 exc = _tripped(site, self.name, total, delta, offenders)
                 ctx.arm(exc)

@@ -343,27 +343,22 @@ class TestContainment:
         _assert_contained(out, ref, {5}, handle, tw.SITE_READ_INDEX, "ca", eng, rebuilds)
 
 
-@pytest.fixture(scope="class", params=_configs())
-def reader_only(request):
-    """The control: containment left to the reader (``verdicts=False``), as before same-step verdicts."""
-    model, ref, eng, mon, handle = _installed(request.param, mode="raise", contain=True, verdicts=False)
-    yield model, ref, eng, mon, handle
-    eng.close()
-    handle.uninstall()
-    mon.stop()
-
-
-class TestReaderOnlyControl:
-    def test_a_last_step_read_fault_escapes(self, reader_only):
-        """The reader's verdict comes about two intervals after the step: a fault in the step that produces the
-        requests' last token is handed back as a success with the masked result. The same fault fails its victim
-        with same-step verdicts (TestContainment)."""
-        _model, _ref, eng, mon, handle = reader_only
+@pytest.mark.parametrize("graphs", _configs())
+def test_a_last_step_read_fault_is_served_masked_without_containment(graphs):
+    """The control of TestContainment's last-step read: without containment (``mask``) the verdict marks the victim
+    (kept out of the prefix cache) but the request is handed back as a success with its masked result, the very
+    outcome containment's same-step verdict turns into an error (TestContainment fails it in its own step)."""
+    _model, _ref, eng, mon, handle = _installed(graphs, attribute=True)
+    try:
         out, inj = _serve(eng, mon, [Injection("read", TOKENS, "ce-2", "far", offset=5)], "ce")
         assert [i.step for i in inj.injected] == [TOKENS]
         assert _count(mon, tw.SITE_READ_INDEX) == 1
-        assert out[2].error is None, "the control must show the escape the verdict closes"
-        assert handle.contained == []
+        assert out[2].error is None, "the control must show the masked result served as a success"
+        assert handle.contained == [] and mon.armed is None and mon.contain is False
+    finally:
+        eng.close()
+        handle.uninstall()
+        mon.stop()
 
 
 # ---------------------------------------------------------------------------------------------- shared state
@@ -381,29 +376,32 @@ def test_a_victims_blocks_never_enter_the_prefix_cache(contain):
     read; the prefix cache registers completed blocks by their TOKENS, so a later request with the same prompt would
     adopt that block (the engine's de-duplication) and read the masked KV. Every request's first block completes in
     this run: the victim's must not be registered, and the same prompts served again must equal the clean run.
-    Control: containment left to the reader under mask (verdicts=False), where nothing marks the victim in time and
-    its block is registered like the others. (Without attribution, ``attribute=False``, a step's hit taints every
-    request of the step: fail closed.)"""
+    Control (under mask): the integration's keep-out switched off, as when nothing marks the victim before its block
+    completes: its block is registered like the others. (Without attribution, ``attribute=False``, a step's hit
+    taints every request of the step: fail closed.)"""
     graphs = HAS_CUDA
     injection = Injection("read", 6, "pc-0", "far", offset=2)
     hashed = {}
-    for verdicts in (False, True):
-        if contain and not verdicts:
+    for keep_out in (False, True):
+        if contain and not keep_out:
             continue
-        _model, ref, eng, mon, handle = _installed(graphs, contain=contain, verdicts=verdicts, attribute=True)
+        _model, ref, eng, mon, handle = _installed(graphs, contain=contain, attribute=True)
+        if not keep_out:
+            # The control: the handle never keeps a block out (the faulty behaviour the verdict's marking prevents).
+            handle._keeps_out = lambda state: False
         try:
             _serve(eng, mon, [], "pc-clean")
             clean = _hashed_blocks(_cache(eng))
             eng.close()
             out, inj = _serve(eng, mon, [injection], "pc")
             assert len(inj.injected) == 1
-            hashed[verdicts] = (clean, _hashed_blocks(_cache(eng)))
+            hashed[keep_out] = (clean, _hashed_blocks(_cache(eng)))
             again = eng.run(PROMPTS, tag="pc-again")
             changed = [
                 i for i, (o, r) in enumerate(zip(again, ref, strict=True)) if o.generated_tokens != r.generated_tokens
             ]
             assert (out[0].error is not None) == contain
-            hashed[verdicts] += (changed,)
+            hashed[keep_out] += (changed,)
         finally:
             eng.close()
             handle.uninstall()
@@ -544,6 +542,7 @@ def test_install_uninstall_restores_exactly(monkeypatch):
     )
 
     step = ContinuousBatchProcessor.__dict__["_generation_step"]
+    prepare = ContinuousBatchProcessor.__dict__["prepare_next_batch"]
     loop = ContinuousBatchingManager.__dict__["_run_generation_loop"]
     model = tiny_llama("cpu")
     other = tiny_llama("cpu", seed=1)
@@ -551,6 +550,8 @@ def test_install_uninstall_restores_exactly(monkeypatch):
     h1 = tw.install(model, monitor=mon)
     h2 = tw.install(other, monitor=mon)
     assert ContinuousBatchProcessor.__dict__["_generation_step"] is not step
+    # The verdict is the one containment path: nothing hooks the building of the next batch.
+    assert ContinuousBatchProcessor.__dict__["prepare_next_batch"] is prepare
     assert len(model._forward_pre_hooks) == 1
     with pytest.raises(RuntimeError, match="already installed"):
         tw.install(model, monitor=mon)
@@ -579,6 +580,26 @@ def test_install_refuses_bad_input(monkeypatch):
     for good in ("5.17.0", "5.24.0", "5.25.0", "5.25.1.dev0"):
         monkeypatch.setattr(tw, "_installed_version", lambda good=good: good)
         tw.install(model, monitor=Monitor()).uninstall()
+    for gone in (False, True):
+        with pytest.raises(TypeError, match=rf"install\(verdicts={gone}\): the verdicts keyword is gone.*contain=True"):
+            tw.install(model, monitor=Monitor(), verdicts=gone)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['polcy'\]"):
+        tw.install(model, monitor=Monitor(), polcy="mask")
+    assert len(model._forward_pre_hooks) == 0  # nothing was installed by a refused call
+
+
+def test_install_contain_switches_the_monitors_one_setting():
+    """``install(contain=True)`` switches containment on through the monitor's one call (``Monitor.set_contain``):
+    the monitor reads ``contain`` True. Control: ``install()`` leaves a fresh monitor's setting off."""
+    for contain in (False, True):
+        model = tiny_llama("cpu")
+        mon = Monitor()
+        assert mon.contain is False
+        h = tw.install(model, monitor=mon, contain=contain)
+        try:
+            assert mon.contain is contain
+        finally:
+            h.uninstall()
 
 
 def test_an_ordinary_forward_is_not_touched():

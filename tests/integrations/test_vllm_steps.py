@@ -10,6 +10,7 @@ every offender word and every buffer stay equal, step after step.
 
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -536,7 +537,7 @@ def test_verdicts_of_outputs_vllm_drops_are_released(kernel_device):
         m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True)
         site = m.registry.register("s.x")
         ring = m.verdicts("cpu", [site], depth=4)
-        plugin = SimpleNamespace(contain=_vllm_contain.Containment("contain", m))
+        plugin = SimpleNamespace(contain=_vllm_contain.VerdictChannel("contain", m))
         st = _vllm_runner.RunnerState(SimpleNamespace(), ring)
         held = None
         for step in range(6):
@@ -574,7 +575,7 @@ def test_contain_fails_through_the_error_set_of_each_release(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, "vllm.outputs", types.SimpleNamespace(RequestError=RequestError))
     m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True)
-    c = _vllm_contain.Containment("contain", m)
+    c = _vllm_contain.VerdictChannel("contain", m)
     monkeypatch.setattr(_vllm_contain, "_evict", lambda sched, ids: None)
     for errors in (set(), {}):
         req = {r: SimpleNamespace(is_finished=lambda done=(r == "done"): done) for r in ("v", "done", "other")}
@@ -590,3 +591,23 @@ def test_contain_fails_through_the_error_set_of_each_release(monkeypatch):
             assert errors == {"v"}
         else:
             assert list(errors) == ["v"] and errors["v"].message == "why v"
+
+
+def test_the_plugin_switches_containment_through_the_monitors_one_setting(monkeypatch):
+    """vLLM loads the plugin in every process; each switches its own monitor's containment through
+    ``Monitor.set_contain`` (whether the monitor was built before the plugin or not), and no environment variable is
+    set for it. Control: under ``mask`` and ``flag`` the setting stays off, and a monitor set to contain is refused
+    (an explicit setting is never dropped silently)."""
+    from tripwire.integrations import vllm as tw_vllm
+
+    monkeypatch.delenv("TRIPWIRE_CONTAIN", raising=False)
+    built_before = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+    assert built_before.contain is False
+    assert tw_vllm._monitor_for("contain", built_before) is built_before
+    assert built_before.contain is True
+    assert "TRIPWIRE_CONTAIN" not in os.environ
+    for mode in ("mask", "flag"):
+        plain = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+        assert tw_vllm._monitor_for(mode, plain).contain is False
+        with pytest.raises(RuntimeError, match=rf"TRIPWIRE_VLLM={mode} needs a monitor with containment off"):
+            tw_vllm._monitor_for(mode, Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..contain import Containment, RequestNames, VerdictLedger
+from ..contain import RequestNames, VerdictLedger
 from ..errors import GuardTripped
 from ..sinks import Event, Log, SinkSet, stop_event
 from ..sites import SiteRegistry
@@ -81,11 +81,8 @@ class Pipeline:
         self.window = ReportWindow(lambda: settings().report_every, self._release)
         self.log = Log()
         self.sinks = SinkSet(lambda: settings().report_every)
-        self.containment = Containment(s.offenders, enabled=s.contain)
         self.ledger = VerdictLedger(s.offenders)
-        self.context = ReportContext(
-            registry, settings, requests, self.containment, self.ledger, self.submit, arm, armed
-        )
+        self.context = ReportContext(registry, settings, requests, self.ledger, self.submit, arm, armed)
         self._events: list[Event] = []
         self.arm_listeners = Callbacks("an arm listener")
         self._stops: list[GuardTripped] = []  # armed under the monitor's lock, delivered once it is released
@@ -244,5 +241,4 @@ class Pipeline:
         self.confirmer.clear()
         self.window.clear()
         self.reporters.clear()
-        self.containment.clear()
         self.ledger.clear()

@@ -33,7 +33,7 @@ from .hit import Hit, named
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..contain import Containment, RequestNames, VerdictLedger
+    from ..contain import RequestNames, VerdictLedger
 
 
 class Wording(NamedTuple):
@@ -62,7 +62,8 @@ class Report:
 @dataclass(frozen=True)
 class ReportContext:
     """What a reporter (and a verdict ring) may use of the monitor it reports for, and nothing more: its site
-    registry, its settings (``settings()``: read when used), its request names, its containment and verdict ledger,
+    registry, its settings (``settings()``: read when used; ``contain`` among them), its request names, its verdict
+    ledger (the rows verdict rings cover and the offenders they consumed),
     the report window (``emit(key, total, now, render)``: one report per key and window, see :class:`ReportWindow`)
     and the stop (``arm(exc)``, ``armed()``). The monitor's pipeline makes one per monitor; reporters never hold the
     monitor itself, so nothing below the monitor imports it."""
@@ -70,7 +71,6 @@ class ReportContext:
     registry: SiteRegistry
     settings: Callable[[], Settings]
     requests: RequestNames
-    containment: Containment
     ledger: VerdictLedger
     emit: Callable[[tuple[str, int], int, float, Callable[[int], Report]], None]
     arm: Callable[[GuardTripped], None]
@@ -229,7 +229,7 @@ class GuardReporter:
     wording = staticmethod(guard_wording)
 
     def confirm(self, ctx: ReportContext, device: str, site: Site, row: np.ndarray, now: float) -> None:
-        ledger, contain = ctx.ledger, ctx.containment
+        ledger = ctx.ledger
         covered = ledger.covers(device, site.id)
         hit = named(Hit.from_row(row, site.kind), ctx.requests.name)
         if covered:
@@ -248,12 +248,12 @@ class GuardReporter:
             return Report((guard_event(site, device, h, delta),), wording(site, device, h, delta=delta), site.name)
 
         ctx.emit((device, site.id), hit.count, now, render)
-        if covered and contain.enabled:
+        settings = ctx.settings()
+        if covered and settings.contain:
             return  # the ring's same-step verdict fails the requests (or the step) and arms nothing: tripwire.verdict
-        # With containment on, a rise whose every new hit names a request taints those requests instead of arming
-        # (tripwire.contain); a fatal site, or a rise it cannot attribute, arms exactly as without it.
-        contained = contain.enabled and contain.note(site, device, hit)
-        if site.fatal or (ctx.settings().mode == "raise" and not contained):
+        # A site no ring covers is not contained: the reader's confirmation comes too late to fail a request before
+        # it is handed back (tripwire.contain), so it arms exactly as without containment.
+        if site.fatal or settings.mode == "raise":
             ctx.arm(tripped_for(site, device, hit, lambda *a, **k: str(wording(*a, **k))))
 
     def tick(self, ctx: ReportContext, latest: dict[str, np.ndarray], now: float) -> None:

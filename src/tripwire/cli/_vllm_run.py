@@ -319,7 +319,7 @@ def _time_hooks() -> tuple[list[float], Any]:
     timed(_vllm_v2.V2StepValidator, "inputs")
     timed(_vllm_v2.V2StepValidator, "outputs")
     for name in ("after_step", "before_update", "after_update"):
-        timed(_vllm_contain.Containment, name)
+        timed(_vllm_contain.VerdictChannel, name)
 
     def restore() -> None:
         for cls, name, fn in saved:

@@ -21,7 +21,6 @@ Per step, in the engine's order (both IO classes, sync and async batching, every
   5.18+'s one cache tensor is by construction), an unwritten slot holds a zero or an earlier request's finite K/V, so
   the rest of the batch is bit-identical and the masked write is contained to its request
   (:attr:`zeroed`, ``CacheValidators.writes_contained``).
-* ``ContinuousBatchProcessor.prepare_next_batch``: before it, the reader-confirmed taints (``verdicts=False``).
 * ``ContinuousBatchingManager._run_generation_loop``: after it, the drain.
 """
 
@@ -64,8 +63,8 @@ def mark_complete_name(cache_cls: type) -> str:
 
 
 def patch(lookup: Callable[[str, Any], Any]) -> None:
-    """Wrap the engine's methods. ``lookup(kind, obj)`` returns the handle for a model (``"model"``), a batch
-    processor (``"processor"``), an IO object (``"io"``) or an engine cache (``"cache"``), or None. Idempotent: while
+    """Wrap the engine's methods. ``lookup(kind, obj)`` returns the handle for a model (``"model"``), an IO
+    object (``"io"``) or an engine cache (``"cache"``), or None. Idempotent: while
     patched (a handle whose model was collected without ``uninstall`` leaves the patch in place), a second call would
     wrap the wrappers, run every hook twice per step and record the wrappers as the originals."""
     if _originals:
@@ -79,7 +78,6 @@ def patch(lookup: Callable[[str, Any], Any]) -> None:
         c["cache"],
     )
     step = processor_cls.__dict__["_generation_step"]
-    prepare = processor_cls.__dict__["prepare_next_batch"]
     loop = manager_cls.__dict__["_run_generation_loop"]
     retrieve = ios_cls.__dict__["retrieve_device_outputs"]
     retrieve_async = async_cls.__dict__["retrieve_device_outputs"]
@@ -98,13 +96,6 @@ def patch(lookup: Callable[[str, Any], Any]) -> None:
             for t in tensors:
                 t.zero_()
             zeroed.add(self)
-
-    @functools.wraps(prepare)
-    def prepare_next_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handle = lookup("processor", self)
-        if handle is not None:
-            handle._contain(self)  # reader-confirmed taints (verdicts=False), before the next batch is built
-        return prepare(self, *args, **kwargs)
 
     @functools.wraps(step)
     def _generation_step(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -147,7 +138,6 @@ def patch(lookup: Callable[[str, Any], Any]) -> None:
 
     for cls, name, fn in (
         (processor_cls, "_generation_step", _generation_step),
-        (processor_cls, "prepare_next_batch", prepare_next_batch),
         (manager_cls, "_run_generation_loop", _run_generation_loop),
         (ios_cls, "retrieve_device_outputs", _retrieving(retrieve)),
         (async_cls, "retrieve_device_outputs", _retrieving(retrieve_async)),

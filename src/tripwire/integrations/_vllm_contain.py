@@ -25,7 +25,7 @@ from typing import Any
 
 from ..monitor import Monitor
 
-__all__ = ["Containment"]
+__all__ = ["VerdictChannel"]
 
 log = logging.getLogger("tripwire")
 
@@ -98,7 +98,7 @@ class SchedulerSide:
                 setattr(self.cls, self.name, self.original)
 
 
-class Containment:
+class VerdictChannel:
     """The verdict channel of one process (see the module docstring). ``contained``: (request id, reason) of every
     request failed so far, newest last (tools and tests read it)."""
 

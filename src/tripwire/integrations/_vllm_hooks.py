@@ -19,7 +19,7 @@ from typing import Any
 
 from ..monitor import Monitor
 from . import _vllm_contain, _vllm_v1, _vllm_v2
-from ._vllm_contain import ATTR, Containment, SchedulerSide
+from ._vllm_contain import ATTR, SchedulerSide, VerdictChannel
 from ._vllm_numerics import build_clip, build_logits, wrap_compute_logits
 from ._vllm_runner import RunnerState, enqueue, lifecycle
 from ._vllm_steps import StepValidator
@@ -39,7 +39,7 @@ class _Plugin:
         self.monitor = monitor
         self.version = version
         self.policy = "flag" if mode == "flag" else "mask"
-        self.contain = Containment(mode, monitor)
+        self.contain = VerdictChannel(mode, monitor)
         # The methods wrapped for as long as the plugin is installed (the scheduler's: ``sched``, only while armed).
         self.originals: dict[tuple[type, str], Any] = {}
         self.sched: SchedulerSide | None = None

@@ -48,9 +48,6 @@ What it does:
   request in flight ends with the error, the process and the GPU stay healthy, and the next ``generate_batch``
   raises again until ``tripwire.reset()`` (the stop is sticky).
 
-``verdicts=False`` leaves containment to the reader (late by about two reader intervals: a request that finishes
-sooner is handed back masked); it is the control the tests compare against, not a mode to serve with.
-
 Why a pre-hook on the model and not a wrapper of the attention function: from transformers 5.24 the attention
 module calls ``cache.update`` (the first ``index_copy_``) BEFORE the attention function, so a wrapper there validates
 too late; the model's forward is the last point before the first cache access in every supported version, and it
@@ -133,10 +130,9 @@ def check_version(version: str) -> None:
 # ---------------------------------------------------------------------------------------------- the engine's hooks
 _lock = threading.Lock()
 _handles: weakref.WeakKeyDictionary[torch.nn.Module, Handle] = weakref.WeakKeyDictionary()
-# The engine objects whose steps a handle has seen: batch processors (reader containment before their next batch),
-# IO objects (the verdict's ticket) and caches (the prefix-cache guard). Weak: the engine owns them.
+# The engine objects whose steps a handle has seen: IO objects (the verdict's ticket) and caches (the prefix-cache
+# guard). Weak: the engine owns them.
 _seen: dict[str, weakref.WeakKeyDictionary[Any, Handle]] = {
-    "processor": weakref.WeakKeyDictionary(),
     "io": weakref.WeakKeyDictionary(),
     "cache": weakref.WeakKeyDictionary(),
 }
@@ -170,7 +166,6 @@ class Handle:
         monitor: Monitor,
         contain: bool,
         attribute: bool,
-        verdicts: bool,
         logits: bool,
     ) -> None:
         self.model_ref = weakref.ref(model)
@@ -202,7 +197,7 @@ class Handle:
         # The step's verdict ring over the integration's four sites (registered here with the attributes the cache
         # validators and the logits check give them), allocated now, before the engine captures anything; depth 4
         # covers async batching's two steps in flight. A ticket per IO object: (ticket, the step's request ids).
-        self.ring = _ring(monitor, self.device) if verdicts else None
+        self.ring = _ring(monitor, self.device)
         self._tickets: weakref.WeakKeyDictionary[Any, tuple[Any, list[Any]]] = weakref.WeakKeyDictionary()
         self._processor_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -246,7 +241,6 @@ class Handle:
             self.monitor.start()
         self.monitor.check()
         io = processor.inputs_and_outputs
-        _seen["processor"][processor] = self
         _seen["io"][io] = self
         _seen["cache"][processor.cache] = self
         host = _host_io(io)
@@ -261,8 +255,6 @@ class Handle:
 
     def _enqueue(self, io: Any) -> None:
         """After the step's kernels, before the engine waits for them: the verdict copy, on the compute stream."""
-        if self.ring is None:
-            return
         host = _host_io(io)
         states = [fs.state for fs in host.requests_in_batch]
         # The ticket goes with the IO object whose prepare_batch_update hands this step back (async: the pair's).
@@ -275,7 +267,6 @@ class Handle:
         if entry is None:
             return self._drop_failed(result) if self._failed else result
         ticket, states = entry
-        assert self.ring is not None
         verdict = self.ring.take(ticket)  # after the engine's wait: an event query, no sync
         self.verdicts += 1
         if verdict.clean:
@@ -352,34 +343,6 @@ class Handle:
     def _keeps_out(self, state: Any) -> bool:
         return self.tainted.has(state)
 
-    def _contain(self, processor: Any) -> None:
-        """Reader-only containment (``verdicts=False``): fail the requests the reader's confirmed taints name, before
-        the next batch is built (late: a request that finished first was handed back masked); a hit that names no
-        request stops the engine (fail closed)."""
-        if not self.contain or self.ring is not None:
-            return
-        for taint in self.monitor.take_tainted():
-            rid = taint.request if isinstance(taint.request, str) else None
-            if rid is None:
-                raise GuardTripped(
-                    f"tripwire: a masked fault at site {taint.site!r} on {taint.device} (row {taint.row}, value "
-                    f"{taint.value}) could not be attributed to a request, so containment cannot fail only the "
-                    f"requests it hit; the engine is stopped",
-                    site=taint.site,
-                    device=taint.device,
-                    count=0,
-                    first_row=taint.row,
-                    first_value=taint.value,
-                )
-            state = processor.scheduler.active_requests.get(rid)
-            if state is None:
-                log.warning(
-                    "tripwire: request %s hit at %s had finished before containment could fail it", rid, taint.site
-                )
-                continue
-            self.tainted.add(state)
-            self._fail(processor, state, taint)
-
     def _after_loop(self) -> None:
         try:
             self.monitor.drain()
@@ -452,8 +415,8 @@ def install(
     monitor: Monitor | None = None,
     contain: bool = False,
     attribute: bool | None = None,
-    verdicts: bool = True,
     logits: bool = True,
+    **unknown: Any,
 ) -> Handle:
     """Install tripwire into ``model``'s continuous batching (see the module docstring). Call it before
     ``generate_batch``/``init_continuous_batching``. ``monitor`` defaults to the default monitor; its arena for the
@@ -463,13 +426,20 @@ def install(
     :class:`ContainedFault` naming the site and the entry, its blocks kept out of the prefix cache), a masked write
     included, and the rest of the batch goes on; a hit that names no request fails the whole step. ``attribute``
     (default: ``contain``): the offenders carry the engine's request (a small per-step copy of the batch's request
-    numbers to the device). ``verdicts`` (default True): same-step verdicts; False leaves containment to the reader
-    (late: the tests' control). ``logits`` (default True): the non-finite logits check (site
+    numbers to the device). ``logits`` (default True): the non-finite logits check (site
     ``transformers.logits_nonfinite``): each step, every logits row the engine samples from that holds a NaN or an
     Inf counts once, with its request; ``policy="mask"`` sets its NaN/Inf to 0 before sampling, ``flag`` only counts;
     under ``contain`` its request fails in that step. A model whose logits are not one row per sampled request (its
     forward takes no ``logits_to_keep``) is refused here under ``contain`` (ValueError) and otherwise served without
     the check, with one WARNING."""
+    if "verdicts" in unknown:
+        raise TypeError(
+            f"install(verdicts={unknown['verdicts']!r}): the verdicts keyword is gone; every step takes a same-step "
+            f"verdict, the one containment path. Drop the keyword; pass contain=True for containment (the requests a "
+            f"masked fault hit fail in its step), contain=False to report and serve masked"
+        )
+    if unknown:
+        raise TypeError(f"install() got unexpected keyword argument(s) {sorted(unknown)}")
     check_version(_installed_version())
     if not isinstance(model, torch.nn.Module) or not all(
         callable(getattr(model, a, None)) for a in ("generate_batch", "init_continuous_batching")
@@ -502,9 +472,9 @@ def install(
                 f"installing again"
             )
         mon.prealloc(torch.device(model.device))  # type: ignore[call-overload]  # before the engine captures anything
-        handle = Handle(model, policy, mon, contain, attribute, verdicts, logits)
+        handle = Handle(model, policy, mon, contain, attribute, logits)
         if contain:
-            mon.pipeline.containment.enabled = True  # explicit: the caller asked for containment
+            mon.set_contain(True)  # explicit: the caller asked for containment (the monitor's one setting)
         if not _handles:
             _engine.patch(_lookup)
         handle._hook = model.register_forward_pre_hook(handle._pre_forward, with_kwargs=True)

@@ -164,18 +164,22 @@ def _add_prometheus(monitor: Monitor) -> None:
 
 
 def _monitor_for(mode: str, monitor: Monitor | None) -> Monitor:
-    """The monitor, with containment on exactly under ``contain``. The default monitor is built here when nothing
-    built it yet, from the environment with ``TRIPWIRE_CONTAIN=1`` under ``contain`` (unless the variable is set)."""
-    want = mode == "contain"
-    if monitor is None:
-        if want:
-            os.environ.setdefault("TRIPWIRE_CONTAIN", "1")
-        monitor = default_monitor()
-    if bool(monitor.contain) != want:
+    """The monitor (default: this process's default monitor), with containment on exactly under ``contain``.
+
+    vLLM runs the entry point, and so this, in every process it starts (API server, engine core, workers), each
+    with its own default monitor: the monitor of the process that runs the model runner (whose verdicts decide) is
+    switched here, through its one setting (:meth:`tripwire.Monitor.set_contain`), whether it was built before the
+    plugin or is built now; no environment variable has to carry the choice across processes. Under ``mask`` and
+    ``flag`` a monitor set to contain (``Monitor(contain=True)``, ``TRIPWIRE_CONTAIN=1``) is refused, not switched
+    off: an explicit setting is never dropped silently."""
+    monitor = default_monitor() if monitor is None else monitor
+    if mode == "contain":
+        monitor.set_contain(True)
+    elif monitor.contain:
         raise RuntimeError(
-            f"{ENV}={mode} needs a monitor with containment {'on' if want else 'off'}, but this one has contain="
-            f"{bool(monitor.contain)} (TRIPWIRE_CONTAIN={os.environ.get('TRIPWIRE_CONTAIN')!r}): under mask or flag a "
-            f"verdict that contains would arm no stop and fail no request; use {ENV}=contain for containment"
+            f"{ENV}={mode} needs a monitor with containment off, but this one has contain=True (Monitor(contain=True) "
+            f"or TRIPWIRE_CONTAIN={os.environ.get('TRIPWIRE_CONTAIN')!r}): under mask or flag a verdict that contains "
+            f"would arm no stop and fail no request; use {ENV}=contain for containment"
         )
     return monitor
 
