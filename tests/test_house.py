@@ -122,7 +122,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     ("tests/triton/test_budget.py", "tripwire.triton._budget"),
     ("tests/triton/test_budget.py", "tripwire.triton._callee"),
     ("tests/triton/test_triton.py", "tripwire.triton._budget"),
-    ("tests/validate/test_launcher.py", "tripwire.triton._callee"),
     ("tests/validate/test_launcher.py", "tripwire.validate._launcher"),
     ("tests/validate/test_launcher.py", "tripwire.validate._triton"),
     ("tests/validate/test_torch.py", "tripwire.validate._torch"),
