@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from lab.common import d2d_copy_ms, env_info, finish, paired_replay_ms
 from tripwire import Monitor, SiteRegistry
-from tripwire.cli.bench.common import d2d_copy_ms, env_info, finish, paired_replay_ms
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cuda_gather"
 TARGET_PCT = 1.0

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from lab.common import d2d_copy_ms, env_info, finish, paired_replay_ms
 from tripwire import Monitor, SiteRegistry
-from tripwire.cli.bench.common import d2d_copy_ms, env_info, finish, paired_replay_ms
 from tripwire.kernels import counters
 from tripwire.kernels import decode_attention as da
 

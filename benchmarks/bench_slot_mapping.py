@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from lab.common import env_info, finish, paired_replay_ms
 from tripwire import Monitor, SiteRegistry
-from tripwire.cli.bench.common import env_info, finish, paired_replay_ms
 
 TARGET_PCT = 1.0
 PER_GRAPH = 50

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from lab.common import env_info, write_json
 from tripwire import Monitor
-from tripwire.cli.bench.common import env_info, write_json
 from tripwire.validate import Validator
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tripwire.cli.bench.common import env_info, write_json
+from lab.common import env_info, write_json
 
 TARGET_PCT = 0.1
 
@@ -55,8 +55,8 @@ def run(
     import transformers
 
     import tripwire
-    from tripwire.cli.transformers_engine import PersistentEngine, cb_config
     from tripwire.integrations import transformers as tw
+    from tripwire.testing.transformers_engine import PersistentEngine, cb_config
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     t0 = time.time()

@@ -33,8 +33,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from lab.common import capture, env_info, write_json
 from tripwire import Monitor, SiteRegistry
-from tripwire.cli.bench.common import capture, env_info, write_json
 from tripwire.validate import Validator
 
 PER_GRAPH = 20

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from tripwire import Monitor, SiteRegistry
-from tripwire.cli._vllm_proc import run_engine
+from tripwire.testing.vllm_proc import run_engine
 from tripwire.validate import Validator
 
 BATCHES = (4, 8)

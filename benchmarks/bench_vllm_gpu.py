@@ -3,7 +3,7 @@
 The engine: Llama-3-8B's shape with dummy weights (``load_format="dummy"``: random weights, no download), bf16,
 CUDA graphs and torch.compile at vLLM's defaults, async scheduling on, the V2 model runner (vLLM's GPU default) or V1
 (``--runner V1``), the engine core in-process (so one process can switch the plugin between steps). Decode at batch
-1, 8, 32 and 64, with the plugin on and off INTERLEAVED in that one engine (``tripwire.cli._vllm_run``:
+1, 8, 32 and 64, with the plugin on and off INTERLEAVED in that one engine (``tripwire.testing.vllm_run``:
 ``TRIPWIRE_VLLM=contain`` at start-up builds the validator; before each decode step every method the plugin wraps is
 set to its wrapper, "on", or to vLLM's original, "off"), in cycles of three kinds (on, off, off2, then mirrored), in
 blocks of ``--block`` steps whose first is not timed: under async scheduling a step's sampled tokens, and the
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tripwire.cli._vllm_proc import run_engine
+from tripwire.testing.vllm_proc import run_engine
 
 BATCHES = (1, 8, 32, 64)
 

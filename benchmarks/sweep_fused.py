@@ -6,7 +6,7 @@ the token's stores (``tail_last=True``; the counted column runs it before them).
 ``tripwire/numerics/fused.py``), not a question of the suite. Run ``python benchmarks/sweep_fused.py
 [OUT_JSON [TOKENS,...]]`` on a GPU: it prints one line per configuration.
 
-Timings are as in tripwire.cli.bench.numerics: CUDA-graph replays of 20 calls, do_bench medians, alternated over 7 rounds.
+Timings are as in lab.numerics: CUDA-graph replays of 20 calls, do_bench medians, alternated over 7 rounds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from lab.common import capture
 from tripwire import Monitor, SiteRegistry
-from tripwire.cli.bench.common import capture
 from tripwire.numerics import ClipCounter
 from tripwire.numerics import fused as F
 

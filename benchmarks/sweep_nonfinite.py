@@ -1,6 +1,6 @@
 """The non-finite counter's read over launch shapes and layouts, against a device-to-device copy.
 
-The question it answers: whether a shape of the sweep in ``tripwire.cli.bench.numerics`` that reads short of its
+The question it answers: whether a shape of the sweep in ``lab.numerics`` that reads short of its
 target is the counter's doing or the shape's. Each of the sweep's seven shapes (elements per load step x steps per
 program x warps) is timed as the shipped counter (guarded), its twin (the same loads and vote, nothing recorded), and
 the twin's read in four other layouts, each compiled from this file's kernel:
@@ -14,7 +14,7 @@ the twin's read in four other layouts, each compiled from this file's kernel:
 
 Every layout is checked first: on clean data nothing is flagged, and a NaN in the first and in the last element is
 flagged in each program that holds one (``check``, which the CPU tests run under the Triton interpreter). Timings are
-as in tripwire.cli.bench.numerics: CUDA-graph replays of 10 calls, do_bench medians, alternated over 5 rounds.
+as in lab.numerics: CUDA-graph replays of 10 calls, do_bench medians, alternated over 5 rounds.
 
 Run ``python benchmarks/sweep_nonfinite.py [ROWS ...]`` on a GPU (default 256 and 1024 rows of 152064 bf16: 78 and
 311 MB); it prints one line per shape, each column a read's bandwidth over the copy's.
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tripwire.cli.bench.numerics import SWEEP_SHAPES
+from lab.numerics import SWEEP_SHAPES
 from tripwire.numerics import nonfinite as nf
 
 # The sweep's shapes: (elements per load step, steps per program, warps).
@@ -144,7 +144,7 @@ def check(x: torch.Tensor, shapes: list[tuple[int, int, int]] = SHAPES) -> None:
 
 def measure(rows: int) -> None:
     """Time every shape and layout over ``[rows, 152064]`` bf16 and print the table."""
-    from tripwire.cli.bench.numerics import _time
+    from lab.numerics import _time
 
     x = torch.randn((rows, 152064), device="cuda").to(torch.bfloat16)
     check(x)

@@ -43,7 +43,7 @@ import torch
 def _plan(
     rng: random.Random, n_prompts: int, tokens: int, multi_share: float, write_share: float, page_share: float, tag: str
 ) -> list:
-    from tripwire.cli.transformers_engine import Injection
+    from tripwire.testing.transformers_engine import Injection
 
     step = rng.randrange(1, tokens + 1)
     if rng.random() < page_share:
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("tripwire").setLevel(logging.ERROR)
 
     import tripwire
-    from tripwire.cli.transformers_engine import PROMPTS, FaultInjector, PersistentEngine, cb_config, tiny_llama
     from tripwire.integrations import transformers as tw
+    from tripwire.testing.transformers_engine import PROMPTS, FaultInjector, PersistentEngine, cb_config, tiny_llama
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_llama(device)

@@ -1,6 +1,6 @@
 """Fuzz tripwire's vLLM containment on vLLM's CPU engine: random faults, every outcome checked against a clean run.
 
-Each fuzz run is one ``generate`` of four requests with host-side faults (tripwire.cli._vllm_faults) in 1 to
+Each fuzz run is one ``generate`` of four requests with host-side faults (tripwire.testing.vllm_faults) in 1 to
 ``--victims`` of them, all at one random step (0, the prefill, to 15, the last), each of a random kind (a read:
 block-table column 0; a write: the newest token's block, before vLLM computes its slot; a bad slot; a bad position;
 a bad block count; on V2 a bad idx_mapping row) and value (exactly the first id past the end; far past it;
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tripwire.cli import _vllm_proc
+from tripwire.testing import vllm_proc
 
-# The fault kinds each runner has (tripwire.cli._vllm_faults): idx_mapping is V2's alone.
+# The fault kinds each runner has (tripwire.testing.vllm_faults): idx_mapping is V2's alone.
 KINDS = {
     "V1": ("read", "write", "slot", "position", "num_blocks", "nan"),
     "V2": ("read", "write", "slot", "position", "idx", "num_blocks", "nan"),
@@ -91,7 +91,7 @@ def fuzz(
 ) -> dict[str, Any]:
     """Run the fuzz (see the module docstring) and return its figures. ``runner``: which fault kinds (and, on a GPU,
     which model runner: ``env`` should set ``VLLM_USE_V2_MODEL_RUNNER`` to match); ``gpu``: the engine's GPU
-    settings (tripwire.cli._vllm_run.engine); ``workers``: engine processes at once."""
+    settings (tripwire.testing.vllm_run.engine); ``workers``: engine processes at once."""
     rng = random.Random(seed)
     faults = [draw(rng, r, KINDS[runner], most) for r in range(runs)]
     work = Path(workdir or tempfile.mkdtemp(prefix="tripwire-vllm-fuzz-"))
@@ -115,7 +115,7 @@ def fuzz(
             "env": {"TRIPWIRE_OFFENDERS": str(offenders), **(env or {})},
         }
     t0 = time.time()
-    pool = _vllm_proc.EnginePool(work, specs, workers=workers)
+    pool = vllm_proc.EnginePool(work, specs, workers=workers)
     done = {name: pool.get(name) for name in specs}
     pool.close()
     figures: dict[str, Any] = {

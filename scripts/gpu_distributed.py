@@ -47,7 +47,7 @@ import torch
 import torch.multiprocessing as mp
 import triton
 
-from tripwire.cli.bench.gather import gather_rows
+from tripwire.testing import gather_rows
 
 SCENARIOS = ("abort", "no_abort", "baseline")
 SETUP_LIMIT = 60.0  # seconds for two ranks to import, init CUDA/NCCL and compile the kernel

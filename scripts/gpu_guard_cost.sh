@@ -78,7 +78,7 @@ want bench_validate && grep -E "host|per call" "$OUT/bench_validate.log" >>"$SUM
 # 5. The numeric kernels: the non-finite counter's sweep against a copy (target >= 90 % everywhere) and the fused FP8
 #    counter against count=False (target <= 2 % at 2048 tokens; six loads of each side's kernel, pooled). The launch
 #    shapes' sweep of the fused kernel (benchmarks/sweep_fused.py: one load each) is a design record, not run here.
-step bench_numerics 200 python3 -m tripwire.cli.bench.numerics --fused-tokens 2048 --out "$OUT/numerics.json"
+step bench_numerics 200 env PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.numerics --fused-tokens 2048 --out "$OUT/numerics.json"
 want bench_numerics && grep -E "^(non-finite counter|  sweep|2048x8x128)" "$OUT/bench_numerics.log" >>"$SUM"
 
 # Last, not timed, side by side: the GPU tests and compute-sanitizer (neither disturbs a measurement any more).

@@ -38,8 +38,8 @@ case "${1:-checks}" in
     step bench_gather 60 python3 benchmarks/bench_cuda_gather.py --out "$OUT/cuda_gather.json"
     ;;
   reader)
-    step q3_coordinate 330 python3 -m tripwire bench --only q3 --coordinate --out "$OUT/q3c"
-    step q5 120 python3 -m tripwire bench --only q5 --quick --out "$OUT/q5"
+    step q3_coordinate 330 env PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.run --only q3 --coordinate --out "$OUT/q3c"
+    step q5 120 env PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.run --only q5 --quick --out "$OUT/q5"
     ;;
   *) echo "usage: $0 checks|bench|reader" >&2; exit 2 ;;
 esac

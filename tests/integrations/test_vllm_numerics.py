@@ -1,6 +1,6 @@
 """tripwire.integrations._vllm_numerics on vLLM's own engine (its CPU build, V1 runner; the GPU engine's V1 and V2
 run in scripts/gpu_vllm.py on the device): a NaN or an Inf in one request's last hidden state at a chosen step
-(tripwire.cli._vllm_faults ``nan``: the row its logits come from) is a fault of that request alone.
+(tripwire.testing.vllm_faults ``nan``: the row its logits come from) is a fault of that request alone.
 
 * ``contain``: the victim ends with vLLM's error finish reason in that step, with exactly the clean run's tokens
   before it; every other request is token-identical to the clean run; the engine goes on; an event names the site

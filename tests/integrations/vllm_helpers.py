@@ -1,4 +1,4 @@
-"""The vLLM tests' engine runs (tripwire.cli._vllm_proc), and where to find vLLM: ``TRIPWIRE_VLLM_PYTHON``, else
+"""The vLLM tests' engine runs (tripwire.testing.vllm_proc), and where to find vLLM: ``TRIPWIRE_VLLM_PYTHON``, else
 ``/opt/venv-vllm/bin/python`` (where ``.ci/run`` builds it). Without it the vLLM tests skip, and under ``CI=true``
 they fail: CI must run them."""
 
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from tripwire.cli import _vllm_proc
-from tripwire.cli._vllm_proc import EnginePool, Run, run_engine
+from tripwire.testing import vllm_proc
+from tripwire.testing.vllm_proc import EnginePool, Run, run_engine
 
 __all__ = [
     "BLOCK",
@@ -26,14 +26,14 @@ __all__ = [
     "vllm_python",
 ]
 
-BLOCK = 32  # the engine's block size (tripwire.cli._vllm_run)
+BLOCK = 32  # the engine's block size (tripwire.testing.vllm_run)
 
 
 def vllm_python() -> str:
     """The vLLM environment's python, or skip (fail under CI=true) when there is none."""
     try:
-        return _vllm_proc.vllm_python()
-    except _vllm_proc.NoVllm as e:
+        return vllm_proc.vllm_python()
+    except vllm_proc.NoVllm as e:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(str(e))
         pytest.skip(str(e))
@@ -41,7 +41,7 @@ def vllm_python() -> str:
 
 def python_in_vllm_env(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     vllm_python()
-    return _vllm_proc.python_in_vllm_env(code, env=env, timeout=timeout)
+    return vllm_proc.python_in_vllm_env(code, env=env, timeout=timeout)
 
 
 def prompt(round_: int, i: int) -> list[int]:

@@ -211,8 +211,8 @@ def test_count_false_writes_the_same_cache_and_counts_nothing(monitor, kernel_de
 def test_launch_runs_a_copy_of_the_kernel(monitor, kernel_device):
     """``_launch(kernel=...)``: another JITFunction of the kernel (the benchmark's loads of the code at other
     addresses) writes the same bits and counts the same as the module's kernel."""
-    from tripwire.cli.bench.common import jit_copy
     from tripwire.numerics import _fused_kernel
+    from tripwire.testing import jit_copy
 
     fmt = "e4m3"
     key = exact_kv(fmt, torch.bfloat16, 1.0, 6, seed=5).to(kernel_device)
@@ -1001,7 +1001,7 @@ def test_maxima_grow_across_launches_and_after_reset(monitor, kernel_device):
     but a larger V max, so V must rise while K stays; an equal max changes nothing; after ``Monitor.reset()`` the
     slots are 0 again and a smaller batch is recorded. 70 tokens: several tokens per program on the CPU too, and
     each maximum sits in one program only (the others must not lower or skip it). The skip cannot change a result
-    (an atomic max it skips could not have raised the slot): what it saves is measured in tripwire.cli.bench.numerics."""
+    (an atomic max it skips could not have raised the slot): what it saves is measured in the lab (benchmarks/lab/numerics.py)."""
     tokens, heads, dim = 70, 2, 16
     c = ClipCounter("maxima.grow", kernel_device, "e4m3", monitor=monitor)
     kc = torch.zeros(tokens, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])

@@ -36,7 +36,8 @@ def _engine_arg(args: list[str]) -> str | None:
 
 DESCRIPTION = (
     "tripwire: masked, counted, reported out-of-range accesses in GPU kernels. Commands: demo (a decode loop with "
-    "injected metadata faults; --engine transformers or vllm for a real engine), bench (the benchmark suite), "
+    "injected metadata faults; --engine transformers or vllm for a real engine), bench (what tripwire costs on this "
+    "machine: a self-check of about a minute), "
     "sites (the registered sites), doctor (what works on this machine), resources (a guarded kernel's registers "
     "and occupancy beside its twin's)."
 )
@@ -64,7 +65,7 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a paged-KV decode loop with injected metadata faults", add_help=False)
     demo.add_argument("args", nargs=argparse.REMAINDER)
-    bench = sub.add_parser("bench", help="run the benchmark suite (tripwire.cli.bench)", add_help=False)
+    bench = sub.add_parser("bench", help="what tripwire costs on this machine (a self-check)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("sites", help="list the registered sites of the reference kernels and instruments")
     doctor = sub.add_parser("doctor", help="check this machine: what works and what would not", add_help=False)

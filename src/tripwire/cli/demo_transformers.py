@@ -10,7 +10,7 @@ hit, in its step. A summary
 table closes the run; the exit status is 0 when every expectation held. CPU by default (the validator runs in the
 Triton interpreter); on a GPU the engine runs with CUDA graphs.
 
-The engine and its fault injector are :mod:`tripwire.cli.transformers_engine`'s (shared with the tests and the GPU
+The engine and its fault injector are :mod:`tripwire.testing.transformers_engine`'s (shared with the tests and the GPU
 scripts).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .transformers_engine import (
+from ..testing.transformers_engine import (
     PROMPTS,
     FaultInjector,
     Injection,

@@ -2,8 +2,8 @@
 
 vLLM's CPU build serves a tiny random-initialised Llama (2 layers, hidden 128; no download) four requests of 16 new
 tokens, greedy, each run in a process of its own with the vLLM environment's python (``TRIPWIRE_VLLM_PYTHON``,
-default ``/opt/venv-vllm/bin/python``; tripwire.cli._vllm_proc). The faults are host-side bugs written into the
-engine's own block table or slot mapping for one step (tripwire.cli._vllm_faults):
+default ``/opt/venv-vllm/bin/python``; tripwire.testing.vllm_proc). The faults are host-side bugs written into the
+engine's own block table or slot mapping for one step (tripwire.testing.vllm_faults):
 
 1. the reference: ``TRIPWIRE_VLLM`` unset (the plugin is installed and inert);
 2. without tripwire, a bad block id in a request's block table (a read): the engine process dies (a segfault);
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _vllm_proc
+from ..testing import vllm_proc
 
 PROMPTS = [[460 + i] + [(5 * i + k) % 400 + 1 for k in range(n - 1)] for i, n in enumerate((10, 25, 40, 31))]
 READ = {"marker": 461, "step": 7, "kind": "read", "value": 10_000_000}
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="where the model and the runs' logs go (default: a temp dir)")
     args = parser.parse_args(argv)
     try:
-        py = _vllm_proc.vllm_python()
-    except _vllm_proc.NoVllm as e:
+        py = vllm_proc.vllm_python()
+    except vllm_proc.NoVllm as e:
         print(f"tripwire demo --engine vllm: {e}", file=sys.stderr)
         return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tripwire-vllm-demo-"))
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(specs)} engine processes (work dir {work})"
     )
     t0 = time.time()
-    pool = _vllm_proc.EnginePool(work, specs)
+    pool = vllm_proc.EnginePool(work, specs)
     runs = {name: pool.get(name) for name in specs}
     pool.close()
     print(f"  ran in {time.time() - t0:.0f} s")

@@ -20,7 +20,7 @@ exceeded the stored maximum counts exactly (in registers, float32) and records, 
 Elsewhere (other GPUs, fp32 or mixed inputs, tiles of fewer than 8 elements per thread, the interpreter) the
 block-level tail: a running max of ``|x|`` per thread, two thresholds, one block reduction of a flag, and a second
 read of the program's tokens where it clipped. What counting costs against ``count=False`` (the same launch) is
-measured by :mod:`tripwire.cli.bench.numerics`: benchmarks/RESULTS.md, q1 and "The fused FP8 kernel".
+measured by the lab's ``benchmarks/lab/numerics.py``: benchmarks/RESULTS.md, q1 and "The fused FP8 kernel".
 
 Inline PTX (``PTX``: an NVIDIA GPU, not the interpreter): ``mul.rm.f32`` thresholds, the packed maxima, the
 per-thread tail. The portable code (float64 thresholds, float32 maxima, the block-level tail) is what the interpreter
@@ -227,7 +227,7 @@ def _launch(
     ``rne_cast=False`` forces the clamp and the float32 grid rounding before the cast on sm_89+ (what older GPUs and
     the interpreter run; ``True`` raises where the cast is not the hardware's direct round-to-nearest-even); ``kernel``
     launches another JITFunction of the same kernel (the benchmark's loads of the code at other addresses:
-    ``tripwire.cli.bench.common.jit_copy``) instead of the module's."""
+    :func:`tripwire.testing.jit_copy`) instead of the module's."""
     tokens, heads, head_dim = _check_inputs(key, value, k_cache, v_cache, slot_mapping, counter)
     ks, k_mode = _scale_arg(k_scale, heads, counter.device, "k_scale")
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")

@@ -38,7 +38,7 @@ _FLOAT_DTYPES = (
 )
 # Launch shape: BLOCK elements per load step (4 KiB: one 16-byte load per thread at 8 warps), _ITERS steps per
 # program (their loads in flight together, one reduction per program). Chosen by the sweep in
-# ``python -m tripwire.cli.bench.numerics`` (its figures, against a copy's bandwidth, are in benchmarks/RESULTS.md,
+# the lab's ``benchmarks/lab/numerics.py`` (its figures, against a copy's bandwidth, are in benchmarks/RESULTS.md,
 # q1): larger steps in one load, or larger unrolled blocks (register pressure), read slower.
 _BLOCK_BYTES = 4096
 _ITERS = 4

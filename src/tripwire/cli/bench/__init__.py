@@ -1,4 +1,3 @@
-"""The benchmark harness behind ``tripwire bench`` (:mod:`.run`): one module per question (:mod:`.questions` names
-them), their shared measurement helpers (:mod:`.common`), the record's Markdown (:mod:`.results_md`) and plot
-(:mod:`.plot`). It ships in the package, so an installed tripwire benchmarks itself; the repository's
-``benchmarks/`` holds the further measurements run by hand (and imports :mod:`.common`)."""
+"""``tripwire bench`` (:mod:`.run`): a self-check of this machine, one module per check (:mod:`.questions` names
+them), with the record and statistics they share (:mod:`.common`). The research harness (the step loop, sweeps, the
+soak, the other tools) is the measurement lab in the repository's ``benchmarks/lab``, outside the package."""

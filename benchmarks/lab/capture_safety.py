@@ -73,8 +73,7 @@ def _child(out: Path, n: int) -> None:
     import torch
 
     from tripwire import Monitor, SiteRegistry
-
-    from .gather import gather_rows
+    from tripwire.testing import gather_rows
 
     reg = SiteRegistry(capacity=64)
     for i in range(64):

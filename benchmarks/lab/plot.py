@@ -1,6 +1,6 @@
 """Draw ``bench.png`` from a bench report: one panel per question that has figures to show.
 
-    python -m tripwire.cli.bench.plot BENCH_JSON [OUT_PNG]
+    python -m lab.plot BENCH_JSON [OUT_PNG]
 
 matplotlib is optional (``pip install tripwire[bench]``): without it the plot is skipped with a message, never an
 error.
@@ -138,7 +138,7 @@ def plot(report: dict, path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: plot skipped (pip install matplotlib, then run python -m tripwire.cli.bench.plot)"
+        return "matplotlib is not installed: plot skipped (pip install matplotlib, then run python -m lab.plot)"
     todo = [(q, fn) for q, fn in PANELS if _figs(report, q)]
     if not todo:
         return "no question with plottable figures: plot skipped"

@@ -1,6 +1,6 @@
 """q9. Soak: CUDA-graph replay with the reader at 1 ms and hits injected at known steps.
 
-The graph: a guarded gather (tripwire.cli.bench.gather) through a static index tensor plus a few small ops. Every
+The graph: a guarded gather (tripwire.testing.gather) through a static index tensor plus a few small ops. Every
 step: ``check()``, stage the step's indices (good ones, or at injection steps a known number of bad lanes) into the
 static tensor from a pinned buffer, replay, read a token back (the per-step sync). The reader (warn mode, non-fatal
 site, ``report_every`` 1 s so aggregation is exercised) runs at 1 ms throughout.
@@ -57,7 +57,7 @@ def run(ctx: Ctx) -> dict:
     else:
         seconds = 10.0 if ctx.quick else 60.0
         res.note(f"SHORT soak: {seconds:.0f} s (the suite's default); run with --soak-minutes 10 for the full soak")
-    from .gather import gather_rows
+    from tripwire.testing import gather_rows
 
     reg = SiteRegistry(capacity=16)
     site = reg.register("bench.q9.gather", description="q9 soak probe")

@@ -1,7 +1,7 @@
 """Run vLLM's engine on a tiny random Llama, in this process, and print what it returned (the vLLM demo, tests, fuzz
 and benchmark drive vLLM through it, each run in a process of its own: an unguarded fault kills it).
 
-``python -m tripwire.cli._vllm_run CONFIG_JSON`` with the vLLM environment's python. The config:
+``python -m tripwire.testing.vllm_run CONFIG_JSON`` with the vLLM environment's python. The config:
 
 * ``model``: a folder; a tiny random Llama (2 layers, hidden 128) is saved there with ``save_pretrained`` when it
   holds none (no download: the weights are random, seeded).
@@ -14,7 +14,7 @@ and benchmark drive vLLM through it, each run in a process of its own: an unguar
   1: step by step; see ``benchmarks/bench_vllm.py`` and ``benchmarks/bench_vllm_gpu.py``).
 
 vLLM's own settings come from the environment (``VLLM_ENABLE_V1_MULTIPROCESSING``; ``TRIPWIRE_VLLM`` for the plugin;
-:mod:`tripwire.cli._vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
+:mod:`tripwire.testing.vllm_faults` for injected faults). The last line of stdout is one JSON object: per round, per
 request, its vLLM request id, tokens and finish reason (a round the engine failed: ``{"raised": ...}``, and no
 more rounds after it); whether the V1 runner was hooked in this process.
 """

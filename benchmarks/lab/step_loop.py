@@ -5,7 +5,7 @@ One step, as an engine's decode loop does it:
   2. scheduler-like Python work building per-request metadata (calibrated to ~300 us on this CPU),
   3. the metadata copied into a static device tensor (pinned host buffer, non_blocking),
   4. a CUDA-graph replay of a decode step: 48 layers of small elementwise launches plus one guarded gather per
-     layer (tripwire.cli.bench.gather) counting into that layer's row of the arena (64 rows), then a logits matmul and
+     layer (tripwire.testing.gather) counting into that layer's row of the arena (64 rows), then a logits matmul and
      an argmax,
   5. a host read of the sampled tokens (``.tolist()``: the per-step sync every engine has).
 
@@ -105,7 +105,7 @@ class _Decode:
         self.ctrs = [m.counter(reg.by_id(i), dev) for i in range(self.layers)]
         self.graph = None
         if cuda:
-            from .gather import gather_rows
+            from tripwire.testing import gather_rows
 
             self._gather = gather_rows
             self.graph = capture(self._body)

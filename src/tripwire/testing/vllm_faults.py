@@ -68,7 +68,7 @@ def plugin_dir(root: str | os.PathLike[str]) -> str:
     d.mkdir(parents=True, exist_ok=True)
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: tripwire-vllm-faults\nVersion: 0\n")
     (d / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\ntripwire_faults = tripwire.cli._vllm_faults:register\n"
+        "[vllm.general_plugins]\ntripwire_faults = tripwire.testing.vllm_faults:register\n"
         "tripwire_checkout = tripwire.integrations.vllm:register\n"
     )
     return str(Path(root))

@@ -1,4 +1,4 @@
-"""q3's competing readers (:mod:`tripwire.cli.bench.step_loop`): the arms it runs beside the decode loop instead of,
+"""q3's competing readers (:mod:`lab.step_loop`): the arms it runs beside the decode loop instead of,
 or with, tripwire's reader -- a synchronous read every 50 ms, one polling thread per instrument row, tripwire
 coordinated or holding the GIL -- and the CPU split that keeps the loop and the readers on different cores."""
 

@@ -1,7 +1,7 @@
 """Render ``bench.json`` as Markdown tables, and bring ``benchmarks/RESULTS.md``'s suite rows up to a run.
 
-    python -m tripwire.cli.bench.results_md BENCH_JSON                     # print the tables (what --out's results.md holds)
-    python -m tripwire.cli.bench.results_md BENCH_JSON --update RESULTS.md  # replace the rows of the questions the run measured
+    python -m lab.results_md BENCH_JSON                     # print the tables (what --out's results.md holds)
+    python -m lab.results_md BENCH_JSON --update RESULTS.md  # replace the rows of the questions the run measured
 
 RESULTS.md holds the current figure of each question, one row per target, between ``<!-- BEGIN GPU RESULTS -->``
 and ``<!-- END GPU RESULTS -->`` for GPU runs and ``<!-- BEGIN CPU RESULTS -->`` / ``<!-- END CPU RESULTS -->`` for

@@ -16,7 +16,7 @@ Timings are ``triton.testing.do_bench`` medians of a CUDA graph replaying the ca
 overhead is not measured; do_bench flushes L2 between replays, and at the smallest fused shape the data fits in
 L2, so its GB/s is an L2 figure), each comparison measured alternately in one process, the median over ``repeats``
 rounds. ``run(quick)`` returns a dict; ``python -m
-tripwire.cli.bench.numerics [--quick]`` prints a table and the JSON.
+lab.numerics [--quick]`` prints a table and the JSON.
 """
 
 from __future__ import annotations
@@ -412,7 +412,7 @@ def fold(res: Result, out: dict) -> None:
             nf["sweep_min"] * 100,
             nf["sweep_pass"],
         )
-    res.note(f"fused FP8 and non-finite figures from tripwire.cli.bench.numerics (repeats={out.get('repeats')})")
+    res.note(f"fused FP8 and non-finite figures from lab.numerics (repeats={out.get('repeats')})")
 
 
 def merge(res: dict, bench_json: Path) -> None:
