@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tripwire.cli.bench.common import (
+from lab.common import (
     copy_levels_ms,
     copy_spread_pct,
     env_info,

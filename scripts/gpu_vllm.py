@@ -1,8 +1,8 @@
 """tripwire's vLLM plugin on vLLM's real GPU engine: controls, clean runs, contained faults and the fuzz, in one call.
 
 Runs on the device with vLLM 0.26.0 from ``../shared/vllm-gpu`` on ``PYTHONPATH`` (``scripts/gpu_vllm.sh`` sets it
-up). Every engine run is a process of its own (``tripwire.cli._vllm_proc``: an unguarded fault kills it), several at
-once on the one GPU. A tiny random Llama (``tripwire.cli._vllm_run.make_model``), bf16, CUDA graphs and
+up). Every engine run is a process of its own (``tripwire.testing.vllm_proc``: an unguarded fault kills it), several at
+once on the one GPU. A tiny random Llama (``tripwire.testing.vllm_run.make_model``), bf16, CUDA graphs and
 torch.compile at vLLM's defaults, async scheduling on (vLLM's GPU default), unless a run says otherwise.
 
 * ``controls``: no plugin, one fault per run (each kind, V1 and V2): does the engine die, or silently change tokens?
