@@ -361,6 +361,24 @@ def test_a_rise_the_reader_confirmed_first_is_out_when_take_returns(kernel_devic
         mon.stop()
 
 
+@pytest.mark.gpu
+def test_gpu_the_final_read_names_the_offenders_of_a_verdict_never_taken(monkeypatch):
+    """A CUDA enqueue consumes its step's offenders on the device; a verdict never taken (an engine stopped between
+    the step and the take) holds them only in its slot. The final read puts them in the ledger, so drain's report
+    names the step's request. Control: without that, the report names the request an earlier verdict consumed."""
+    for absorb in (True, False):
+        mon, events, v, ring = _ring_with_sink("cuda")
+        if not absorb:
+            monkeypatch.setattr(ring, "absorb_untaken", lambda: None)
+        _step(v, mon, "cuda", [4])
+        ring.take(_enqueued(ring, "cuda"))
+        _step(v, mon, "cuda", [1], ids=("d", "e", "f"))
+        ring.enqueue()
+        mon.drain()
+        assert _guard(events) == [(1, "b"), (1, "d" if absorb else "b")]
+        mon.stop()
+
+
 def test_a_stale_reader_copy_after_the_take_reports_nothing_again(kernel_device):
     """A reader copy that landed before the step's kernel counted, processed after the verdict's report (the lock's
     order), must not lower what was reported (the next copy would confirm the same rise again: a second report, a

@@ -400,7 +400,12 @@ class Monitor:
         snap: dict[tuple[str, str], Hit] = {}
         with self._lock:
             self.native.pause()
-            for reader, rows in self.devices.read_now(min(len(self.registry), self.settings.capacity)):
+            reads = list(self.devices.read_now(min(len(self.registry), self.settings.capacity)))
+            for ring in self._rings:
+                # A verdict enqueued but never taken consumed its step's offenders on the device: they are only in
+                # its slot, and this complete read's report must still name them.
+                ring.absorb_untaken()
+            for reader, rows in reads:
                 if isinstance(rows, BaseException):
                     self._lose(reader, rows)
                     continue

@@ -314,6 +314,19 @@ class Verdicts:
             self._report(self.name, {s.id: slot[i].copy() for i, s in enumerate(self.sites) if s.name in hit})
         return verdict
 
+    def absorb_untaken(self) -> None:
+        """Put the offenders of every landed copy not yet taken into the ledger, the ticket staying open (the
+        ledger keeps each offender once, so a later take adds nothing twice). For the monitor's final read: a CUDA
+        enqueue consumed those offenders from the arena in stream order, so a report rendered from the arena alone
+        would name an older request or none (the CPU enqueue ledgers them at once)."""
+        if not self._cuda:
+            return
+        for t in self._open:
+            if t is not None and not t.captured and self._landed(t.slot):
+                slot = self._np[t.slot]
+                if slot[:, SLOTS + OFF_HEADER :].any():
+                    self._to_ledger(slot)
+
     # ------------------------------------------------------------------ internals
     def _free_slot(self) -> int:
         for i in range(self.depth):
@@ -336,7 +349,8 @@ class Verdicts:
         return t
 
     def _to_ledger(self, slot: np.ndarray) -> None:
-        """The offenders this enqueue consumes, into the ledger before the block is cleared (CPU): the reader reads
+        """The offenders a slot holds (consumed from the arena), into the ledger: on the CPU at the enqueue, before the
+        block is cleared, and at the final read for a CUDA copy not taken (:meth:`absorb_untaken`). The reader reads
         the arena between this enqueue and its take, and a report rendered there would otherwise find them in
         neither the block nor the ledger. The take adds them again (the ledger keeps each once)."""
         ctx = self.context
