@@ -81,24 +81,18 @@ def lifecycle(plugin: Any, runner_cls: type, make: Any, *, v1: bool) -> list[tup
             plugin.start()
         return out
 
-    # Bound once: the step path below reads no setting and resolves no method per step.
+    # Bound once: the step path below reads no setting and resolves no method per step. flag never arms a stop
+    # from a verdict: no check then.
     execute = orig["execute_model"]
-    monitor = plugin.monitor
-    # Monitor.check() inlined (one Python call less per step): the armed stop is one attribute, and the reader's
-    # activity flag a bytearray the monitor never replaces. flag never arms a stop from a verdict: no check.
-    checks = plugin.mode != "flag"
-    act = monitor._act
+    check = plugin.monitor.check if plugin.mode != "flag" else None
 
     def enter(self: Any, st: RunnerState, scheduler_output: Any) -> None:
         # Both execute_model wrappers below, before vLLM's step: two calls a step (one here, one in leave) rather than
         # two copies of the step's bookkeeping.
         if not plugin.started:
             plugin.start()  # the first step comes after vLLM's warm-up and captures
-        if checks:
-            tripped = monitor._tripped
-            if tripped is not None:  # an armed stop fails this step through vLLM's own error path
-                raise tripped.with_traceback(None)  # as Monitor.check: no traceback grows over retries
-            act[0] = 1  # one byte store: the step is activity for the reader's idle detection
+        if check is not None:
+            check()  # an armed stop fails this step through vLLM's own error path; the step is reader activity
         # One store each on a slotted object (a tuple assignment would build a tuple): no allocation on the step
         # path. The scheduler output is kept for a verdict that fails every request of the step (its ids).
         st.in_step = True
@@ -150,23 +144,6 @@ def lifecycle(plugin: Any, runner_cls: type, make: Any, *, v1: bool) -> list[tup
         finally:
             done(st)
         return leave(self, st, out)
-
-    if same_parameters(execute, ("self", "scheduler_output", "intermediate_tensors")):
-        # V1's exact signature (checked above): its positional call binds straight to these names, where a
-        # *args/**kwargs wrapper builds a tuple and a dict on every step, and calls with both unpacked again.
-        def execute_model_v1(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-            st: RunnerState | None = getattr(self, "_tripwire", None)  # set by initialize_kv_cache: None, unguarded
-            if st is None:
-                return execute(self, scheduler_output, intermediate_tensors)
-            enter(self, st, scheduler_output)
-            try:
-                out = execute(self, scheduler_output, intermediate_tensors)
-            finally:
-                done(st)
-            return leave(self, st, out)
-
-        execute_model_v1.__defaults__ = execute.__defaults__  # vLLM's own default, exactly
-        execute_model = functools.wraps(execute)(execute_model_v1)
 
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         self.__dict__.pop("sample_tokens", None)  # one call only: the class's method again from the next step on
@@ -240,13 +217,3 @@ def _release_dropped(st: RunnerState) -> None:
                 ", ".join(h.site for h in verdict.hits),
             )
     st.open[:] = keep
-
-
-def same_parameters(fn: Any, names: tuple[str, ...]) -> bool:
-    """``fn`` takes exactly ``names``, each positional-or-keyword (no ``*args``, no ``**kwargs``, no keyword-only):
-    a wrapper with these names binds and passes on every call the same way."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return tuple(p.name for p in params) == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)

@@ -11,29 +11,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._vllm_runner import RunnerState, lifecycle, same_parameters
+from ._vllm_runner import RunnerState, lifecycle
 from ._vllm_steps import StepValidator
 
 # The V1 runner's methods this integration wraps, and its block table's method that runs vLLM's slot-mapping kernel.
 RUNNER_HOOKS = ("initialize_kv_cache", "execute_model", "_build_attention_metadata", "sample_tokens", "capture_model")
 TABLE_HOOK = "compute_slot_mapping"
-# V1's _build_attention_metadata parameters (vLLM 0.32): the wrapper with this exact signature is used when the
-# installed vLLM's matches, name for name (the generic keyword wrapper otherwise).
-ATTN_PARAMETERS = (
-    "self",
-    "num_tokens",
-    "num_reqs",
-    "max_query_len",
-    "num_tokens_padded",
-    "num_reqs_padded",
-    "ubatch_slices",
-    "logits_indices",
-    "max_num_sampled_tokens",
-    "use_spec_decode",
-    "for_cudagraph_capture",
-    "num_scheduled_tokens",
-    "slot_mappings",
-)
 
 
 def patches(plugin: Any, runner_cls: type, table_cls: type) -> list[tuple[type, str, Any]]:
@@ -76,48 +59,6 @@ def patches(plugin: Any, runner_cls: type, table_cls: type) -> list[tuple[type, 
                 )
             outputs(self, st, kwargs["num_reqs"], kwargs["num_tokens"], kwargs["slot_mappings"])
         return attn_orig(self, *args, **kwargs)
-
-    if same_parameters(attn_orig, ATTN_PARAMETERS):
-
-        def _build_attention_metadata_v1(
-            self: Any,
-            num_tokens: Any,
-            num_reqs: Any,
-            max_query_len: Any,
-            num_tokens_padded: Any = None,
-            num_reqs_padded: Any = None,
-            ubatch_slices: Any = None,
-            logits_indices: Any = None,
-            max_num_sampled_tokens: Any = None,
-            use_spec_decode: Any = False,
-            for_cudagraph_capture: Any = False,
-            num_scheduled_tokens: Any = None,
-            slot_mappings: Any = None,
-        ) -> Any:
-            # vLLM 0.32's exact signature (checked at install; its defaults copied below): the step's call binds its
-            # keywords straight to these names and is passed on with the same constant keyword names, where a
-            # **kwargs wrapper builds a dict of them and unpacks it again on every step.
-            st: RunnerState | None = getattr(self, "_tripwire", None)
-            if st is not None and st.in_step and not st.validated and not for_cudagraph_capture:
-                outputs(self, st, num_reqs, num_tokens, slot_mappings)
-            return attn_orig(
-                self,
-                num_tokens=num_tokens,
-                num_reqs=num_reqs,
-                max_query_len=max_query_len,
-                num_tokens_padded=num_tokens_padded,
-                num_reqs_padded=num_reqs_padded,
-                ubatch_slices=ubatch_slices,
-                logits_indices=logits_indices,
-                max_num_sampled_tokens=max_num_sampled_tokens,
-                use_spec_decode=use_spec_decode,
-                for_cudagraph_capture=for_cudagraph_capture,
-                num_scheduled_tokens=num_scheduled_tokens,
-                slot_mappings=slot_mappings,
-            )
-
-        _build_attention_metadata_v1.__defaults__ = attn_orig.__defaults__  # vLLM's own defaults, exactly
-        _build_attention_metadata = functools.wraps(attn_orig)(_build_attention_metadata_v1)
 
     return [
         *lifecycle(plugin, runner_cls, StepValidator, v1=True),
