@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -375,8 +376,6 @@ def test_cuda_ext_names_and_guards(monkeypatch):
         with pytest.raises(ValueError, match="guard must be one of"):
             cuda_ext.reshape_and_cache_flash(t, t, t, t, t, t, t, guard=bad)
     # vLLM's kernel matched among the instantiations in vLLM's library: the bf16 kAuto one only.
-    import re
-
     vllms = [n for n in names if re.search(cuda_ext.VLLM_KERNEL_MATCH, n)]
     assert vllms == [next(iter(names))], vllms
     assert not re.search(

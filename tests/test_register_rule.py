@@ -265,18 +265,32 @@ def test_validator_within_its_twins_registers(usage: dict, spec: str) -> None:
         assert _units(v["inlined"][1]) > _units(v["calls"][1]), v
 
 
-def test_adopted_cuda_reshape_costs_no_occupancy(adopted_cuda_usage):
-    """vLLM's CUDA reshape_and_cache_flash guarded from the docs (benchmarks/adopted_vllm/guarded/cache_kernels.cuh),
+def test_adopted_cuda_reshape_vote_control_fails_the_rule(adopted_cuda_usage):
+    """The guarded copy of vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm/guarded/cache_kernels.cuh),
     compiled for sm_90 with cuda_ext's flags and read back with cuobjdump at vLLM's launch of 512 threads per block
-    (the conftest fixture): the rule holds against the original at both test placements. The control: the vote
-    variant (every thread votes through guard_index and goes on with the copy) costs registers and a block per SM,
-    and the rule flags it."""
+    (the conftest fixture): its two test placements cost the same. The control: the vote variant (every thread votes
+    through guard_index and goes on with the copy) costs registers and a block per SM against it, and the rule flags
+    it, so the rule can fail on this kernel (the comparison with vLLM's own build: the next test)."""
     from tripwire import resources as rs
 
     found = adopted_cuda_usage
-    assert sorted(found) == ["guarded_first", "guarded_late", "original", "vote"], found
+    assert {"guarded_first", "guarded_late", "vote"} <= set(found), found
+    ((g, t, free),) = rs.compare([found["guarded_late"]], [found["guarded_first"]])
+    assert free, rs.format_table([(g, t, free)])
+    for placement in ("guarded_first", "guarded_late"):
+        ((v, t, free),) = rs.compare([found["vote"]], [found[placement]])
+        assert not free and v.programs_per_sm < t.programs_per_sm, rs.format_table([(v, t, free)])
+
+
+def test_adopted_cuda_reshape_costs_no_occupancy(adopted_cuda_usage):
+    """The rule holds for the guarded CUDA copy against vLLM's own kernel as the installed GPU vLLM built it (read
+    from vLLM's library), at both test placements. Only where a GPU build of vLLM is installed: this folder keeps no
+    copy of vLLM's kernel to build."""
+    from tripwire import resources as rs
+
+    found = adopted_cuda_usage
+    if "original" not in found:
+        pytest.skip("no GPU build of vLLM here: vLLM's compiled reshape_and_cache_flash is the twin")
     for placement in ("guarded_first", "guarded_late"):
         ((g, t, free),) = rs.compare([found[placement]], [found["original"]])
         assert free, rs.format_table([(g, t, free)])
-    ((v, t, free),) = rs.compare([found["vote"]], [found["original"]])
-    assert not free and v.programs_per_sm < t.programs_per_sm, rs.format_table([(v, t, free)])
