@@ -1,5 +1,10 @@
 """vLLM's own kernels against the copies guarded by following docs/guarding.md (``adopted_vllm/``), on the GPU.
 
+vLLM's side is the vLLM installed where this runs (on the device: the GPU bundle, ../shared/vllm-gpu, put on
+PYTHONPATH): its Triton modules (``adopted_vllm.load("original", ...)``) and its compiled CUDA op
+(``cuda_ext.vllm_op``). The output's ``vllm`` says which release and files were compared against (the guarded copies
+come from 0.32.0: adopted_vllm/NOTICE). Without vLLM each case is skipped with the reason, naming what to install.
+
 Cases (bf16, all metadata valid, so the guarded copy counts nothing and writes/returns what the original does:
 both checked before timing):
 
@@ -8,7 +13,9 @@ both checked before timing):
 * ``decode_mha``: the same with 32 / 32 heads (vLLM's non-grouped stage 1).
 * ``reshape_triton_{256,4096}``: vLLM's Triton reshape_and_cache_flash, 8 KV heads x 128, page 16, slots a random
   permutation of a cache 4x the tokens.
-* ``reshape_cuda_{256,4096}``: vLLM's CUDA reshape_and_cache_flash_kernel (and its guarded copy), same shapes.
+* ``reshape_cuda_{256,4096}``: vLLM's CUDA reshape_and_cache_flash_kernel (vLLM's compiled op) and its guarded
+  copy (and the vote control), same shapes. vLLM's library loads once per process (it registers its ops once), so
+  vLLM's side here is one load of its code, timed as each of its "copies", and its A/A is the timer's floor only.
 
 Timing (``_common.pooled_replay_ms``): each variant is its code loaded ``--copies`` times (modules of their own,
 so the code sits at as many addresses: where it lands moves a kernel's time by a few tenths of a percent, persistently,
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -156,10 +164,11 @@ def _reshape_case(tokens: int, cuda: bool, copies: int, device: str = "cuda") ->
     if cuda:
         from adopted_vllm import cuda_ext
 
-        for i in range(2 * copies):
+        cuda_ext.vllm_op()  # NoVllm, naming what to install, before anything is built
+        for i in range(copies):
             cuda_ext.build(copy=i)
         ctr = _counters((cuda_ext.SITE,))
-        # One library holds both sides: its copy i runs original copy i and guarded copy i (and the vote control's).
+        # The extension's copy i runs guarded copy i (and the vote control's); guard=False is vLLM's op, whatever i.
         guards: dict[str, bool | str] = {"original": False, "guarded": True, "vote": "vote"}
         variants["vote"] = ("vote", range(copies))  # the profiler's control (adopted_vllm/vote_variant.cuh)
 
@@ -212,7 +221,8 @@ def _reshape_case(tokens: int, cuda: bool, copies: int, device: str = "cuda") ->
             from adopted_vllm import cuda_ext
 
             threads = min(CACHE["kv_heads"] * CACHE["head_dim"], 512)
-            found = rs.cuda_usage(cuda_ext.library_path(), block_threads=threads, match="reshape_and_cache_flash")
+            found = rs.cuda_usage(cuda_ext.vllm_library_path(), block_threads=threads, match=cuda_ext.VLLM_KERNEL_MATCH)
+            found += rs.cuda_usage(cuda_ext.library_path(), block_threads=threads, match="reshape_and_cache_flash")
             return [(cuda_ext.variant_of(u.kernel), u) for u in found]
         usage = []
         for name in ("original", "guarded"):
@@ -292,6 +302,24 @@ def run_case(name: str, rounds: int, rep_ms: int, copies: int, device: str = "cu
     return res
 
 
+def vllm_sources() -> dict[str, Any]:
+    """Which vLLM the originals are: the release and file of each Triton module, the library of the CUDA op (or why
+    there is none)."""
+    from adopted_vllm import MODULES, NoVllm, cuda_ext, original_source, vllm_version
+
+    out: dict[str, Any] = {}
+    try:
+        out["version"] = vllm_version()
+        out["triton"] = {m: original_source(m) for m in MODULES}
+    except NoVllm as e:
+        return {"error": str(e)}
+    try:
+        out["cuda"] = {"op": "torch.ops._C_cache_ops.reshape_and_cache_flash", "library": cuda_ext.vllm_library_path()}
+    except NoVllm as e:
+        out["cuda"] = {"error": str(e)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
@@ -310,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tripwire.prealloc("cuda")
     names = [n for n in args.only.split(",") if n] or list(CASES)
-    out: dict[str, Any] = {"env": env_info(), "cases": {}}
+    out: dict[str, Any] = {"env": env_info(), "vllm": vllm_sources(), "cases": {}}
+    print(f"vLLM compared against: {json.dumps(out['vllm'])}", flush=True)
+    from adopted_vllm import NoVllm
+
     for name in names:
         t = time.time()
         try:
@@ -327,13 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                 + f"  [{regs}]  ({time.time() - t:.0f} s)",
                 flush=True,
             )
+        except NoVllm as e:
+            out["cases"][name] = {"skipped": str(e)}
+            print(f"{name:22s} SKIPPED: {e}", flush=True)
         except Exception as e:  # one case failing must not lose the others' figures
             out["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name:22s} ERROR {type(e).__name__}: {e}", flush=True)
     out["targets"] = [
         {"name": f"{n}.cost_pct", "target": f"<= {TARGET_PCT} %", "value": c.get("cost_pct", float("nan")),
          "pass": bool(c.get("pass")) and bool(c.get("resources_equal"))}
-        for n, c in out["cases"].items()
+        for n, c in out["cases"].items() if "skipped" not in c
     ]  # fmt: skip
     return finish(out, args.out)
 

@@ -6,6 +6,9 @@
 # results, and summary.txt (each step's exit status and the lines that matter). STEPS picks steps by name (default
 # all): STEPS="build_ext bench_adopted" in one call (about 7 minutes), then STEPS="build_ext bench_slot_mapping ncu
 # bench_validate bench_numerics checks" (the checks: the GPU tests and compute-sanitizer).
+# vLLM's side of every adopted-kernel comparison (its Triton modules, its compiled CUDA op) is the vLLM on the path:
+# on the device, the GPU bundle (../shared/vllm-gpu/README.md: export PYTHONPATH=$(bash assemble.sh):$PYTHONPATH
+# first). Without it those comparisons are skipped, each saying so, and memcheck's adopted runs end INCOMPLETE.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -25,7 +28,8 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,torch.version.cuda,triton.__version__)"
-  nvcc --version | tail -1; which ncu compute-sanitizer; } >"$OUT/env.txt" 2>&1
+  nvcc --version | tail -1; which ncu compute-sanitizer
+  python3 -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)" 2>&1 | tail -1; } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt" >>"$SUM"
 
 # 1. The CUDA extension (nvcc, about a minute), built once here so that no later step compiles it under a tool.
@@ -41,13 +45,14 @@ want bench_adopted && grep -E "cost|ERROR" "$OUT/bench_adopted.log" | cut -c1-24
 step bench_slot_mapping 90 python3 benchmarks/bench_slot_mapping.py --out "$OUT/slot_mapping.json"
 want bench_slot_mapping && grep -E "cost" "$OUT/bench_slot_mapping.log" >>"$SUM"
 
-# 3. ncu on the CUDA reshape_and_cache at 4096 tokens: the original, the guarded copy, the vote control; launch
+# 3. ncu on the CUDA reshape_and_cache at 4096 tokens: vLLM's compiled kernel, the guarded copy, the vote control; launch
 #    registers, the occupancy limit and achieved occupancy, the time. Clocks not locked (--clock-control none).
 cat >"$OUT/ncu_target.py" <<'EOF'
 import sys
 sys.path.insert(0, "benchmarks")
 import torch, tripwire
 from adopted_vllm import cuda_ext
+cuda_ext.vllm_op()  # vLLM's compiled kernel is ncu's baseline: without a GPU vLLM, NoVllm says what to install
 tripwire.prealloc("cuda")
 T, H, D, PS = 4096, 8, 128, 16
 NB = 4 * T // PS
@@ -89,8 +94,8 @@ if want checks; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -rx tests/test_adopted_vllm.py tests/test_resources.py \
     tests/test_register_rule.py tests/validate/test_validate.py tests/triton/test_triton.py -k "gpu or adopted or resources or register or validate" \
     >"$OUT/pytest.log" 2>&1 & tpid=$!
-  # compute-sanitizer memcheck over the adopted kernels: 0 errors guarded, errors for vLLM's originals; the four in
-  # parallel (each driver runs its guarded and original child one after the other).
+  # compute-sanitizer memcheck over the adopted kernels: 0 errors guarded, errors for vLLM's originals (from the vLLM
+  # on the path); the four in parallel (each driver runs its guarded and original child one after the other).
   pids=()
   for k in adopted.decode_gqa adopted.decode_mha adopted.reshape_triton adopted.reshape_cuda; do
     timeout 240 python3 scripts/memcheck.py --kernels "$k" >"$OUT/memcheck_$k.log" 2>&1 & pids+=($!)

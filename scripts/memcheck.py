@@ -12,7 +12,8 @@ past the end and the INT32 extremes, so the unguarded twin leaves its allocation
 
 Pass: every guarded run reports 0 errors, counts exactly the bad entries and keeps their offenders with the
 requests of the request map it is given (so the fault path's reads of the map are checked too); every twin run
-reports errors (the control: the same input is really out of range). Exit status 1 otherwise.
+reports errors (the control: the same input is really out of range). Exit status 1 otherwise; 3 when every guarded
+run passed but an adopted kernel's control (vLLM's original, from an installed vLLM) could not run.
 
 ``cuda_gather`` is the CUDA C++ header's worked example (examples/cuda_gather): the driver builds it once, before
 the sanitizer runs, so its children load the cached build instead of running nvcc under the checker.
@@ -41,7 +42,9 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The metadata validator in front of kernels it cannot edit: torch's index_select / index_copy_ and an unguarded
 # gather (paged_gather's twin). "--guard 1" validates (mask) first, "--guard 0" is the consumer on the raw metadata.
 VALIDATED = ("validate.index_select", "validate.index_copy", "validate.gather")
-# vLLM's own kernels (benchmarks/adopted_vllm): "--guard 1" runs the copy guarded from the docs, "--guard 0" vLLM's.
+# vLLM's own kernels (benchmarks/adopted_vllm): "--guard 1" runs the copy guarded from the docs, "--guard 0" vLLM's,
+# from the vLLM installed where this runs (on the device: the GPU bundle on PYTHONPATH, ../shared/vllm-gpu). Without
+# vLLM the control is not run, said so, and the run ends INCOMPLETE (exit 3), never PASS.
 ADOPTED = ("adopted.decode_gqa", "adopted.decode_mha", "adopted.reshape_triton", "adopted.reshape_cuda")
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -326,9 +329,14 @@ def _drive(sanitizer: str, kernels: list[str]) -> int:
             print(f"--- cuda_gather: the example extension did not build: {err}", file=sys.stderr)
             ok = False
             kernels = [k for k in kernels if k != "cuda_gather"]
+    no_control = _without_vllm([k for k in kernels if k in ADOPTED])
     for kernel in kernels:
         res = {}
         for guard in (1, 0):
+            if not guard and kernel in no_control:
+                res[0] = (None, None, "(not run)")
+                print(f"--- {kernel}: vLLM's original (the control) not run: {no_control[kernel]}", file=sys.stderr)
+                continue
             cmd = [
                 sanitizer,
                 "--tool",
@@ -361,12 +369,36 @@ def _drive(sanitizer: str, kernels: list[str]) -> int:
     for kernel, res in rows:
         g, u = res[1], res[0]
         verdict = "PASS" if g[0] == 0 and g[1] == 0 and (u[0] or u[1] != 0) else "FAIL"
+        if kernel in no_control:
+            verdict = "NO CTRL" if g[0] == 0 and g[1] == 0 else "FAIL"
         print(f"{kernel:22s} {g[0]!s:>15s} {u[0]!s:>12s}  {verdict:8s}  {g[2]}")
+    if ok and no_control:
+        print(f"memcheck: INCOMPLETE (guarded: 0 errors; no control for {', '.join(no_control)}: no vLLM installed)")
+        return 3
     print(
         "memcheck:",
         "PASS (guarded: 0 errors everywhere; twins: errors, so the inputs really were out of range)" if ok else "FAIL",
     )
     return 0 if ok else 1
+
+
+def _without_vllm(adopted: list[str]) -> dict[str, str]:
+    """The adopted kernels whose control, vLLM's original, cannot run here, with why (adopted_vllm.NoVllm names
+    what to install)."""
+    if not adopted:
+        return {}
+    sys.path.insert(0, BENCH)
+    from adopted_vllm import NoVllm, cuda_ext, vllm_version
+
+    out = {}
+    for kernel in adopted:
+        try:
+            vllm_version()
+            if kernel == "adopted.reshape_cuda":
+                cuda_ext.vllm_op()
+        except NoVllm as e:
+            out[kernel] = str(e)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

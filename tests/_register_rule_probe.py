@@ -1,7 +1,8 @@
 """The register rule's probe (tests/test_register_rule.py runs it in a process of its own, without Triton's
 interpreter): every shipped kernel and vLLM's adopted Triton kernels compiled for sm_90, guarded and twin, and
 guarded with the fault path inlined (the control). Prints one JSON line: {case: {variant: [[kernel, regs, spills,
-programs_per_sm], ...]}}."""
+programs_per_sm], ...]}}. The adopted kernels' twins are vLLM's originals, from an installed vLLM:
+``--adopted-twins``, run with the vLLM environment's python, prints those alone."""
 
 from __future__ import annotations
 
@@ -335,12 +336,10 @@ def main() -> None:
             out[name]["inline"] = usage(fn)
         with rs.fault_path("stub"):
             out[name]["twin"] = usage(fn)
-    for name, fn in adopted(True).items():
+    for name, fn in adopted(True).items():  # their twins, vLLM's originals, come from adopted_twins()
         out[name] = {"guarded": usage(fn)}
         with rs.fault_path("inline"):
             out[name]["inline"] = usage(fn)
-    for name, fn in adopted(False).items():
-        out[name]["twin"] = usage(fn)
     out["step_reductions"] = step_reductions()
     out["precheck_reductions"] = precheck_reductions()
     out["nonfinite_budget"] = nonfinite_budget()
@@ -350,5 +349,20 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def adopted_twins() -> dict:
+    """vLLM's original kernels of the adopted cases, as the installed vLLM ships them (run with a python that has
+    vLLM): {"vllm": version, "triton": version, "cases": {case: usage}}."""
+    from adopted_vllm import vllm_version
+
+    return {
+        "vllm": vllm_version(),
+        "triton": triton.__version__,
+        "cases": {name: usage(fn) for name, fn in adopted(False).items()},
+    }
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--adopted-twins"]:
+        print(json.dumps(adopted_twins()))
+    else:
+        main()

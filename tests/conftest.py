@@ -134,39 +134,39 @@ def cuda_tool():
     return _cuda_tool
 
 
-# vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds (bf16 K/V and
-# cache): the original, the guarded copy at both of its test placements and the vote control.
+# The guarded copy of vLLM's CUDA reshape_and_cache_flash (benchmarks/adopted_vllm), the instantiation cuda_ext builds
+# (bf16 K/V and cache): at both of its test placements, and the vote control.
 _CUDA_ADOPTED = r"""
 #include <cuda_bf16.h>
 #include "vote_variant.cuh"
 using T = __nv_bfloat16;
-constexpr auto A = vllm::Fp8KVCacheDataType::kAuto;
-#define ARGS const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, \
-    const float*, const float*, int
-template __global__ void vllm::reshape_and_cache_flash_kernel<T, T, A>(ARGS);
+constexpr auto A = vllm_guarded::Fp8KVCacheDataType::kAuto;
 #define GUARDED(FIRST) \
   template __global__ void vllm_guarded::reshape_and_cache_flash_kernel<T, T, A, FIRST>( \
       const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t*, const int64_t*, int64_t, int64_t, int64_t, \
       int64_t, int64_t, int, int, int, const float*, const float*, int);
 GUARDED(true)
 GUARDED(false)
-template __global__ void vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, A>(ARGS, int64_t*, const int64_t*,
-                                                                                    int64_t);
+template __global__ void vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, A>(
+    const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
+    const float*, const float*, int, int64_t*, const int64_t*, int64_t);
 """
 
 
 @pytest.fixture(scope="session")
 def adopted_cuda_usage(cuda_tool, tmp_path_factory):
-    """vLLM's adopted CUDA reshape_and_cache_flash compiled for sm_90 with cuda_ext's flags and read back with
-    cuobjdump (tripwire.resources.cuda_usage) at vLLM's launch of 512 threads per block: ``{variant: usage}``,
-    variants named by ``cuda_ext.variant_of`` (original, guarded_first, guarded_late, vote). Skips without nvcc."""
+    """The guarded copy of vLLM's CUDA reshape_and_cache_flash compiled for sm_90 with cuda_ext's flags and read back
+    with cuobjdump (tripwire.resources.cuda_usage) at vLLM's launch of 512 threads per block: ``{variant: usage}``,
+    variants named by ``cuda_ext.variant_of`` (guarded_first, guarded_late, vote), and ``original``, vLLM's kernel
+    read from the installed GPU vLLM's library, where there is one (cuda_ext.vllm_library_path). Skips without
+    nvcc."""
     nvcc = cuda_tool("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here")
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(bench))
     try:
-        from adopted_vllm import cuda_ext
+        from adopted_vllm import NoVllm, cuda_ext
     finally:
         sys.path.remove(str(bench))
     import tripwire
@@ -182,6 +182,12 @@ def adopted_cuda_usage(cuda_tool, tmp_path_factory):
     usage = rs.cuda_usage(str(cubin), block_threads=512, match="reshape_and_cache_flash")
     found = {cuda_ext.variant_of(u.kernel): u for u in usage}
     assert len(found) == len(usage), [u.kernel for u in usage]  # one kernel per variant
+    try:
+        lib = cuda_ext.vllm_library_path()
+    except NoVllm:
+        return found
+    (vllm_kernel,) = rs.cuda_usage(lib, block_threads=512, match=cuda_ext.VLLM_KERNEL_MATCH)
+    found[cuda_ext.variant_of(vllm_kernel.kernel)] = vllm_kernel
     return found
 
 

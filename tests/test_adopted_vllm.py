@@ -1,11 +1,16 @@
-"""vLLM's own kernels guarded by following the docs (benchmarks/adopted_vllm): against a torch reference, the
-originals on clean input, exact counts (once per bad entry: across token splits that cut a page, head programs and
-tile programs), requests, masking; on the GPU also graph replays and the CUDA reshape_and_cache extension. The
-originals' out-of-range accesses themselves (the control) are shown by compute-sanitizer (scripts/memcheck.py
---kernels adopted.*), not here: on the CPU they would read and write outside their tensors."""
+"""vLLM's own kernels guarded by following the docs (benchmarks/adopted_vllm): against a torch reference, exact
+counts (once per bad entry: across token splits that cut a page, head programs and tile programs), requests,
+masking; against vLLM's originals on clean input, taken from the installed vLLM (adopted_vllm.compare, run in the
+vLLM environment: CI's /opt/venv-vllm; without one it skips, and fails under CI=true); on the GPU also graph replays
+and the CUDA reshape_and_cache extension (against vLLM's compiled op where a GPU vLLM is installed). The originals'
+out-of-range accesses themselves (the control) are shown by compute-sanitizer (scripts/memcheck.py --kernels
+adopted.*), not here: on the CPU they would read and write outside their tensors."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -13,10 +18,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "integrations"))
 
-from adopted_vllm import load
+from adopted_vllm import HERE as ADOPTED
+from adopted_vllm import NoVllm, load
 from tripwire.kernels import counters
 from tripwire.layout import VALUE_MAX, VALUE_MIN
+from vllm_helpers import python_in_vllm_env
+
+BENCH = ADOPTED.parent
 
 
 @pytest.fixture
@@ -64,7 +74,7 @@ def test_decode_attention_counts_each_bad_entry_once(make_monitor, hit_of, kerne
     (never read, not counted). The output is attention over the remaining tokens, finite; the offenders carry
     their sequences' requests."""
     mon = make_monitor(offenders=8)
-    orig, guard = load("original", "triton_decode_attention"), load("guarded", "triton_decode_attention")
+    guard = load("guarded", "triton_decode_attention")
     dev, P, PS, W, S, D = kernel_device, 20, 4, 8, 3, 32
     g = torch.Generator().manual_seed(0)
     q = torch.randn(4, 4, D, generator=g).to(dev)
@@ -72,9 +82,12 @@ def test_decode_attention_counts_each_bad_entry_once(make_monitor, hit_of, kerne
     table = torch.randint(0, P, (4, W), generator=g, dtype=torch.int32).to(dev)
     lens = torch.tensor([30, 17, 9, 12], dtype=torch.int32, device=dev)
     ctr = counters(guard.SITES, dev, mon)
-    torch.testing.assert_close(
-        _decode(guard, q, kb, vb, table, lens, S, ctr=ctr), _decode(orig, q, kb, vb, table, lens, S)
-    )
+    # On a GPU the grouped kernel's tl.dot runs in TF32 (10-bit mantissa): its error, not the masking's, sets the
+    # bound there; a bad page's tokens left in would move outputs by O(0.1).
+    tol = 1e-2 if q.is_cuda else 1e-4
+    clean = _decode(guard, q, kb, vb, table, lens, S, ctr=ctr)
+    ref = _decode_ref(q.cpu(), kb.cpu(), vb.cpu(), table.cpu(), lens.cpu(), P, 0.3)
+    torch.testing.assert_close(clean.cpu(), ref, rtol=tol, atol=tol)
     assert ctr[:, 0].tolist() == [0, 0]
     table[0, 2] = 99  # tokens 8..11: split 0 is [0, 10), split 1 [10, 20): the page straddles them
     assert (2 * PS < 10 < 3 * PS) and -(-30 // S) == 10
@@ -88,9 +101,6 @@ def test_decode_attention_counts_each_bad_entry_once(make_monitor, hit_of, kerne
     assert length.count == 1 and tuple(length.offenders[0]) == (3, 10_000, 103)
     assert torch.isfinite(out).all()
     ref = _decode_ref(q.cpu(), kb.cpu(), vb.cpu(), table.cpu(), lens.cpu(), P, 0.3)
-    # On a GPU the grouped kernel's tl.dot runs in TF32 (10-bit mantissa): its error, not the masking's, sets the
-    # bound there; a bad page's tokens left in would move outputs by O(0.1).
-    tol = 1e-2 if out.is_cuda else 1e-4
     torch.testing.assert_close(out.cpu(), ref, rtol=tol, atol=tol)
 
 
@@ -106,24 +116,85 @@ def test_reshape_and_cache_masks_and_counts_bad_slots(make_monitor, hit_of, kern
     """Padding (-1) is skipped and not counted; other negative slots and slots past the cache write nothing and
     count once per token (not per tile program: 4 tiles here), at a fatal site, with the token's request."""
     mon = make_monitor(offenders=8)
-    orig, guard = load("original", "triton_reshape_and_cache_flash"), load("guarded", "triton_reshape_and_cache_flash")
+    guard = load("guarded", "triton_reshape_and_cache_flash")
     dev, T, H, D, NB = kernel_device, 6, 4, 32, 4
     k, v = torch.randn(T, H, D, device=dev), torch.randn(T, H, D, device=dev)
     ctr = mon.counter(
         mon.registry.register(guard.SITE_SLOT.name, fatal=True, description=guard.SITE_SLOT.description), dev
     )
     clean = torch.tensor([0, 5, -1, 15, 3, 7], device=dev)
-    for a, b in zip(_reshape(orig, k, v, clean, NB), _reshape(guard, k, v, clean, NB, ctr=ctr), strict=True):
-        assert torch.equal(a, b)
+    for got, src in zip(_reshape(guard, k, v, clean, NB, ctr=ctr), (k, v), strict=True):
+        assert torch.equal(got.reshape(-1, H, D).cpu(), _cache_ref(src, clean, NB * 4))
+    assert int(ctr[0]) == 0
     bad = torch.tensor([0, 16, -1, -5, 3, 7], device=dev)
-    kc, _vc = _reshape(guard, k, v, bad, NB, ctr=ctr, requests=torch.arange(10, 16, device=dev))
+    kc, vc = _reshape(guard, k, v, bad, NB, ctr=ctr, requests=torch.arange(10, 16, device=dev))
     hit = hit_of(mon, guard.SITE_SLOT.name)
     assert hit.count == 2 and sorted(tuple(o) for o in hit.offenders) == [(1, 16, 11), (3, -5, 13)]
-    ref = torch.zeros(NB * 4, H, D)
-    for t, s in enumerate(bad.tolist()):
-        if 0 <= s < NB * 4:
-            ref[s] = k[t].cpu()
-    assert torch.equal(kc.reshape(-1, H, D).cpu(), ref)
+    assert torch.equal(kc.reshape(-1, H, D).cpu(), _cache_ref(k, bad, NB * 4))
+    assert torch.equal(vc.reshape(-1, H, D).cpu(), _cache_ref(v, bad, NB * 4))
+
+
+def _cache_ref(src: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The cache (flat: [slots, heads, dim], zeros first) after writing each token's row to its slot, where that slot
+    is in range."""
+    ref = torch.zeros(num_slots, *src.shape[1:], dtype=src.dtype)
+    for t, s in enumerate(slots.tolist()):
+        if 0 <= s < num_slots:
+            ref[s] = src[t].cpu()
+    return ref
+
+
+@pytest.mark.slow
+def test_guarded_matches_vllms_original_on_clean_input():
+    """vLLM's own decode attention (GQA, MHA) and reshape_and_cache_flash, as the installed vLLM ships them, against
+    the guarded copies on clean input: the same outputs (reshape bit for bit), in the vLLM environment under Triton's
+    interpreter (adopted_vllm.compare). The control: the guarded side given one other page id and one other slot
+    (both in range): every case disagrees, so the agreement is a measurement."""
+    runs = {}
+    for control in (False, True):
+        code = (
+            f"import sys; sys.path.insert(0, {str(BENCH)!r}); from adopted_vllm.compare import main; "
+            f"sys.exit(main({['--control'] if control else []!r}))"
+        )
+        p = python_in_vllm_env(code, env={"TRITON_INTERPRET": "1"}, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        runs[control] = json.loads(p.stdout.strip().splitlines()[-1])
+    clean, control = runs[False], runs[True]
+    assert set(clean["cases"]) == {"decode_gqa", "decode_mha", "reshape_triton"}
+    assert all(c["agree"] for c in clean["cases"].values()), clean
+    assert not any(c["agree"] for c in control["cases"].values()), control
+    for name, src in clean["source"].items():
+        # vLLM's own file of the installed release, not a copy of ours.
+        assert src["module"] == f"vllm.v1.attention.ops.{name}" and "site-packages" in src["file"], src
+        assert src["vllm"], src
+
+
+def test_original_needs_an_installed_vllm():
+    """Without vLLM, load("original") names what to install (NoVllm, an ImportError); load("guarded") loads with no
+    vLLM, and leaves no vLLM module behind (its few vLLM names are the shim's, put back after). The control: a vLLM
+    module put into sys.modules while a guarded copy loads comes back unchanged."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the original loads (test_guarded_matches_vllms_original_on_clean_input)")
+    for name in ("triton_decode_attention", "triton_reshape_and_cache_flash"):
+        with pytest.raises(NoVllm, match="pip install vllm"):
+            load("original", name)
+        with pytest.raises(ImportError, match="none is installed"):
+            load("original", name, copy=2)
+    load("guarded", "triton_reshape_and_cache_flash", copy=3)  # a fresh import of our copy, through the shim
+    assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules), [m for m in sys.modules if "vllm" in m]
+    import types
+
+    from adopted_vllm import _shim
+
+    mine = types.ModuleType("vllm.platforms")
+    sys.modules["vllm.platforms"] = mine
+    try:
+        with _shim.installed():
+            assert sys.modules["vllm.platforms"] is not mine  # the shim, while a guarded copy imports
+        assert sys.modules["vllm.platforms"] is mine
+    finally:
+        sys.modules.pop("vllm.platforms")
+    assert "vllm" not in sys.modules
 
 
 @pytest.mark.gpu
@@ -151,9 +222,9 @@ def test_gpu_graph_replay_counts_n_times(make_monitor, hit_of, captured):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [True, "first", "late", "vote"], ids=["guarded", "first", "late", "vote_control"])
 def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
-    """The CUDA extension: vLLM's kernel and the guarded copy (as launched, and at each test placement forced) write
-    the same cache on clean slots; with bad ones the guarded copy (and the vote control) skip them and count once
-    per token, with requests."""
+    """The CUDA extension: the guarded copy (as launched, and at each test placement forced) writes each token's row
+    to its slot on clean slots, as vLLM's compiled kernel does where a GPU vLLM is installed; with bad ones the
+    guarded copy (and the vote control) skip them and count once per token, with requests."""
     from adopted_vllm import cuda_ext
 
     cuda_ext.build()
@@ -172,13 +243,21 @@ def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
         cuda_ext.reshape_and_cache_flash(k, v, kc, vc, s, one, one, guard=guard, **kw)
         return kc, vc
 
-    for a, b in zip(run(False, slots), run(variant, slots, ctr=ctr), strict=True):
-        assert torch.equal(a, b)
+    clean = run(variant, slots, ctr=ctr)
+    for got, src in zip(clean, (k, v), strict=True):
+        assert torch.equal(got.reshape(-1, H, D).cpu(), _cache_ref(src, slots, NB * 16))
+    try:
+        vllms = run(False, slots)
+    except NoVllm:
+        vllms = None  # no GPU build of vLLM here: the torch reference above is the check
+    if vllms is not None:
+        for a, b in zip(vllms, clean, strict=True):
+            assert torch.equal(a, b)
     bad = slots.clone()
     # Padding, one past the cache, a negative slot, and the int64 extremes (the guarded copy's one unsigned compare
     # must take both ends for bad); offenders keep saturated values.
     bad[3], bad[10], bad[20], bad[30], bad[31] = -1, NB * 16 + 3, -7, -(2**63), 2**63 - 1
-    kc, _ = run(variant, bad, ctr=ctr, requests=torch.arange(100, 164, device="cuda"))
+    kc, vc = run(variant, bad, ctr=ctr, requests=torch.arange(100, 164, device="cuda"))
     torch.cuda.synchronize()
     hit = hit_of(mon, cuda_ext.SITE.name)
     assert hit.count == 4
@@ -188,11 +267,8 @@ def test_gpu_cuda_reshape_and_cache(make_monitor, hit_of, variant):
         (30, VALUE_MIN, 130),
         (31, VALUE_MAX, 131),
     ]
-    ref = torch.zeros_like(kc).reshape(-1, H, D)
-    for t, s in enumerate(bad.tolist()):
-        if 0 <= s < NB * 16:
-            ref[s] = k[t]
-    assert torch.equal(kc.reshape(-1, H, D), ref)
+    assert torch.equal(kc.reshape(-1, H, D).cpu(), _cache_ref(k, bad, NB * 16))
+    assert torch.equal(vc.reshape(-1, H, D).cpu(), _cache_ref(v, bad, NB * 16))
 
 
 @pytest.mark.gpu
@@ -273,24 +349,25 @@ def test_gpu_cuda_ext_copy_is_a_second_load():
 
 
 def test_cuda_ext_names_and_guards(monkeypatch):
-    """The extension's kernel names map to their variants (bench_adopted and the register rule classify by them),
-    and a guard it does not know is refused before anything is built or launched."""
+    """The kernel names map to their variants (bench_adopted and the register rule classify by them: vLLM's, in
+    vLLM's library, and the extension's), and a guard it does not know is refused before anything is built or
+    launched; without a GPU vLLM, vLLM's kernel (guard=False) raises NoVllm, naming what to install."""
     from adopted_vllm import cuda_ext
 
     monkeypatch.setattr(cuda_ext, "build", lambda **kw: pytest.fail("built for a refused guard"))
     names = {
         "_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LNS_18Fp8KVCacheDataTypeE0EEEvPKT_": "original",
-        "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0ELb1EEEv": (
+        "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LNS_18Fp8KVCacheDataTypeE0ELb1EEEv": (
             "guarded_first"
         ),
-        "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0ELb0EEEv": (
+        "_ZN12vllm_guarded30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_LNS_18Fp8KVCacheDataTypeE0ELb0EEEv": (
             "guarded_late"
         ),
-        "_ZN12vllm_guarded35reshape_and_cache_flash_kernel_voteI13__nv_bfloat16S1_LN4vllm18Fp8KVCacheDataTypeE0EEEv": (
+        "_ZN12vllm_guarded35reshape_and_cache_flash_kernel_voteI13__nv_bfloat16S1_LNS_18Fp8KVCacheDataTypeE0EEEv": (
             "vote"
         ),
     }
-    demangled = "void vllm_guarded::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0, {}>(...)"
+    demangled = "void vllm_guarded::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm_guarded::Fp8KVCacheDataType)0, {}>(...)"
     names[demangled.format("true")] = "guarded_first"
     names[demangled.format("false")] = "guarded_late"
     assert {n: cuda_ext.variant_of(n) for n in names} == names
@@ -298,3 +375,17 @@ def test_cuda_ext_names_and_guards(monkeypatch):
     for bad in (1, 0, "early", None):
         with pytest.raises(ValueError, match="guard must be one of"):
             cuda_ext.reshape_and_cache_flash(t, t, t, t, t, t, t, guard=bad)
+    # vLLM's kernel matched among the instantiations in vLLM's library: the bf16 kAuto one only.
+    vllms = [n for n in names if re.search(cuda_ext.VLLM_KERNEL_MATCH, n)]
+    assert vllms == [next(iter(names))], vllms
+    assert not re.search(
+        cuda_ext.VLLM_KERNEL_MATCH,
+        "_ZN4vllm30reshape_and_cache_flash_kernelIN3c104HalfES2_LNS_18Fp8KVCacheDataTypeE0EEEv",
+    )
+    assert not re.search(
+        cuda_ext.VLLM_KERNEL_MATCH,
+        "_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16hLNS_18Fp8KVCacheDataTypeE1EEEv",
+    )
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(NoVllm, match="pip install vllm"):
+            cuda_ext.reshape_and_cache_flash(t, t, t, t, t, t, t, guard=False)

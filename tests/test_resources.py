@@ -100,15 +100,16 @@ def test_cli_refuses_a_bad_spec():
 
 
 def test_cuda_adopted_reshape_same_registers_vote_control_more(adopted_cuda_usage):
-    """cuda_usage reads a real CUDA build (vLLM's kernel and its guarded copies, the conftest fixture): the guarded
-    copy at both test placements has the original's registers and programs per SM at 512 threads; the vote control
-    (every thread through guard_index, going on after it) needs more and fits one block fewer."""
+    """cuda_usage reads a real CUDA build (the guarded copy of vLLM's kernel, the conftest fixture): the guarded copy
+    has the same registers and programs per SM at both test placements, and where a GPU vLLM is installed, vLLM's
+    own build's; the vote control (every thread through guard_index, going on after it) needs more and fits one
+    block fewer."""
     found = adopted_cuda_usage
-    o, v = found["original"], found["vote"]
-    for placement in ("guarded_first", "guarded_late"):
-        g = found[placement]
-        assert (g.regs, g.programs_per_sm) == (o.regs, o.programs_per_sm), found
-    assert v.regs > o.regs and v.programs_per_sm < o.programs_per_sm, found
+    g, v = found["guarded_first"], found["vote"]
+    refs = [found["guarded_late"]] + ([found["original"]] if "original" in found else [])
+    for r in refs:
+        assert (g.regs, g.programs_per_sm) == (r.regs, r.programs_per_sm), found
+    assert v.regs > g.regs and v.programs_per_sm < g.programs_per_sm, found
 
 
 def _spec_probe(x_ptr, T, N, M):  # the kernel whose signature is built: never compiled, never run

@@ -1,12 +1,15 @@
-"""The few names vLLM's kernel modules import from the rest of vLLM, for loading those modules unedited without
-vLLM installed (the H200 image cannot run vLLM: it pins another torch). Only what the kernels and their launchers
-touch on an NVIDIA GPU with a bf16/fp16 cache: anything else raises."""
+"""The few names the guarded copies (``guarded/``) import from the rest of vLLM, answered the same way with or
+without vLLM installed: the guarded code then runs the same against any installed release (the GPU image's vLLM is
+another release than the one the copies come from, and its names move between releases). Only what the kernels and
+their launchers touch on an NVIDIA GPU with a bf16/fp16 cache."""
 
 from __future__ import annotations
 
 import enum
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -45,8 +48,8 @@ class _KVQuantMode(enum.Enum):
 
 
 def modules() -> dict[str, types.ModuleType]:
-    """Module objects named as vLLM names them, holding the shims."""
-    names = {
+    """Module objects named as vLLM names them, holding the shims (the parent packages empty)."""
+    names: dict[str, dict[str, object]] = {
         "vllm": {},
         "vllm.platforms": {"current_platform": _Platform()},
         "vllm.triton_utils": {"tl": tl, "triton": triton},
@@ -71,17 +74,18 @@ def modules() -> dict[str, types.ModuleType]:
     return out
 
 
-def installed_for_import() -> dict[str, types.ModuleType | None]:
-    """Put the shims into sys.modules (where no real vLLM module is); returns what to restore."""
-    saved: dict[str, types.ModuleType | None] = {}
-    for name, m in modules().items():
-        saved[name] = sys.modules.get(name)
-        if saved[name] is None:
-            sys.modules[name] = m
-    return saved
-
-
-def restore(saved: dict[str, types.ModuleType | None]) -> None:
-    for name, m in saved.items():
-        if m is None:
-            sys.modules.pop(name, None)
+@contextmanager
+def installed() -> Iterator[None]:
+    """The shims in sys.modules while a guarded copy is imported, in place of any real vLLM module of those names
+    (put back after): the copy keeps the shims' objects, vLLM's own modules keep theirs."""
+    shims = modules()
+    saved = {name: sys.modules.get(name) for name in shims}
+    sys.modules.update(shims)
+    try:
+        yield
+    finally:
+        for name, m in saved.items():
+            if m is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = m

@@ -1,6 +1,7 @@
-"""vLLM's CUDA ``reshape_and_cache_flash_kernel`` and its guarded copy as one torch extension
-(``reshape_and_cache.cu``), built with ``torch.utils.cpp_extension`` on first use (needs nvcc and a GPU build of
-torch)."""
+"""The guarded copy of vLLM's CUDA ``reshape_and_cache_flash_kernel`` (and the profiler's vote control) as a torch
+extension (``reshape_and_cache.cu``), built with ``torch.utils.cpp_extension`` on first use (needs nvcc and a GPU build
+of torch); vLLM's own kernel is vLLM's compiled op, from an installed GPU vLLM (:func:`vllm_op`): no wheel ships its
+source, and this folder keeps no copy of it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 
 import tripwire
+
+from . import INSTALL_HINT, NoVllm, vllm_version
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "reshape_and_cache.cu"
@@ -99,7 +102,6 @@ def _build(verbose: bool) -> ModuleType:
     for f in (
         SOURCE,
         HERE / "vote_variant.cuh",
-        HERE / "original" / "cache_kernels.cuh",
         HERE / "guarded" / "cache_kernels.cuh",
     ):
         key.update(f.read_bytes())
@@ -124,15 +126,54 @@ def _build(verbose: bool) -> ModuleType:
     return _import(so)
 
 
+# vLLM's kernel as cuda_ext launches it, among the instantiations in vLLM's library: bf16 key, value and cache, kAuto
+# (mangled: the template arguments __nv_bfloat16, __nv_bfloat16, 0).
+VLLM_KERNEL_MATCH = r"^_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_L.*E0EEEv"
+
+# The extension module that registers vLLM's _C_cache_ops, by release: vllm._C_stable_libtorch in 0.26 (its
+# libtorch-stable build), vllm._C in 0.32.
+_VLLM_LIBRARIES = ("vllm._C_stable_libtorch", "vllm._C")
+
+
+def _vllm_library() -> ModuleType:
+    import importlib
+
+    version = vllm_version()  # NoVllm, naming what to install, where there is no vLLM
+    for name in _VLLM_LIBRARIES:
+        try:
+            lib = importlib.import_module(name)
+        except (ImportError, OSError):  # absent in this release, or built against another torch
+            continue
+        op = getattr(torch.ops._C_cache_ops, "reshape_and_cache_flash", None)
+        if op is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op._qualified_op_name, "CUDA"):
+            return lib
+    raise NoVllm(
+        f"vLLM {version} here has no CUDA reshape_and_cache_flash (torch.ops._C_cache_ops, from one of "
+        f"{_VLLM_LIBRARIES}): vLLM's CUDA kernel comes from a GPU build of vLLM; {INSTALL_HINT}"
+    )
+
+
+def vllm_op() -> Any:
+    """vLLM's compiled ``torch.ops._C_cache_ops.reshape_and_cache_flash`` (its CUDA kernel, as the installed GPU vLLM
+    built it); :class:`NoVllm` where there is no GPU build of vLLM."""
+    _vllm_library()
+    return torch.ops._C_cache_ops.reshape_and_cache_flash
+
+
+def vllm_library_path() -> str:
+    """The installed vLLM's library that holds its CUDA reshape_and_cache_flash_kernel (for cuobjdump)."""
+    return str(_vllm_library().__file__)
+
+
 def library_path() -> str:
-    """The built extension's shared library (for ``tripwire resources --cuda`` and cuobjdump)."""
+    """The built extension's shared library, the guarded kernels' (for ``tripwire resources --cuda`` and cuobjdump)."""
     mod = build()
     return str(mod.__file__)
 
 
 def variant_of(kernel: str) -> str:
     """Which of the extension's kernels a function name (mangled, as cuobjdump prints it, or demangled, as the
-    profiler does) is: "original" (vLLM's), "guarded_first" or "guarded_late" (the guarded copy testing the slot
+    profiler does) is: "original" (vLLM's, in vLLM's library), "guarded_first" or "guarded_late" (the guarded copy testing the slot
     first, as launched in one wave, or after the index arithmetic, over several) or "vote" (the profiler's control,
     vote_variant.cuh)."""
     if "_vote" in kernel:
@@ -157,19 +198,21 @@ def reshape_and_cache_flash(
     requests: torch.Tensor | None = None,
     copy: int = 0,
 ) -> None:
-    """vLLM's kernel (``guard=False``), the guarded copy (``guard=True``: ``ctr`` defaults to SITE's row of the
-    default monitor; ``requests``: int64, one per token) or ``guard="vote"``, the profiler's control
-    (vote_variant.cuh). The guarded copy tests the slot where the grid makes it cheapest (one wave: first; several:
-    after the index arithmetic); ``guard="first"`` or ``"late"`` forces one. ``copy``: which load of the extension
-    runs it (:func:`build`). No sync, no allocation once built: capturable."""
-    variants = {False: 0, True: 1, "vote": 2, "first": 3, "late": 4}
+    """vLLM's kernel (``guard=False``: the installed vLLM's compiled op, :func:`vllm_op`; ``ctr``, ``requests`` and
+    ``copy`` do not apply), the guarded copy (``guard=True``: ``ctr`` defaults to SITE's row of the default monitor;
+    ``requests``: int64, one per token) or ``guard="vote"``, the profiler's control (vote_variant.cuh). The guarded
+    copy tests the slot where the grid makes it cheapest (one wave: first; several: after the index arithmetic);
+    ``guard="first"`` or ``"late"`` forces one. ``copy``: which load of the extension runs it (:func:`build`). No
+    sync, no allocation once built: capturable."""
+    variants = {True: 1, "vote": 2, "first": 3, "late": 4}
+    if guard is False:
+        vllm_op()(key, value, key_cache, value_cache, slot_mapping, "auto", k_scale, v_scale)
+        return
     if not isinstance(guard, (bool, str)) or guard not in variants:
         raise ValueError(f"guard must be one of False, True, 'vote', 'first', 'late'; got {guard!r}")
     mod = build(copy=copy)
-    variant = variants[guard]
-    if variant and ctr is None:
+    if ctr is None:
         ctr = tripwire.counter(SITE, key.device)
     mod.reshape_and_cache_flash(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, variant,
-        slot_mapping if ctr is None else ctr, requests,
-    )  # fmt: skip
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, variants[guard], ctr, requests
+    )

@@ -1,6 +1,8 @@
-// Torch bindings of vLLM's reshape_and_cache_flash_kernel (original/cache_kernels.cuh) and of its guarded copy
-// (guarded/cache_kernels.cuh), launched as vLLM's host code launches it (csrc/cache_kernels.cu, vLLM 0.32.0:
-// one block per token, min(num_heads * head_size, 512) threads), for an unquantized (bf16/fp16, "auto") cache.
+// Torch bindings of the guarded copy of vLLM's reshape_and_cache_flash_kernel (guarded/cache_kernels.cuh, derived
+// from vLLM 0.32.0, Apache-2.0: LICENSE-vllm, NOTICE) and of the profiler's control (vote_variant.cuh), launched as
+// vLLM's host code launches its kernel (csrc/cache_kernels.cu, vLLM 0.32.0: one block per token,
+// min(num_heads * head_size, 512) threads), for an unquantized (bf16/fp16, "auto") cache. vLLM's own kernel is
+// vLLM's compiled op (cuda_ext.vllm_reshape_and_cache_flash), not built here.
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -10,7 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "vote_variant.cuh"  // includes guarded/cache_kernels.cuh, which includes original/
+#include "vote_variant.cuh"  // includes guarded/cache_kernels.cuh
 
 namespace {
 
@@ -38,8 +40,8 @@ void launch(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor&
   const auto* sm = slot_mapping.data_ptr<int64_t>();
   const auto* ks = k_scale.data_ptr<float>();
   const auto* vs = v_scale.data_ptr<float>();
-  constexpr auto kAuto = vllm::Fp8KVCacheDataType::kAuto;
-  int64_t* c = variant != 0 ? ctr.data_ptr<int64_t>() : nullptr;
+  constexpr auto kAuto = vllm_guarded::Fp8KVCacheDataType::kAuto;
+  int64_t* c = ctr.data_ptr<int64_t>();
   const int64_t* r = requests.has_value() ? requests->data_ptr<int64_t>() : nullptr;
   const int64_t num_slots = static_cast<int64_t>(key_cache.size(0)) * block_size;
   if (variant == 1 || variant == 3 || variant == 4) {
@@ -56,14 +58,10 @@ void launch(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor&
     kernel<<<grid, block, 0, stream>>>(k, v, kc, vc, sm, num_slots, c, r, block_stride, page_stride, head_stride,
                                        key_stride, value_stride, num_heads, head_size, block_size, ks, vs,
                                        kv_scale_stride);
-  } else if (variant == 2) {
+  } else {  // 2: the vote control
     vllm_guarded::reshape_and_cache_flash_kernel_vote<T, T, kAuto><<<grid, block, 0, stream>>>(
         k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
         block_size, ks, vs, kv_scale_stride, c, r, num_slots);
-  } else {
-    vllm::reshape_and_cache_flash_kernel<T, T, kAuto><<<grid, block, 0, stream>>>(
-        k, v, kc, vc, sm, block_stride, page_stride, head_stride, key_stride, value_stride, num_heads, head_size,
-        block_size, ks, vs, kv_scale_stride);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -75,9 +73,9 @@ void reshape_and_cache_flash(const torch::Tensor& key, const torch::Tensor& valu
   TORCH_CHECK(key.is_cuda() && key.dim() == 3 && key_cache.dim() == 4, "key [T, H, D] and a 4-D NHD cache on CUDA");
   TORCH_CHECK(key_cache.scalar_type() == key.scalar_type(), "an unquantized cache: key and cache of one dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
-  TORCH_CHECK(variant >= 0 && variant <= 4,
-              "variant: 0 original, 1 guarded, 2 the vote control, 3 guarded testing first, 4 guarded testing late");
-  TORCH_CHECK(variant == 0 || (ctr.scalar_type() == torch::kInt64 && ctr.numel() >= 8), "ctr: an int64 counter row");
+  TORCH_CHECK(variant >= 1 && variant <= 4,
+              "variant: 1 guarded, 2 the vote control, 3 guarded testing first, 4 guarded testing late");
+  TORCH_CHECK(ctr.scalar_type() == torch::kInt64 && ctr.numel() >= 8, "ctr: an int64 counter row");
   TORCH_CHECK(!requests.has_value() || (requests->scalar_type() == torch::kInt64 &&
                                          requests->numel() >= slot_mapping.numel()),
               "requests: int64, one per token");
@@ -116,6 +114,5 @@ extern "C" PyObject* tw_reshape_and_cache_flash_call(PyObject* args) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache_flash", &reshape_and_cache_flash,
-        "vLLM's reshape_and_cache_flash (variant 0), its guarded copy (1; 3 and 4: the test's place forced) or the vote "
-        "control (2)");
+        "the guarded copy of vLLM's reshape_and_cache_flash (1; 3 and 4: the test's place forced) or the vote control (2)");
 }

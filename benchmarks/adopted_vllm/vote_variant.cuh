@@ -1,8 +1,13 @@
 // A control for the profiler, not a pattern to follow: vLLM's reshape_and_cache_flash_kernel guarded the way the
 // docs said before the cold-path patterns (every thread calls tripwire::guard_index, votes and goes on with the
 // copy; no pinned occupancy). The values the copy needs stay live across the fault path, and the kernel needs
-// more registers than the original (one block of 512 threads fewer per SM on sm_90). bench_adopted.py and the
-// ncu run of scripts/gpu_guard_cost.sh measure it beside the original and guarded/cache_kernels.cuh.
+// more registers than vLLM's kernel (one block of 512 threads fewer per SM on sm_90). bench_adopted.py and the
+// ncu run of scripts/gpu_guard_cost.sh measure it beside vLLM's compiled kernel and guarded/cache_kernels.cuh.
+//
+// Derived from vLLM 0.32.0's reshape_and_cache_flash_kernel (csrc/cache_kernels.cu), Apache License 2.0
+// (LICENSE-vllm, NOTICE); SPDX-License-Identifier: Apache-2.0, Copyright contributors to the vLLM project. Changed by
+// tripwire: in namespace vllm_guarded, the guard's parameters appended, and the guard through tripwire::guard_index
+// after vLLM's padding test (marked below).
 #pragma once
 
 #include "guarded/cache_kernels.cuh"

@@ -535,9 +535,19 @@ def test_bench_decode_attention_harness_on_cpu(monkeypatch, tmp_path, kernel_dev
 
 def _small_adopted(monkeypatch, kernel_device):
     """bench_adopted at small shapes, its timer replaced (every body runs; every time 1 ms), its resource reading
-    left out (it compiles for sm_90: tests/test_register_rule.py holds the adopted kernels to the rule)."""
+    left out (it compiles for sm_90: tests/test_register_rule.py holds the adopted kernels to the rule), and vLLM's
+    side stood in by further loads of the guarded copy (this environment has no vLLM: the harness's plumbing only;
+    the guarded copies against vLLM's own kernels are tests/test_adopted_vllm.py's)."""
+    import adopted_vllm
     import bench_adopted as bench
     from tripwire import resources
+
+    real = adopted_vllm.load
+
+    def load(which, name, copy=0):  # type: ignore[no-untyped-def]
+        return real("guarded", name, copy=copy + 100) if which == "original" else real(which, name, copy=copy)
+
+    monkeypatch.setattr(adopted_vllm, "load", load)
 
     def replay(bodies, *, per_graph, repeats, rep_ms):
         for runs in bodies.values():
@@ -557,8 +567,8 @@ def _small_adopted(monkeypatch, kernel_device):
 @pytest.mark.parametrize("case", ["reshape_triton_256", "decode_gqa"])
 def test_bench_adopted_harness_on_cpu(monkeypatch, kernel_device, case):
     """bench_adopted's plumbing on the kernels' device (the interpreter on the CPU): each variant is its copies'
-    loads (the original's first the reference every load is checked against), the A/A further loads of the
-    original, the figures pooled."""
+    loads (the original side's first the reference every load is checked against), the A/A further loads of the
+    original side, the figures pooled."""
     bench = _small_adopted(monkeypatch, kernel_device)
     res = bench.run_case(case, rounds=3, rep_ms=1, copies=2, device=kernel_device)
     json.dumps(res)

@@ -1,18 +1,174 @@
-// vLLM's reshape_and_cache_flash_kernel guarded by following docs/guarding.md ("CUDA C++"): the original's text
-// (../original/cache_kernels.cuh, vLLM 0.32.0, Apache-2.0: ../LICENSE-vllm) with the guard added where marked
-// "tripwire". A slot outside the cache is not written and is recorded once per token (by thread 0: the slot is one
-// per block), with the token's request when a map is given (read only for a bad slot). Slot -1 stays padding.
+// vLLM's reshape_and_cache_flash_kernel guarded by following docs/guarding.md ("CUDA C++").
+//
+// Derived from vLLM 0.32.0 (the `vllm` 0.32.0 sdist, tag v0.32.0), Apache License 2.0 (../LICENSE-vllm, ../NOTICE);
+// SPDX-License-Identifier: Apache-2.0, Copyright contributors to the vLLM project. From these files, in this order:
+//   csrc/core/vec_dtypes/dtype_fp8.cuh            enum class Fp8KVCacheDataType
+//   csrc/quantization/vectorization.cuh           vec_n_t
+//   csrc/quantization/vectorization_utils.cuh     DefaultVecOp, both vectorize_with_alignment overloads
+//   csrc/cache_kernels.cu                         CopyWithScaleOp, reshape_and_cache_flash_kernel
+// Changed by tripwire (each marked "tripwire" below): everything is in namespace vllm_guarded; the includes and a
+// declaration of fp8::scaled_convert (the kAuto, bf16/fp16 cache, instantiation used here never calls it; the FP8
+// conversions are left out, as are every other kernel and vLLM's torch bindings); the kernel's guard: a slot
+// outside the cache is not written and is recorded once per token (by thread 0: the slot is one per block), with the
+// token's request when a map is given (read only for a bad slot); slot -1 stays padding; the slot's test placed by
+// the grid (TW_FIRST); the occupancy pinned (__launch_bounds__). vLLM's own kernel is not here: the benchmark runs
+// vLLM's compiled op from an installed vLLM (cuda_ext.vllm_reshape_and_cache_flash).
 #pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include <tripwire/guard.cuh>
 
-#include "../original/cache_kernels.cuh"
-
 namespace vllm_guarded {
 
-using vllm::CopyWithScaleOp;
-using vllm::Fp8KVCacheDataType;
-using vllm::vectorize_with_alignment;
+// ---- csrc/core/vec_dtypes/dtype_fp8.cuh
+enum class Fp8KVCacheDataType {
+  kAuto = 0,
+  kFp8E4M3 = 1,
+  kFp8E5M2 = 2,
+};
+
+// ---- csrc/quantization/vectorization.cuh
+// Vectorization containers
+template <typename scalar_t, size_t vec_size>
+struct __align__(vec_size * sizeof(scalar_t)) vec_n_t {
+  scalar_t val[vec_size];
+};
+
+// ---- csrc/quantization/vectorization_utils.cuh
+template <int VEC_SIZE, typename InT, typename OutT, typename ScaOp>
+struct DefaultVecOp {
+  ScaOp scalar_op;
+
+  __device__ __forceinline__ void operator()(
+      vec_n_t<OutT, VEC_SIZE>& dst, const vec_n_t<InT, VEC_SIZE>& src) const {
+#pragma unroll
+    for (int i = 0; i < VEC_SIZE; ++i) {
+      scalar_op(dst.val[i], src.val[i]);
+    }
+  }
+};
+
+template <int VEC_SIZE, typename InT, typename OutT, typename VecOp,
+          typename ScaOp>
+__device__ inline void vectorize_with_alignment(
+    const InT* in, OutT* out, int len, int tid, int stride,
+    VecOp&& vec_op,       // vec_n_t<InT,16> -> vec_n_t<OutT,16>
+    ScaOp&& scalar_op) {  // InT -> OutT
+  static_assert(VEC_SIZE > 0 && (VEC_SIZE & (VEC_SIZE - 1)) == 0,
+                "VEC_SIZE must be a positive power-of-two");
+  constexpr int WIDTH = VEC_SIZE * sizeof(InT);       // eg: 16 B
+  constexpr int OUT_WIDTH = VEC_SIZE * sizeof(OutT);  // eg: 16 B
+  uintptr_t addr = reinterpret_cast<uintptr_t>(in);
+  uintptr_t out_addr = reinterpret_cast<uintptr_t>(out);
+
+  // fast path when input and output are both fully aligned. The vector
+  // load/store below go through vec_n_t<T, VEC_SIZE>, declared
+  // __align__(VEC_SIZE * sizeof(T)), so each side must be aligned to its
+  // own vector width. out is NOT generally co-aligned with in: e.g.
+  // reshape_and_cache_flash writes KV-cache rows whose byte offset is a
+  // multiple of head_size, which for head sizes that are not a multiple
+  // of VEC_SIZE puts some rows off the vector-width boundary.
+  bool can_vec = ((addr & (WIDTH - 1)) == 0) &&
+                 ((out_addr & (OUT_WIDTH - 1)) == 0) &&
+                 ((len & (VEC_SIZE - 1)) == 0);
+  if (can_vec) {
+    int num_vec = len / VEC_SIZE;
+
+    using vin_t = vec_n_t<InT, VEC_SIZE>;
+    using vout_t = vec_n_t<OutT, VEC_SIZE>;
+    auto* v_in = reinterpret_cast<const vin_t*>(in);
+    auto* v_out = reinterpret_cast<vout_t*>(out);
+
+    for (int i = tid; i < num_vec; i += stride) {
+      vout_t tmp;
+      // Make a local copy of the entire pack
+      vin_t src = v_in[i];  // <- encourages a single vector ld
+      vec_op(tmp, src);
+      v_out[i] = tmp;  // <- encourages a single vector st
+    }
+    return;
+  }
+
+  int misalignment_offset = addr & (WIDTH - 1);       // addr % 64
+  int alignment_bytes = WIDTH - misalignment_offset;  // 64 - (addr % 64)
+  int prefix_elems = alignment_bytes & (WIDTH - 1);   // handle 64
+  prefix_elems /= sizeof(InT);
+  prefix_elems = min(prefix_elems, len);  // 0 ≤ prefix < 16
+
+  // the prefix below aligns in; if that does not also align out (their
+  // addresses differ modulo the vector width), vectorizing is impossible
+  // and the whole copy must stay scalar.
+  if (((out_addr + prefix_elems * sizeof(OutT)) & (OUT_WIDTH - 1)) != 0) {
+    for (int i = tid; i < len; i += stride) {
+      scalar_op(out[i], in[i]);
+    }
+    return;
+  }
+
+  // 1. prefill the when it is unsafe to vectorize
+  for (int i = tid; i < prefix_elems; i += stride) {
+    scalar_op(out[i], in[i]);
+  }
+
+  in += prefix_elems;
+  out += prefix_elems;
+  len -= prefix_elems;
+
+  int num_vec = len / VEC_SIZE;
+  using vin_t = vec_n_t<InT, VEC_SIZE>;
+  using vout_t = vec_n_t<OutT, VEC_SIZE>;
+  auto* v_in = reinterpret_cast<const vin_t*>(in);
+  auto* v_out = reinterpret_cast<vout_t*>(out);
+
+  // 2. vectorize the main part
+  for (int i = tid; i < num_vec; i += stride) {
+    vout_t tmp;
+    // Make a local copy of the entire pack
+    vin_t src = v_in[i];  // <- encourages a single vector ld
+    vec_op(tmp, src);
+    v_out[i] = tmp;  // <- encourages a single vector st
+  }
+
+  // 3. handle the tail
+  int tail_start = num_vec * VEC_SIZE;
+  for (int i = tid + tail_start; i < len; i += stride) {
+    scalar_op(out[i], in[i]);
+  }
+}
+
+template <int VEC_SIZE, typename InT, typename OutT, typename ScaOp>
+__device__ __forceinline__ void vectorize_with_alignment(const InT* in,
+                                                         OutT* out, int len,
+                                                         int tid, int stride,
+                                                         ScaOp&& scalar_op) {
+  using Vec = DefaultVecOp<VEC_SIZE, InT, OutT, std::decay_t<ScaOp>>;
+  vectorize_with_alignment<VEC_SIZE>(in, out, len, tid, stride, Vec{scalar_op},
+                                     std::forward<ScaOp>(scalar_op));
+}
+
+// ---- tripwire: the declaration the kAuto instantiation needs (never defined, never called).
+namespace fp8 {
+template <typename Tout, typename Tin, Fp8KVCacheDataType kv_dt>
+__device__ Tout scaled_convert(const Tin& x, const float scale);
+}  // namespace fp8
+
+// ---- csrc/cache_kernels.cu
+// Used to copy/convert one element
+template <typename OutT, typename InT, Fp8KVCacheDataType kv_dt>
+struct CopyWithScaleOp {
+  float scale;
+
+  __device__ __forceinline__ void operator()(OutT& dst, const InT src) const {
+    if constexpr (kv_dt == Fp8KVCacheDataType::kAuto) {
+      dst = static_cast<OutT>(src);
+    } else {
+      dst = fp8::scaled_convert<OutT, InT, kv_dt>(src, scale);
+    }
+  }
+};
 
 // tripwire: the fault block, whole, out of line (docs/guarding.md, "an index that is one per block"): the padding
 // test, the thread that records and the request's load are one call in the kernel, which the clean path jumps over.

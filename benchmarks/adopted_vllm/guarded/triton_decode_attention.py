@@ -27,7 +27,9 @@
 """Memory-efficient attention for decoding.
 It supports page size >= 1.
 
-tripwire: vLLM's kernels guarded by following docs/guarding.md (the diff against ../original/ is the guard). The
+tripwire: vLLM's kernels guarded by following docs/guarding.md: derived from vLLM 0.32.0's
+vllm/v1/attention/ops/triton_decode_attention.py (Apache-2.0: ../LICENSE-vllm, ../NOTICE), changed where marked
+"tripwire" (the diff against that file is the guard). The
 page ids read from the block table are checked against the KV pool and each sequence length against the table's
 width; a bad entry is masked (its tokens take no weight), counted once per entry (not per token lane, head program
 or split). Each split's page ids are checked once before its loop (tripwire.triton.any_outside); the kernels then

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# tripwire: vLLM's reshape_and_cache_flash guarded by following docs/guarding.md (the diff against ../original/ is
-# the guard): a slot outside the cache is not written, counted once per token at a FATAL site (a dropped KV write
-# is durable damage), with the token's request when a map is given (read on the fault path only). Slot -1 stays
-# padding. The file's other kernels are vLLM's, unguarded.
+# tripwire: vLLM's reshape_and_cache_flash guarded by following docs/guarding.md: derived from vLLM 0.32.0's
+# vllm/v1/attention/ops/triton_reshape_and_cache_flash.py (Apache-2.0: ../LICENSE-vllm, ../NOTICE), changed where
+# marked "tripwire" (the diff against that file is the guard): a slot outside the cache is not written, counted once
+# per token at a FATAL site (a dropped KV write is durable damage), with the token's request when a map is given
+# (read on the fault path only). Slot -1 stays padding. The file's other kernels are vLLM's, unguarded.
 
 import torch
 
