@@ -1,15 +1,20 @@
-"""The confirmation state machine (tripwire._runtime.confirm), driven directly with rows as a reader would land them."""
+"""The confirmation state machine (tripwire._runtime.confirm), driven directly with rows as a reader would land them;
+then through a Monitor's reader: the bounded wait for offenders that never land, and the loop's fast re-poll."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from tripwire import SiteRegistry
-from tripwire._runtime.confirm import MAX_EXTRA_CONFIRM_COPIES, Confirmer
+from tripwire import Monitor, SiteRegistry
+from tripwire._runtime import confirm
+from tripwire._runtime.confirm import MAX_EXTRA_CONFIRM_COPIES, OFFENDERS_WAIT_S, Confirmer
 from tripwire.layout import COUNT, FIRST_ROW, FIRST_VALUE, MAX_ROW, SLOTS, encode
+from tripwire.testing import write_hit
 
 SLOTS_OF = {"guard": (COUNT,), "nonfinite": (COUNT,), "clip": (0, 1)}
 
@@ -174,3 +179,47 @@ def test_reported_rows_are_read_only(final):
     c.process("cpu", hit(rows(1), 0), final=final)
     view = c.reported_rows("cpu")
     assert view is not None and not view.flags.writeable and c.reported_rows("cuda:0") is None
+
+
+# ------------------------------------------------------------------------------------- through a Monitor's reader
+def test_confirmation_does_not_wait_forever(registry, monitor, caplog):
+    """A counter whose kernel writes neither the pair nor offenders: confirmed after a few copies and
+    OFFENDERS_WAIT_S, with what there is."""
+    caplog.set_level(logging.INFO, logger="tripwire")
+    s = registry.register("k.site")
+    monitor.counter(s, "cpu")[COUNT] += 1  # the count alone: what a kernel writes first
+    for _ in range(6):
+        monitor.poll()
+    time.sleep(OFFENDERS_WAIT_S)
+    monitor.poll()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "tripwire" and r.levelno == logging.WARNING]
+    assert "row -, value -" in line  # reported, with what there is
+
+
+def _latency_after_a_tick(registry, interval: float) -> float:
+    m = Monitor(registry=registry, capacity=64, interval=interval, mode="raise", idle_tail=60)
+    s = registry.register("k.latency")
+    ctr = m.counter(s, "cpu")
+    ticked = threading.Event()
+    m.add_tick_hook(lambda _m: ticked.set())
+    m.start()
+    try:
+        ticked.clear()
+        ticked.wait(5)  # a tick just happened: the next one is a whole interval away
+        t0 = time.monotonic()
+        write_hit(ctr, 1, 1)
+        while m.armed is None and time.monotonic() - t0 < 5:
+            time.sleep(0.0005)
+        return time.monotonic() - t0
+    finally:
+        m.stop()
+
+
+def test_confirmation_repolls_fast(registry):
+    # seen at the next tick (one interval), confirmed CONFIRM_REPOLL_S later: not a second whole interval
+    assert _latency_after_a_tick(registry, 0.2) < 0.3
+
+
+def test_control_without_fast_repoll_takes_two_intervals(registry, monkeypatch):
+    monkeypatch.setattr(confirm, "CONFIRM_REPOLL_S", 10.0)
+    assert _latency_after_a_tick(registry, 0.2) > 0.35

@@ -445,20 +445,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
-from triton.runtime.jit import JITFunction
 
-launches = []
-# Record each launch instead of running it (there is no GPU here): the launchers run as in an engine, with CPU
-# tensors, and every argument they pass is captured with its type.
-JITFunction.run = lambda self, *args, grid, warmup, **kw: launches.append((self, args, kw))
-
-import tests_kernels_cases as cases  # noqa: E402  (written next to this probe)
-from tripwire.triton._callee import recorded_launches  # noqa: E402
-
-# For the whole probe (it exits after): every launch is recorded, never run, so the launchers take CPU tensors
-# without Triton's interpreter.
-recording = recorded_launches()
-recording.__enter__()
+import tests_kernels_cases as cases  # written next to this probe
+from tripwire.resources import capture_launches
 
 TYPES = {torch.int32: "i32", torch.int64: "i64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -481,14 +470,16 @@ def signature(fn, args, kw):
 
 try:
     out = {}
-    for name, has_req in cases.run_all():
-        for fn, args, kw in launches:
+    # Each launch recorded instead of run (there is no GPU here): the launchers run as in an engine, with CPU
+    # tensors, and every argument they pass is captured with its type.
+    for name, has_req, call in cases.run_all():
+        for launch in capture_launches(call):
+            fn, args, kw = launch.fn, launch.args, launch.kwargs
             sig, consts = signature(fn, args, kw)
             opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
             c = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
             key = f"{name}/{fn.__name__}/{'req' if has_req else 'noreq'}"
             out[key] = {"cas": c.asm["ptx"].count(".cas.b64")}
-        launches.clear()
 except CompilationError:
     raise  # a kernel that does not compile is a failure, never a skip
 except Exception as e:
@@ -540,8 +531,7 @@ def run_all():
         def r(n):
             return torch.arange(n, dtype=torch.int64) if has_req else None
         for name, launch in launchers(has_req):
-            launch(r)
-            yield name, has_req
+            yield name, has_req, lambda launch=launch, r=r: launch(r)
 """
 
 
