@@ -704,6 +704,30 @@ def test_health_of_a_running_reader(registry):
     json.dumps(h)  # plain JSON types, for a health endpoint
 
 
+def test_health_counts_are_what_the_reports_said(registry, caplog):
+    """``counts`` is each site's total as the reports let out so far carried it: one report of 1 and a rise of 4
+    the window defers read 1 (the log said 1), and 5 once drain's report says 5. Control: the confirmed progress,
+    which ``counts`` must not read, is already 5 while the log has said 1."""
+    m = Monitor(registry=registry, capacity=64, report_every=60)
+    s = registry.register("k.counts")
+    ctr = m.counter(s, "cpu")
+    _hit_and_confirm(m, ctr, 7, 300)
+    assert m.health()["counts"] == {"cpu": {"k.counts": 1}}
+    hit(ctr, 8, 301, n=4)
+    m.poll()
+    m.poll()
+    assert [w.split(": ", 1)[1].split(".")[0] for w in warnings(caplog)] == [
+        "1 new out-of-range access masked (1 total)"
+    ]
+    assert m.health()["counts"] == {"cpu": {"k.counts": 1}}
+    assert m.confirmer.reported("cpu", s.id) == 5  # control: confirmed, its report deferred by the window
+    m.drain()
+    assert warnings(caplog)[-1].split(": ", 1)[1].startswith("4 new out-of-range accesses masked (5 total)")
+    assert m.health()["counts"] == {"cpu": {"k.counts": 5}}
+    m.reset()
+    assert m.health()["counts"] == {}
+
+
 def test_health_shows_an_armed_stop_and_a_lost_reader(registry):
     m = Monitor(registry=registry, capacity=64, mode="raise")
     s = registry.register("k.armed")

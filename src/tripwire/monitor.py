@@ -495,8 +495,9 @@ class Monitor:
         GuardTripped's fields and message (None when not armed). ``reader_alive``. ``last_tick_age``: seconds since
         the latest tick, Python's or native (None before the first; growing past a few intervals: a stuck reader).
         ``native_tick``. ``devices``: per device, ``lost`` (why its reader was lost, or None) and ``reads``.
-        ``counts``: per device, each site's count as confirmed so far (reported; a rise not yet confirmed is not in
-        it). ``ticks``, ``python_ticks``, ``native_ticks``, ``idle_skips``, ``quiet_ticks``, ``loop_errors``,
+        ``counts``: per device, each site's count as reported so far (the total its latest report, log line and
+        event, carried; a rise not yet confirmed, or confirmed while the report window defers it, is not in it).
+        ``ticks``, ``python_ticks``, ``native_ticks``, ``idle_skips``, ``quiet_ticks``, ``loop_errors``,
         ``sink_errors``."""
         return health_record(
             stop=self._tripped,

@@ -375,5 +375,10 @@ class ReportWindow:
     def deferred(self) -> int:
         return sum(st.render is not None for st in self._keys.values())
 
+    def reported(self) -> dict[tuple[str, int], int]:
+        """Per key, the total the reports let out so far carried (a deferred rise is not in it): what the log and
+        the sinks have been told."""
+        return {key: st.logged_total for key, st in self._keys.items() if st.logged_total > 0}
+
     def clear(self) -> None:
         self._keys.clear()
