@@ -127,6 +127,29 @@ def test_warn_mode_arms_only_fatal(registry, monitor):
     assert e.value.site == "k.b" and e.value.fatal
 
 
+def test_the_stop_line_is_short_and_says_why(registry, caplog):
+    """The stop's ERROR line names the site and why it stops in this mode, in one short line without the report
+    the WARNING before it carried. Control: the exception's message (what the line once was) is the whole report,
+    prefixed."""
+    m = Monitor(registry=registry, capacity=64, mode="warn")
+    s = registry.register("k.fatal.line", fatal=True, description="a durable write")
+    _hit_and_confirm(m, m.counter(s, "cpu"), 3, 4)
+    errors = [r.getMessage() for r in caplog.records if r.name == "tripwire" and r.levelno == logging.ERROR]
+    assert errors == [
+        "stop ARMED: site 'k.fatal.line' on cpu (a FATAL site: its hits stop the engine in every mode), first "
+        "offender row 3, value 4; tripwire.check() raises GuardTripped until tripwire.reset()"
+    ]
+    exc = m.armed
+    assert exc is not None and str(exc).startswith("tripwire: MASKED FAULT") and len(str(exc)) > 2 * len(errors[0])
+    assert "Lifetime extremes" in str(exc) and "Lifetime extremes" not in errors[0]
+    raised = Monitor(registry=registry, capacity=64, mode="raise")
+    t = registry.register("k.plain.line")
+    _hit_and_confirm(raised, raised.counter(t, "cpu"), 1, 9)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR][-1].startswith(
+        "stop ARMED: site 'k.plain.line' on cpu (mode raise: every hit stops the engine), first offender row 1"
+    )
+
+
 def test_off_mode_reads_nothing(registry):
     m = Monitor(registry=registry, capacity=64, mode="off")
     s = registry.register("k.fatal", fatal=True)

@@ -171,11 +171,11 @@ class Monitor:
         nested = self._lock._is_owned()  # type: ignore[attr-defined]  # RLock: does this thread hold it?
         with self._lock:
             if self._tripped is not None:
-                log.debug("tripwire: already armed; also: %s", exc)
+                log.debug("already armed; also: %s", stop_line(exc, self.settings.mode))
                 return
             self._tripped = exc
             self.pipeline.queue_stop(exc)
-        log.error("stop ARMED: %s", exc)
+        log.error("%s", stop_line(exc, self.settings.mode))
         if not nested:
             self._deliver()
 
@@ -259,7 +259,7 @@ class Monitor:
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                log.error("tripwire: the reader thread did not stop within %s s", timeout)
+                log.error("the reader thread did not stop within %s s", timeout)
         paused = self.native.pause(timeout)
         with self._lock:
             if self._thread is thread:
@@ -313,7 +313,7 @@ class Monitor:
 
         def failed(e: Exception) -> None:
             self.loop_errors += 1
-            log.exception("tripwire: reader tick failed")
+            log.exception("reader tick failed")
             why = f"the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the engine is stopped"
             self.arm(GuardTripped.internal(f"tripwire: {why}"))
 
@@ -515,3 +515,21 @@ class Monitor:
         """Tick spans ``(start, end)`` in ``time.perf_counter`` seconds, Python's and native (benchmarks only: see
         ``Engagement.spans``); ``on`` switches recording, for this start and later ones."""
         return self.native.spans(on)
+
+
+def stop_line(exc: GuardTripped, mode: str) -> str:
+    """The one log line of an armed stop: what stopped, why it stops in ``mode``, and what ``check()`` does now.
+    The report logged just before it carries the numbers and their explanation, so the line repeats none of it
+    (the exception's own message, which an engine shows without that report, does)."""
+    if exc.count == 0:  # tripwire's own stop (a lost reader, a failed loop, a coordination failure): its reason
+        what = str(exc).removeprefix("tripwire: ")
+    else:
+        if exc.rank is not None:
+            why = f"rank {exc.rank} stopped, so every coordinated rank stops"
+        elif exc.fatal:
+            why = "a FATAL site: its hits stop the engine in every mode"
+        else:
+            why = f"mode {mode}: every hit stops the engine"
+        first = "" if exc.first_row is None else f", first offender row {exc.first_row}, value {exc.first_value}"
+        what = f"site {exc.site!r} on {exc.device} ({why}){first}"
+    return f"stop ARMED: {what}; tripwire.check() raises GuardTripped until tripwire.reset()"

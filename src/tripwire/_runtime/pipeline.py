@@ -55,7 +55,7 @@ class Callbacks(list):  # type: ignore[type-arg]
             try:
                 fn(arg)
             except Exception:
-                log.exception("tripwire: %s %r failed", self.what, fn)
+                log.exception("%s %r failed", self.what, fn)
 
 
 class Pipeline:

@@ -139,8 +139,9 @@ def _merge(acc: dict[str, SiteSummary], snap: dict) -> None:
 
 
 def _setup_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers and not logging.getLogger("tripwire").handlers:
+    # The tripwire logger's own handler is only the last resort's stand-in (tripwire._runtime.logs): the root's
+    # decides whether an application configured logging.
+    if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
 
