@@ -136,8 +136,8 @@ def test_the_stop_line_is_short_and_says_why(registry, caplog):
     _hit_and_confirm(m, m.counter(s, "cpu"), 3, 4)
     errors = [r.getMessage() for r in caplog.records if r.name == "tripwire" and r.levelno == logging.ERROR]
     assert errors == [
-        "stop ARMED: site 'k.fatal.line' on cpu (a FATAL site: its hits stop the engine in every mode), first "
-        "offender row 3, value 4; tripwire.check() raises GuardTripped until tripwire.reset()"
+        "stop ARMED: site 'k.fatal.line' on cpu (FATAL: stops in every mode), first offender row 3, value 4; "
+        "tripwire.check() raises until tripwire.reset()"
     ]
     exc = m.armed
     assert exc is not None and str(exc).startswith("tripwire: MASKED FAULT") and len(str(exc)) > 2 * len(errors[0])
@@ -146,7 +146,7 @@ def test_the_stop_line_is_short_and_says_why(registry, caplog):
     t = registry.register("k.plain.line")
     _hit_and_confirm(raised, raised.counter(t, "cpu"), 1, 9)
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR][-1].startswith(
-        "stop ARMED: site 'k.plain.line' on cpu (mode raise: every hit stops the engine), first offender row 1"
+        "stop ARMED: site 'k.plain.line' on cpu (mode raise: every hit stops), first offender row 1"
     )
 
 

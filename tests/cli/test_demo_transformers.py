@@ -38,7 +38,7 @@ def test_engine_demo_passes_every_scenario():
     assert len(contained) == 2 and all(ln.startswith("WARNING tripwire: contained a masked") for ln in contained)
     stops = [ln for ln in err.splitlines() if "stop ARMED" in ln]
     assert len(stops) == 1 and stops[0].startswith("ERROR tripwire: stop ARMED: site 'transformers.write_index'")
-    assert len(stops[0]) <= 250 and "Lifetime extremes" not in stops[0], stops[0]
+    assert len(stops[0]) <= 200 and "Lifetime extremes" not in stops[0], stops[0]
     rows = {line.split()[0] + " " + line.split()[1]: line for line in out.splitlines() if line.endswith("PASS")}
     assert set(rows) == {
         "clean, installed",
