@@ -171,7 +171,7 @@ class Monitor:
         nested = self._lock._is_owned()  # type: ignore[attr-defined]  # RLock: does this thread hold it?
         with self._lock:
             if self._tripped is not None:
-                log.debug("already armed; also: %s", stop_line(exc, self.settings.mode))
+                log.debug("already armed; a later stop, not armed: %s", str(exc).removeprefix("tripwire: "))
                 return
             self._tripped = exc
             self.pipeline.queue_stop(exc)

@@ -138,14 +138,14 @@ def _merge(acc: dict[str, SiteSummary], snap: dict) -> None:
                 s.vmax = v if s.vmax is None else max(s.vmax, v)
 
 
-MODE_MEANS = {
+_MODE_MEANS = {
     "warn": "hits are reported and the loop goes on; a FATAL site's hit still stops it",
     "raise": "every hit stops the loop",
     "off": "nothing is read; the kernels still mask and count",
 }
 
 
-def why_stopped(e: tripwire.GuardTripped, mode: str) -> str:
+def _why_stopped(e: tripwire.GuardTripped, mode: str) -> str:
     """Why ``e`` stops the loop in ``mode``: the demo runs in warn and still stops, and must say why."""
     if e.fatal:
         return "a FATAL site (its masked write reached durable state) stops the loop in every mode, warn included"
@@ -265,7 +265,7 @@ def _run(
     )
     print(
         f"tripwire demo: {args.steps} decode steps of {B} requests on {where}, mode {args.mode} "
-        f"({MODE_MEANS[args.mode]}), reader every {interval * 1e3:g} ms",
+        f"({_MODE_MEANS[args.mode]}), reader every {interval * 1e3:g} ms",
         file=sys.stderr,
     )
     for f in faults:
@@ -287,7 +287,7 @@ def _run(
             stops.append((step, e))
             print(
                 f"\n>>> step {step}: tripwire.check() raised GuardTripped: site {e.site!r}, first offender row "
-                f"{e.first_row} value {e.first_value}; the loop STOPS here: {why_stopped(e, args.mode)}.",
+                f"{e.first_row} value {e.first_value}; the loop STOPS here: {_why_stopped(e, args.mode)}.",
                 file=sys.stderr,
             )
             if args.no_restart:
@@ -354,7 +354,7 @@ def _report(
     for step, e in stops:
         print(
             f"  stopped at step {step} by {e.site!r} (first offender row {e.first_row}, value {e.first_value}): "
-            f"{why_stopped(e, args.mode)}",
+            f"{_why_stopped(e, args.mode)}",
             file=out,
         )
     print("  faults injected:", file=out)

@@ -205,8 +205,8 @@ def _fault(ctr_ptr, n, b, r, v, qb, CALLS: tl.constexpr = True):
 
 @triton.jit
 def record_hit(ctr_ptr, row, value, req=None):
-    """Record one hit at (``row``, ``value``), both scalars; ``req``: the request it belongs to (a scalar), kept with
-    the offender. Call it under the kernel's ``if bad:``.
+    """Record one hit at (``row``, ``value``), both scalars (a tensor or a plain number); ``req``: the request it
+    belongs to (a scalar), kept with the offender. Call it under the kernel's ``if bad:``.
 
     Counts once per PROGRAM that reaches the call (scalar Triton code runs once per program, not per thread). When
     several programs see the same bad entry (head or split programs of one sequence), each counts: put the program
