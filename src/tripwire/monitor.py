@@ -31,7 +31,7 @@ from ._runtime.loop import run_reader
 from ._runtime.native.engage import Engagement
 from ._runtime.pipeline import Callbacks, Pipeline
 from ._runtime.reader import DeviceReader, Readers
-from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, tripped_for
+from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, stop_line, tripped_for
 from .config import Settings, SettingView, check_timeout, load_settings
 from .contain import RequestNames, Taint
 from .errors import CaptureError, GuardTripped
@@ -515,21 +515,3 @@ class Monitor:
         """Tick spans ``(start, end)`` in ``time.perf_counter`` seconds, Python's and native (benchmarks only: see
         ``Engagement.spans``); ``on`` switches recording, for this start and later ones."""
         return self.native.spans(on)
-
-
-def stop_line(exc: GuardTripped, mode: str) -> str:
-    """The one log line of an armed stop: what stopped, why it stops in ``mode``, and what ``check()`` does now.
-    The site's report (its WARNING, logged beside it) carries the numbers and their explanation, so the line repeats
-    none of it (the exception's own message, which an engine shows without that report, does)."""
-    if exc.count == 0:  # tripwire's own stop (a lost reader, a failed loop, a coordination failure): its reason
-        what = str(exc).removeprefix("tripwire: ")
-    else:
-        if exc.rank is not None:
-            why = f"rank {exc.rank} stopped: every coordinated rank stops"
-        elif exc.fatal:
-            why = "FATAL: stops in every mode"
-        else:
-            why = f"mode {mode}: every hit stops"
-        first = "" if exc.first_row is None else f", first offender row {exc.first_row}, value {exc.first_value}"
-        what = f"site {exc.site!r} on {exc.device} ({why}){first}"
-    return f"stop ARMED: {what}; tripwire.check() raises until tripwire.reset()"

@@ -281,6 +281,24 @@ def tripped_for(site: Site, device: str, hit: Hit, message: Callable[..., str] =
     )
 
 
+def stop_line(exc: GuardTripped, mode: str) -> str:
+    """The one log line of an armed stop: what stopped, why it stops in ``mode``, and what ``check()`` does now.
+    The site's report (its WARNING, logged beside it) carries the numbers and their explanation, so the line repeats
+    none of it (the exception's own message, which an engine shows without that report, does)."""
+    if exc.count == 0:  # tripwire's own stop (a lost reader, a failed loop, a coordination failure): its reason
+        what = str(exc).removeprefix("tripwire: ")
+    else:
+        if exc.rank is not None:
+            why = f"rank {exc.rank} stopped: every coordinated rank stops"
+        elif exc.fatal:
+            why = "FATAL: stops in every mode"
+        else:
+            why = f"mode {mode}: every hit stops"
+        first = "" if exc.first_row is None else f", first offender row {exc.first_row}, value {exc.first_value}"
+        what = f"site {exc.site!r} on {exc.device} ({why}){first}"
+    return f"stop ARMED: {what}; tripwire.check() raises until tripwire.reset()"
+
+
 def decode_rows(
     registry: SiteRegistry,
     reporters: Reporters,
