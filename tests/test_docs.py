@@ -135,12 +135,50 @@ def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
     assert f"DOCS-TEST: {ran} snippet(s) ran" in p.stdout
 
 
+def stated_output(text: str) -> list[str]:
+    """The lines of the page's first ``text`` block: the output the page says its snippet logs."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.strip() == "```text")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```")
+    return lines[start + 1 : end]
+
+
+def logged_reports(stderr: str) -> list[str]:
+    """tripwire's report lines in a run's stderr: each ``WARNING tripwire:`` record with its indented lines."""
+    out: list[str] = []
+    inside = False
+    for ln in stderr.splitlines():
+        if ln.startswith("WARNING tripwire: "):
+            inside = True
+        elif not ln.startswith("  "):
+            inside = False
+        if inside:
+            out.append(ln)
+    return out
+
+
 def test_the_readme_runs_as_printed(tmp_path: Path) -> None:
     """The README's snippets in a shell without TRITON_INTERPRET (a reader's): on a CPU machine the page itself must
-    choose the interpreter, or the first launch fails."""
+    choose the interpreter, or the first launch fails; and what they log is, line for line, what the README says
+    they log (on a GPU, with the device's name for ``cpu``)."""
     p = run_page(ALL[ROOT / "README.md"], tmp_path, interpret=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    assert "MASKED FAULT at site 'kernels.paged_gather.page'" in p.stderr
+    stated = stated_output((ROOT / "README.md").read_text())
+    if torch.cuda.is_available():
+        stated = [ln.replace(" on cpu:", " on cuda:0:") for ln in stated]
+    assert len(stated) == 5 and logged_reports(p.stderr) == stated, p.stderr[-6000:]
+
+
+def test_control_a_readme_output_that_differs_is_found() -> None:
+    """Control: one report of all three (what a run without the snippet's sleep may log) is not the stated two."""
+    stated = stated_output((ROOT / "README.md").read_text())
+    one = (
+        "WARNING tripwire: MASKED FAULT at site 'kernels.paged_gather.page' on cpu: 3 out-of-range accesses masked "
+        "(3 total). First offender: row 6, value 4096.\n  Lifetime extremes: max row 6, value min 4096 max 4096.\n"
+        "a line of the snippet's own\n"
+    )
+    assert logged_reports(one) == one.splitlines()[:2] and logged_reports(one) != stated
+    assert logged_reports("\n".join(["noise", *stated, "more noise"])) == stated
 
 
 FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?: ?(?:%|ms|us|x))?")

@@ -112,6 +112,29 @@ def test_warn_mode_arms_only_fatal(registry, monitor):
     assert e.value.site == "k.b" and e.value.fatal
 
 
+def test_the_stop_line_is_short_and_says_why(registry, caplog):
+    """The stop's ERROR line names the site and why it stops in this mode, in one short line without the report
+    the WARNING before it carried. Control: the exception's message (what the line once was) is the whole report,
+    prefixed."""
+    m = Monitor(registry=registry, capacity=64, mode="warn")
+    s = registry.register("k.fatal.line", fatal=True, description="a durable write")
+    _hit_and_confirm(m, m.counter(s, "cpu"), 3, 4)
+    errors = [r.getMessage() for r in caplog.records if r.name == "tripwire" and r.levelno == logging.ERROR]
+    assert errors == [
+        "stop ARMED: site 'k.fatal.line' on cpu (FATAL: stops in every mode), first offender row 3, value 4; "
+        "tripwire.check() raises until tripwire.reset()"
+    ]
+    exc = m.armed
+    assert exc is not None and str(exc).startswith("tripwire: MASKED FAULT") and len(str(exc)) > 2 * len(errors[0])
+    assert "Lifetime extremes" in str(exc) and "Lifetime extremes" not in errors[0]
+    raised = Monitor(registry=registry, capacity=64, mode="raise")
+    t = registry.register("k.plain.line")
+    _hit_and_confirm(raised, raised.counter(t, "cpu"), 1, 9)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR][-1].startswith(
+        "stop ARMED: site 'k.plain.line' on cpu (mode raise: every hit stops), first offender row 1"
+    )
+
+
 def test_off_mode_reads_nothing(registry):
     m = Monitor(registry=registry, capacity=64, mode="off")
     s = registry.register("k.fatal", fatal=True)
@@ -627,6 +650,30 @@ def test_health_of_a_running_reader(registry):
     import json
 
     json.dumps(h)  # plain JSON types, for a health endpoint
+
+
+def test_health_counts_are_what_the_reports_said(registry, caplog):
+    """``counts`` is each site's total as the reports let out so far carried it: one report of 1 and a rise of 4
+    the window defers read 1 (the log said 1), and 5 once drain's report says 5. Control: the confirmed progress,
+    which ``counts`` must not read, is already 5 while the log has said 1."""
+    m = Monitor(registry=registry, capacity=64, report_every=60)
+    s = registry.register("k.counts")
+    ctr = m.counter(s, "cpu")
+    _hit_and_confirm(m, ctr, 7, 300)
+    assert m.health()["counts"] == {"cpu": {"k.counts": 1}}
+    hit(ctr, 8, 301, n=4)
+    m.poll()
+    m.poll()
+    assert [w.split(": ", 1)[1].split(".")[0] for w in warnings(caplog)] == [
+        "1 new out-of-range access masked (1 total)"
+    ]
+    assert m.health()["counts"] == {"cpu": {"k.counts": 1}}
+    assert m.confirmer.reported("cpu", s.id) == 5  # control: confirmed, its report deferred by the window
+    m.drain()
+    assert warnings(caplog)[-1].split(": ", 1)[1].startswith("4 new out-of-range accesses masked (5 total)")
+    assert m.health()["counts"] == {"cpu": {"k.counts": 5}}
+    m.reset()
+    assert m.health()["counts"] == {}
 
 
 def test_health_shows_an_armed_stop_and_a_lost_reader(registry):

@@ -28,6 +28,7 @@ from ._runtime.default import (
     stop,
 )
 from ._runtime.default import run_post_capture_hooks as run_post_capture_hooks
+from ._runtime.logs import install as _install_log_fallback
 from .config import MODES
 from .config import Settings as Settings
 from .config import load_settings as load_settings
@@ -46,6 +47,9 @@ from .sites import Site, SiteRegistry, register_site, sites
 from .verdict import Verdict, Verdicts
 
 __version__ = "0.3.0"
+
+# Where no logging is configured, tripwire's warnings still say whose they are (tripwire._runtime.logs).
+_install_log_fallback()
 
 # What users import. Importable from here too, and left out of it (the ``X as X`` imports above): the counter encoding
 # (GUARD_BIAS, SLOTS, encode, decode, ...), the ABI the kernels write, whose one home is tripwire.layout beside

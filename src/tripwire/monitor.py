@@ -31,7 +31,7 @@ from ._runtime.loop import run_reader
 from ._runtime.native.engage import Engagement
 from ._runtime.pipeline import Callbacks, Pipeline
 from ._runtime.reader import DeviceReader, Readers
-from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, tripped_for
+from ._runtime.report import GuardReporter, ReportContext, RowReporter, register_reporter, stop_line, tripped_for
 from .config import Settings, SettingView, check_timeout, load_settings
 from .contain import RequestNames
 from .errors import CaptureError, GuardTripped
@@ -172,11 +172,11 @@ class Monitor:
         nested = self._lock._is_owned()  # type: ignore[attr-defined]  # RLock: does this thread hold it?
         with self._lock:
             if self._tripped is not None:
-                log.debug("tripwire: already armed; also: %s", exc)
+                log.debug("already armed; a later stop, not armed: %s", str(exc).removeprefix("tripwire: "))
                 return
             self._tripped = exc
             self.pipeline.queue_stop(exc)
-        log.error("stop ARMED: %s", exc)
+        log.error("%s", stop_line(exc, self.settings.mode))
         if not nested:
             self._deliver()
 
@@ -260,7 +260,7 @@ class Monitor:
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                log.error("tripwire: the reader thread did not stop within %s s", timeout)
+                log.error("the reader thread did not stop within %s s", timeout)
         paused = self.native.pause(timeout)
         with self._lock:
             if self._thread is thread:
@@ -314,7 +314,7 @@ class Monitor:
 
         def failed(e: Exception) -> None:
             self.loop_errors += 1
-            log.exception("tripwire: reader tick failed")
+            log.exception("reader tick failed")
             why = f"the reader loop failed ({type(e).__name__}: {e}); hits may go unseen, so the engine is stopped"
             self.arm(GuardTripped.internal(f"tripwire: {why}"))
 
@@ -504,8 +504,9 @@ class Monitor:
         GuardTripped's fields and message (None when not armed). ``reader_alive``. ``last_tick_age``: seconds since
         the latest tick, Python's or native (None before the first; growing past a few intervals: a stuck reader).
         ``native_tick``. ``devices``: per device, ``lost`` (why its reader was lost, or None) and ``reads``.
-        ``counts``: per device, each site's count as confirmed so far (reported; a rise not yet confirmed is not in
-        it). ``ticks``, ``python_ticks``, ``native_ticks``, ``idle_skips``, ``quiet_ticks``, ``loop_errors``,
+        ``counts``: per device, each site's count as reported so far (the total its latest report, log line and
+        event, carried; a rise not yet confirmed, or confirmed while the report window defers it, is not in it).
+        ``ticks``, ``python_ticks``, ``native_ticks``, ``idle_skips``, ``quiet_ticks``, ``loop_errors``,
         ``sink_errors``."""
         return health_record(
             stop=self._tripped,

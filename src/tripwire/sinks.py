@@ -202,7 +202,7 @@ class SinkSet:
             now = _time.monotonic()
             if now - slot.logged_at >= self._window():
                 log.error(
-                    "tripwire: sink %r failed (%s: %s); %d failure(s) since its last line, %d in all",
+                    "sink %r failed (%s: %s); %d failure(s) since its last line, %d in all",
                     slot.fn,
                     type(e).__name__,
                     e,

@@ -235,9 +235,64 @@ def test_doctor_checks_the_vllm_plugin_setting():
 
 
 def test_doctor_fails_on_a_misspelt_setting_name():
+    """A misspelt name is the settings check's one FAIL: said once, and the native tick (a check of the machine)
+    still runs and passes; the closing line counts ok, warn and fail apart, exactly as the lines above say."""
     out = doctor(TRIPWIRE_MDOE="raise")
     assert out.returncode == 1, out.stdout
     assert "[FAIL] settings: TRIPWIRE_MDOE is not a tripwire setting (did you mean TRIPWIRE_MODE?)" in out.stdout
+    assert out.stdout.count("TRIPWIRE_MDOE") == 1, out.stdout
+    statuses = [ln[1:5].strip().lower() for ln in out.stdout.splitlines() if ln.startswith("[")]
+    assert statuses.count("fail") == 1 and len(statuses) == 8, out.stdout
+    assert "[OK  ] native tick: built" in out.stdout, out.stdout
+    n = {s: statuses.count(s) for s in ("ok", "warn", "fail")}
+    assert out.stdout.splitlines()[-1] == (
+        f"8 checks: {n['ok']} ok, {n['warn']} warn, 1 fail (tripwire would refuse to run as configured: see the FAIL "
+        f"lines above)"
+    )
+
+
+def test_control_a_monitor_built_from_the_environment_trips_on_a_misspelt_name(monkeypatch):
+    """Control: a monitor that reads the environment (as the native tick check's once did) raises for the misspelt
+    name, so that check failed with the whole message again; one given its own environment does not."""
+    from tripwire.errors import SettingError
+
+    monkeypatch.setenv("TRIPWIRE_MDOE", "raise")
+    with pytest.raises(SettingError, match="TRIPWIRE_MDOE"):
+        tripwire.Monitor(registry=tripwire.SiteRegistry(capacity=2), capacity=2)
+    tripwire.Monitor(registry=tripwire.SiteRegistry(capacity=2), capacity=2, env={})
+
+
+def test_doctor_summary_counts_each_status_apart():
+    """Warnings are not problems: 1 ok and 2 warn read so, and only a FAIL says tripwire would refuse. Control: the
+    count of what is not ok (what the line once said were problems) is 2 for the warn-only list."""
+    from tripwire.cli.doctor import FAIL, OK, WARN, Check, summary
+
+    warned = [Check("a", OK, "x"), Check("b", WARN, "y", "z"), Check("c", WARN, "y", "z")]
+    assert summary(warned) == (
+        "3 checks: 1 ok, 2 warn, 0 fail (tripwire runs; the WARN lines above say what would not work or would cost "
+        "more here)"
+    )
+    assert sum(c.status != OK for c in warned) == 2
+    assert summary([Check("a", OK, "x")]) == "1 check: 1 ok, 0 warn, 0 fail"
+    assert summary([*warned, Check("d", FAIL, "w", "v")]).startswith("4 checks: 1 ok, 2 warn, 1 fail (tripwire would")
+
+
+def test_doctor_reports_a_check_tripping_on_a_broken_setting_as_not_run(monkeypatch):
+    """A check other than settings that raises SettingError says it did not run (WARN), not a FAIL repeating the
+    settings check's message; any other exception is still a FAIL."""
+    from tripwire.cli import doctor as doc
+    from tripwire.errors import SettingError
+
+    def trips() -> doc.Check:
+        raise SettingError("TRIPWIRE_MDOE is not a tripwire setting")
+
+    def breaks() -> doc.Check:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(doc, "CHECKS", (trips, breaks))
+    got = doc.run_checks()
+    assert [(c.name, c.status) for c in got] == [("trips", "warn"), ("breaks", "fail")]
+    assert "MDOE" not in got[0].found and "RuntimeError: boom" in got[1].found
 
 
 # ---------------------------------------------------------------------------------------------------- help, version

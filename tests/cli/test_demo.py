@@ -49,9 +49,22 @@ def test_demo_default_run(device):
     ):
         assert f"MASKED FAULT at site '{site}'" in err, site
     assert "First offender: row" in err
-    # the fatal rope site stops the loop at a later check (warn mode)
+    # the fatal rope site stops the loop at a later check (warn mode), and the demo says why a warn run stops
+    assert "mode warn (hits are reported and the loop goes on; a FATAL site's hit still stops it)" in err
     assert "raised GuardTripped: site 'kernels.rope.position'" in err
-    assert "stopped at step" in out and "by 'kernels.rope.position'" in out
+    fatal = "a FATAL site (its masked write reached durable state) stops the loop in every mode, warn included"
+    assert f"the loop STOPS here: {fatal}." in err
+    stopped = next(ln for ln in out.splitlines() if "stopped at step" in ln)
+    assert "by 'kernels.rope.position'" in stopped and stopped.endswith(fatal)
+    # the stop's ERROR line is one short line (the WARNING before it holds the numbers), and no line names tripwire
+    # twice
+    stops = [ln for ln in err.splitlines() if "stop ARMED" in ln]
+    assert len(stops) == 1 and len(stops[0]) <= 200, stops
+    assert stops[0].startswith(
+        f"ERROR tripwire: stop ARMED: site 'kernels.rope.position' on {device} (FATAL: stops in every mode), first "
+        f"offender row "
+    )
+    assert "tripwire: tripwire" not in err
     # the last step's hit is reported by the final drain, after the loop
     after_loop = err.split(">>> loop done", 1)[1]
     assert "MASKED FAULT at site 'kernels.kv_zero.block'" in after_loop

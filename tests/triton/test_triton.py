@@ -96,6 +96,43 @@ def test_scalar_record_hit(kernel_device):
     assert d["count"] == 5 and d["min_value"] == -(2**31) and d["max_value"] == 2**31 - 1 and d["max_row"] == 8
 
 
+@triton.jit
+def _plain_numbers_kernel(ctr, x_ptr):
+    # The row, the value and the request as plain numbers (constexpr in a compiled kernel, ints in the interpreter).
+    x = tl.load(x_ptr)
+    if x > 0:
+        record_hit(ctr, 0, x)
+        record_hit(ctr, 3, 41, 7)
+    record_hits(ctr, x > 0, 2, 9)
+
+
+@triton.jit
+def _dot_to(x):
+    return x.to(tl.int64)
+
+
+@triton.jit
+def _plain_to_kernel(out):
+    tl.store(out, _dot_to(0))
+
+
+def test_record_hit_takes_plain_numbers(kernel_device):
+    """``record_hit(ctr, 0, v)``: a plain row, value or request counts like a tensor one."""
+    ctr = torch.zeros(8 + 2 * 8, dtype=torch.int64, device=kernel_device)
+    _plain_numbers_kernel[(1,)](ctr, torch.tensor([5], device=kernel_device))
+    d = decoded(ctr[:8])
+    assert (d["count"], d["first_row"], d["first_value"], d["max_row"], d["max_value"]) == (3, 0, 5, 3, 41)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's error; a compiler's differs")
+def test_control_dot_to_on_a_plain_number_is_an_attribute_error():
+    """Control: what the helpers did (``row.to(tl.int64)``) fails on a plain number, naming no argument."""
+    from triton.runtime.errors import InterpreterError
+
+    with pytest.raises(InterpreterError, match=r"int\\*. object has no attribute \\*.to"):
+        _plain_to_kernel[(1,)](torch.zeros(1, dtype=torch.int64))
+
+
 def test_guard_index_masks_and_clamps(kernel_device):
     x = torch.tensor(INT32_EXTREMES, dtype=torch.int32, device=kernel_device)
     out = torch.empty_like(x)

@@ -104,7 +104,7 @@ def relax_thread_capture_mode() -> str | None:
         exchange_capture_mode(CAPTURE_MODE_RELAXED)
     except RuntimeError as e:
         log.warning(
-            "tripwire: cannot relax the reader thread's CUDA capture mode (%s); the reader will pause during "
+            "cannot relax the reader thread's CUDA capture mode (%s); the reader will pause during "
             "captures made through torch.cuda.CUDAGraph instead, and a capture made otherwise may be invalidated",
             e,
         )
@@ -193,4 +193,4 @@ class PostCaptureHooks:
             try:
                 fn()
             except Exception:
-                log.exception("tripwire: post-capture hook %r failed; continuing with the others", fn)
+                log.exception("post-capture hook %r failed; continuing with the others", fn)

@@ -285,7 +285,7 @@ class Confirmer:
                 if slots is None:
                     # Logged once per registry change, not every tick; such rows are read but never reported.
                     log.error(
-                        "tripwire: no reporter for rows of kind %r (site %r): import the module that defines it",
+                        "no reporter for rows of kind %r (site %r): import the module that defines it",
                         site.kind,
                         site.name,
                     )

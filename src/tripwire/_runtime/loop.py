@@ -35,7 +35,7 @@ def run_reader(
     try:
         prepare()
     except Exception:
-        log.exception("tripwire: engaging the native tick failed; the reader ticks in Python")
+        log.exception("engaging the native tick failed; the reader ticks in Python")
         native.off = "failed to engage"
     while True:
         if native.attached:

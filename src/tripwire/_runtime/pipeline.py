@@ -55,7 +55,7 @@ class Callbacks(list):  # type: ignore[type-arg]
             try:
                 fn(arg)
             except Exception:
-                log.exception("tripwire: %s %r failed", self.what, fn)
+                log.exception("%s %r failed", self.what, fn)
 
 
 class Pipeline:
@@ -226,13 +226,13 @@ class Pipeline:
         return out
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """Per device, each site's count as confirmed so far (what was reported)."""
+        """Per device, each site's count as the reports let out so far said it (the latest report's total): what
+        the log and the sinks were told. A rise the reader confirmed while the window defers its report is not in
+        it until that report goes out (a later tick, or drain)."""
         sites = self.registry.all()
         out: dict[str, dict[str, int]] = {}
-        for name in self.confirmer.devices():
-            rows = self.confirmer.reported_rows(name)
-            if rows is not None:
-                out[name] = {sites[i].name: int(rows[i]) for i in np.nonzero(rows[: len(sites)])[0].tolist()}
+        for (device, rid), total in sorted(self.window.reported().items()):
+            out.setdefault(device, {})[sites[rid].name] = total
         return out
 
     def clear(self) -> None:

@@ -81,7 +81,7 @@ def _private_stream(device: torch.device, driver: Driver | None) -> torch.cuda.S
         _ok(driver.stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         return torch.cuda.ExternalStream(handle.value, device=device)
     log.warning(
-        "tripwire: libcuda could not be loaded, so the reader's side stream comes from torch's stream pool; an "
+        "libcuda could not be loaded, so the reader's side stream comes from torch's stream pool; an "
         "engine that creates many streams may be handed the same one (the reader would then wait behind compute)"
     )
     return torch.cuda.Stream(device)
@@ -362,7 +362,7 @@ class Readers:
         to arm (fatal-site hits there can no longer be seen)."""
         reader.lost = e
         what = f"{type(e).__name__}: {e}"
-        log.error("tripwire: reading the counters of %s failed (%s); no longer polling it", reader.name, what)
+        log.error("reading the counters of %s failed (%s); no longer polling it", reader.name, what)
         return GuardTripped.internal(
             f"tripwire: lost the reader of {reader.name} ({what}); fatal-site hits there can no longer be seen, so "
             f"the engine is stopped",
@@ -374,7 +374,7 @@ class Readers:
         ``(reader, exc)`` for a read that failed. A reader lost earlier is skipped, and logged."""
         for reader in self.all():
             if reader.lost is not None:
-                log.error("tripwire: skipping %s, whose reader was lost (%s)", reader.name, reader.lost)
+                log.error("skipping %s, whose reader was lost (%s)", reader.name, reader.lost)
                 continue
             try:
                 rows = reader.read_now(n_rows)

@@ -281,6 +281,24 @@ def tripped_for(site: Site, device: str, hit: Hit, message: Callable[..., str] =
     )
 
 
+def stop_line(exc: GuardTripped, mode: str) -> str:
+    """The one log line of an armed stop: what stopped, why it stops in ``mode``, and what ``check()`` does now.
+    The site's report (its WARNING, logged beside it) carries the numbers and their explanation, so the line repeats
+    none of it (the exception's own message, which an engine shows without that report, does)."""
+    if exc.count == 0:  # tripwire's own stop (a lost reader, a failed loop, a coordination failure): its reason
+        what = str(exc).removeprefix("tripwire: ")
+    else:
+        if exc.rank is not None:
+            why = f"rank {exc.rank} stopped: every coordinated rank stops"
+        elif exc.fatal:
+            why = "FATAL: stops in every mode"
+        else:
+            why = f"mode {mode}: every hit stops"
+        first = "" if exc.first_row is None else f", first offender row {exc.first_row}, value {exc.first_value}"
+        what = f"site {exc.site!r} on {exc.device} ({why}){first}"
+    return f"stop ARMED: {what}; tripwire.check() raises until tripwire.reset()"
+
+
 def decode_rows(
     registry: SiteRegistry,
     reporters: Reporters,
@@ -374,6 +392,11 @@ class ReportWindow:
 
     def deferred(self) -> int:
         return sum(st.render is not None for st in self._keys.values())
+
+    def reported(self) -> dict[tuple[str, int], int]:
+        """Per key, the total the reports let out so far carried (a deferred rise is not in it): what the log and
+        the sinks have been told."""
+        return {key: st.logged_total for key, st in self._keys.items() if st.logged_total > 0}
 
     def clear(self) -> None:
         self._keys.clear()

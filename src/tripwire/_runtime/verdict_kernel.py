@@ -95,7 +95,7 @@ def zero_copy(device: torch.device, n: int, width: int) -> bool:
         _scratch(device, n, width, dst)(0)
         torch.cuda.synchronize(device)
     except Exception as e:  # Triton refusing a host pointer: the staging path
-        log.info("tripwire: the verdict kernel cannot write pinned memory here (%s); it stages and copies", e)
+        log.info("the verdict kernel cannot write pinned memory here (%s); it stages and copies", e)
         return False
     return bool(dst[0, 0, 0] == 7)
 

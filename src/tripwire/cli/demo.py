@@ -138,9 +138,26 @@ def _merge(acc: dict[str, SiteSummary], snap: dict) -> None:
                 s.vmax = v if s.vmax is None else max(s.vmax, v)
 
 
+_MODE_MEANS = {
+    "warn": "hits are reported and the loop goes on; a FATAL site's hit still stops it",
+    "raise": "every hit stops the loop",
+    "off": "nothing is read; the kernels still mask and count",
+}
+
+
+def _why_stopped(e: tripwire.GuardTripped, mode: str) -> str:
+    """Why ``e`` stops the loop in ``mode``: the demo runs in warn and still stops, and must say why."""
+    if e.fatal:
+        return "a FATAL site (its masked write reached durable state) stops the loop in every mode, warn included"
+    if e.count == 0:
+        return "tripwire's own stop: " + str(e).removeprefix("tripwire: ")
+    return f"mode {mode} stops the loop at every hit"
+
+
 def _setup_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers and not logging.getLogger("tripwire").handlers:
+    # The tripwire logger's own handler is only the last resort's stand-in (tripwire._runtime.logs): the root's
+    # decides whether an application configured logging.
+    if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
 
@@ -247,8 +264,8 @@ def _run(
         ", Triton interpreter)" if device.type == "cpu" else ")"
     )
     print(
-        f"tripwire demo: {args.steps} decode steps of {B} requests on {where}, mode {args.mode}, "
-        f"reader every {interval * 1e3:g} ms",
+        f"tripwire demo: {args.steps} decode steps of {B} requests on {where}, mode {args.mode} "
+        f"({_MODE_MEANS[args.mode]}), reader every {interval * 1e3:g} ms",
         file=sys.stderr,
     )
     for f in faults:
@@ -270,7 +287,7 @@ def _run(
             stops.append((step, e))
             print(
                 f"\n>>> step {step}: tripwire.check() raised GuardTripped: site {e.site!r}, first offender row "
-                f"{e.first_row} value {e.first_value}; the loop STOPS here.",
+                f"{e.first_row} value {e.first_value}; the loop STOPS here: {_why_stopped(e, args.mode)}.",
                 file=sys.stderr,
             )
             if args.no_restart:
@@ -336,7 +353,8 @@ def _report(
     print(f"  steps run: {ran} of {args.steps}, mode {args.mode}, {elapsed:.1f} s", file=out)
     for step, e in stops:
         print(
-            f"  stopped at step {step} by {e.site!r} (first offender row {e.first_row}, value {e.first_value})",
+            f"  stopped at step {step} by {e.site!r} (first offender row {e.first_row}, value {e.first_value}): "
+            f"{_why_stopped(e, args.mode)}",
             file=out,
         )
     print("  faults injected:", file=out)

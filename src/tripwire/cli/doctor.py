@@ -102,6 +102,7 @@ def _capture_relax() -> Check:
 
 def _native_tick() -> Check:
     from .._runtime import native as _native
+    from ..config import load_settings
     from ..monitor import Monitor
     from ..sites import SiteRegistry
 
@@ -119,9 +120,24 @@ def _native_tick() -> Check:
         cache = str(_native.cached_path())
     except _native.NativeUnavailable as e:
         cache = f"? ({e})"
-    # A real engagement on a CPU arena: the native thread runs the quiet ticks, then stops.
+    # A real engagement on a CPU arena: the native thread runs the quiet ticks, then stops. The check is of the
+    # machine, so its monitor reads no TRIPWIRE_* variable (env={}): a broken or misspelt one is the settings
+    # check's to report, once. It follows TRIPWIRE_NATIVE_TICK where that is readable (off: it does not engage).
+    try:
+        native_tick = load_settings().native_tick
+    except (ValueError, TypeError):
+        native_tick = None
     reg = SiteRegistry(capacity=2)
-    m = Monitor(registry=reg, capacity=2, interval=0.001, idle_tail=60, report_every=60, heartbeat=60)
+    m = Monitor(
+        registry=reg,
+        env={},
+        capacity=2,
+        interval=0.001,
+        idle_tail=60,
+        report_every=60,
+        heartbeat=60,
+        native_tick=native_tick,
+    )
     m.counter(reg.register("doctor.native"), "cpu")
     m.start()
     try:
@@ -247,16 +263,32 @@ CHECKS: tuple[Callable[[], Check], ...] = (
 
 
 def run_checks() -> list[Check]:
-    """Every check; one that raises is reported as a failed check, never a crash of the tool."""
+    """Every check; one that raises is reported as a failed check, never a crash of the tool. A broken setting is
+    the settings check's alone: another check that trips on it says it did not run, and does not fail for it."""
+    from ..errors import SettingError
+
     out = []
     for fn in CHECKS:
+        name = fn.__name__.strip("_").replace("_", " ")
         try:
             out.append(fn())
+        except SettingError:
+            out.append(Check(name, WARN, "not run: a TRIPWIRE_* setting is broken", "the settings check names it"))
         except Exception as e:
-            out.append(
-                Check(fn.__name__.strip("_").replace("_", " "), FAIL, f"the check raised {type(e).__name__}: {e}")
-            )
+            out.append(Check(name, FAIL, f"the check raised {type(e).__name__}: {e}"))
     return out
+
+
+def summary(checks: list[Check]) -> str:
+    """The closing line: how many checks are ok, warn and fail, each counted apart (a WARN is something that would
+    not work or would cost more here; only a FAIL is tripwire refusing to run as configured)."""
+    n = {status: sum(c.status == status for c in checks) for status in (OK, WARN, FAIL)}
+    line = f"{len(checks)} check{'' if len(checks) == 1 else 's'}: {n[OK]} ok, {n[WARN]} warn, {n[FAIL]} fail"
+    if n[FAIL]:
+        return line + " (tripwire would refuse to run as configured: see the FAIL lines above)"
+    if n[WARN]:
+        return line + " (tripwire runs; the WARN lines above say what would not work or would cost more here)"
+    return line
 
 
 def main(argv: list[str]) -> int:
@@ -274,7 +306,6 @@ def main(argv: list[str]) -> int:
     else:
         for c in checks:
             print(c.line())
-        bad = [c for c in checks if c.status != OK]
-        print(f"\n{len(checks) - len(bad)} of {len(checks)} checks ok" + (f"; see the {len(bad)} above" if bad else ""))
+        print(f"\n{summary(checks)}")
     sys.stdout.flush()
     return 1 if any(c.status == FAIL for c in checks) else 0

@@ -77,7 +77,7 @@ def abort_groups(groups: list[Any]) -> tuple[list[str], list[str]]:
                 aborted.append(name)
             except Exception as e:
                 errors.append(f"{name}: {type(e).__name__}: {e}")
-                log.warning("tripwire: could not abort process group %s: %s", name, e)
+                log.warning("could not abort process group %s: %s", name, e)
     finally:
         if nccl is not None:
             try:

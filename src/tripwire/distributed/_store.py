@@ -42,7 +42,7 @@ def private_client(store: Any, timeout: float) -> Any:
         private.set_timeout(timedelta(seconds=timeout))
         return private
     except Exception as e:
-        log.debug("tripwire: could not clone the store (%s); using it directly", e)
+        log.debug("could not clone the store (%s); using it directly", e)
         return store
 
 

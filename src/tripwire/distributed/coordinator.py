@@ -126,7 +126,7 @@ def coordinate(
         groups = [group]
     if mon.settings.mode == "off":
         log.warning(
-            "tripwire: coordinate() on a monitor in mode 'off': no reader thread runs, so this rank neither "
+            "coordinate() on a monitor in mode 'off': no reader thread runs, so this rank neither "
             "publishes a stop nor learns of its peers'"
         )
     with _coordinated_lock:
@@ -258,7 +258,7 @@ class Coordinator:
         self._watch.join(timeout)
         self._thread.join(timeout)
         if self._thread.is_alive():  # stuck in a store call on a hung store: a daemon thread, it cannot block exit
-            log.warning("tripwire: the coordination thread is stuck in a store call; leaving it (daemon)")
+            log.warning("the coordination thread is stuck in a store call; leaving it (daemon)")
         with _coordinated_lock:
             if _coordinated.get(self.monitor) is self:
                 del _coordinated[self.monitor]
@@ -332,7 +332,7 @@ class Coordinator:
             try:
                 self._round(record, poll)
             except Exception:  # never let the thread die: a bug here must not end coordination silently
-                log.exception("tripwire: coordination round failed")
+                log.exception("coordination round failed")
             finally:
                 with self._cv:
                     self._inflight_since = None
@@ -382,7 +382,7 @@ class Coordinator:
         with self._cv:
             if self.consecutive_failures:
                 log.warning(
-                    "tripwire: the coordination store answers again after %d failed call(s)",
+                    "the coordination store answers again after %d failed call(s)",
                     self.consecutive_failures,
                 )
             self.consecutive_failures = 0
@@ -407,12 +407,10 @@ class Coordinator:
             self.publish_won = won
             self._published_raw = raw
         if won:
-            log.error(
-                "tripwire: rank %d published its stop to %r; every coordinated rank will stop", self.rank, self.key
-            )
+            log.error("rank %d published its stop to %r; every coordinated rank will stop", self.rank, self.key)
         else:
             log.error(
-                "tripwire: rank %d stopped, but another rank had already published a stop to %r (kept)",
+                "rank %d stopped, but another rank had already published a stop to %r (kept)",
                 self.rank,
                 self.key,
             )
@@ -423,7 +421,7 @@ class Coordinator:
         self._seen_raw = raw
         rec, peer_rank, unreadable = read_record(raw)
         if unreadable is not None:
-            log.error("tripwire: unreadable stop record at %r (%s); stopping anyway", self.key, unreadable)
+            log.error("unreadable stop record at %r (%s); stopping anyway", self.key, unreadable)
         if peer_rank == self.rank and rec.get("pid") == os.getpid():
             return
         self.peer = rec
@@ -439,7 +437,7 @@ class Coordinator:
         self._fails_since_log += 1
         if now - self._last_fail_log >= self.monitor.settings.report_every:
             log.warning(
-                "tripwire: coordination store call failed (%s: %s); %d failure(s) since the last line, %d in a row "
+                "coordination store call failed (%s: %s); %d failure(s) since the last line, %d in a row "
                 "(this rank stops after %d)",
                 type(err).__name__,
                 str(err).splitlines()[0] if str(err) else "",
@@ -478,18 +476,18 @@ class Coordinator:
                 relax_thread_capture_mode()
             groups = self._groups if self._groups is not None else all_groups()
             if not groups:
-                log.info("tripwire: no process group to abort")
+                log.info("no process group to abort")
                 return
             t0 = time.monotonic()
             self.aborted, self.abort_errors = abort_groups(groups)
             log.error(
-                "tripwire: aborted %d process group(s) in %.3f s so peers blocked in a collective return%s",
+                "aborted %d process group(s) in %.3f s so peers blocked in a collective return%s",
                 len(self.aborted),
                 time.monotonic() - t0,
                 f"; failures: {self.abort_errors}" if self.abort_errors else "",
             )
         except Exception as e:
             self.abort_errors.append(f"{type(e).__name__}: {e}")
-            log.exception("tripwire: aborting the process groups failed")
+            log.exception("aborting the process groups failed")
         finally:
             self.abort_done.set()

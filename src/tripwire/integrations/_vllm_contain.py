@@ -152,8 +152,7 @@ class VerdictChannel:
         if verdict.fail_all:
             ids = list(scheduler_output.num_scheduled_tokens)
             log.warning(
-                "tripwire: a masked fault in this step could not be attributed in full (%s); %s all %d requests "
-                "of the step",
+                "a masked fault in this step could not be attributed in full (%s); %s all %d requests of the step",
                 _reason(verdict),
                 "failing" if self.mode == "contain" else "keeping out of the prefix cache",
                 len(ids),
@@ -188,7 +187,7 @@ class VerdictChannel:
             i = index.get(r)
             if i is not None and i < len(tokens):
                 tokens[i] = []  # nothing of this step's masked computation reaches the request or its client
-            log.warning("tripwire: request %s ends with vLLM's error finish reason: %s", r, named[r])
+            log.warning("request %s ends with vLLM's error finish reason: %s", r, named[r])
             self.contained.append((r, named[r]))
         # The scheduler's own per-request error path: update_from_output finishes these with FINISHED_ERROR and
         # emits their error outputs in this same call. vLLM 0.26-0.32 keep a set of ids there; 0.33 and later a

@@ -74,7 +74,7 @@ class _Plugin:
         ring = self.contain.ring(sv.device, sites) if self.mode != "flag" and _last_pp_rank(runner) else None
         runner._tripwire = RunnerState(sv, ring, logits, requests, late=v2 and logits is not None)
         log.warning(
-            "tripwire: vLLM %s %s runner (%s) guarded, mode %s; sites %s; %s",
+            "vLLM %s %s runner (%s) guarded, mode %s; sites %s; %s",
             self.version,
             "V2" if v2 else "V1",
             type(runner).__name__,
@@ -92,7 +92,7 @@ class _Plugin:
         try:
             self.monitor.drain()
         except Exception:  # the engine is shutting down: report, never break its shutdown
-            log.exception("tripwire: the final drain at vLLM's shutdown failed")
+            log.exception("the final drain at vLLM's shutdown failed")
 
 
 def _last_pp_rank(runner: Any) -> bool:

@@ -94,7 +94,7 @@ def add_sink(monitor: Monitor) -> None:
     try:
         sink = FileSink(path)
     except ImportError:
-        log.warning("tripwire: %s is set but prometheus_client is not installed: no metrics", ENV)
+        log.warning("%s is set but prometheus_client is not installed: no metrics", ENV)
         return
     monitor.add_sink(sink)
 

@@ -96,7 +96,7 @@ def build_logits(runner: Any, mode: str, policy: str, monitor: Monitor, *, enabl
     config = runner.vllm_config
     model_config = getattr(config, "model_config", None)
     if getattr(runner, "is_pooling_model", False) or getattr(model_config, "runner_type", "") == "pooling":
-        log.warning("tripwire: a pooling model has no logits: %s is not checked", SITE_LOGITS)
+        log.warning("a pooling model has no logits: %s is not checked", SITE_LOGITS)
         return None
     if getattr(config, "speculative_config", None) is not None:
         what = (
@@ -107,7 +107,7 @@ def build_logits(runner: Any, mode: str, policy: str, monitor: Monitor, *, enabl
             raise RuntimeError(
                 f"tripwire: {what}. Set {ENV_LOGITS}=0 to run TRIPWIRE_VLLM=contain without the logits check."
             )
-        log.warning("tripwire: %s: %s is not checked", what, SITE_LOGITS)
+        log.warning("%s: %s is not checked", what, SITE_LOGITS)
         return None
     site = register_nonfinite_rows_site(
         SITE_LOGITS,
@@ -176,7 +176,7 @@ def build_clip(runner: Any, monitor: Monitor) -> str:
         _wrap_write(impl, counter, getattr(write, "__tripwire_wrapped__", write))
         wrapped += 1
     if skipped:
-        log.warning("tripwire: %d layers' FP8 scales are not per tensor; their clipping is not counted", len(skipped))
+        log.warning("%d layers' FP8 scales are not per tensor; their clipping is not counted", len(skipped))
     return f"fp8 KV counter on {wrapped} layers ({fmt})"
 
 

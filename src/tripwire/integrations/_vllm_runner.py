@@ -212,7 +212,7 @@ def _release_dropped(st: RunnerState) -> None:
         verdict = st.ring.take(ticket, wait=True)
         if not verdict.clean:
             log.warning(
-                "tripwire: a step whose output vLLM dropped unread had a masked fault (%s); its counts are reported, "
+                "a step whose output vLLM dropped unread had a masked fault (%s); its counts are reported, "
                 "no request of it was handed back",
                 ", ".join(h.site for h in verdict.hits),
             )

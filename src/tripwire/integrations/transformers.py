@@ -216,7 +216,7 @@ class Handle:
             v = self._validators = CacheValidators(cache, self.device, self.policy, self.monitor, table)
             if self.contain and not v.writes_contained:
                 log.warning(
-                    "tripwire: this engine cache was built before tripwire was installed and may hold uninitialised "
+                    "this engine cache was built before tripwire was installed and may hold uninitialised "
                     "memory, so a masked KV write cannot be contained to its request: under containment the write "
                     "site stops the engine (install tripwire before the engine builds its cache)"
                 )
@@ -316,7 +316,8 @@ class Handle:
         processor.scheduler.finish_request(rid)
         self._failed.add(state)
         self.contained.append((rid, taint))
-        log.warning("tripwire: %s", fault)
+        # The fault's message names tripwire for the engine's client; the log line's logger already does.
+        log.warning("%s", str(fault).removeprefix("tripwire "))
 
     def _drop_failed(self, result: Any) -> Any:
         """``prepare_batch_update``'s result without the failed requests (their tokens taken out in step, so the
@@ -347,7 +348,7 @@ class Handle:
         try:
             self.monitor.drain()
         except Exception:  # the engine is shutting down: report, never break its shutdown
-            log.exception("tripwire: the final drain at the end of the generation loop failed")
+            log.exception("the final drain at the end of the generation loop failed")
 
     def uninstall(self) -> None:
         """Undo :func:`install` (idempotent). Counts already made stay in the arena."""
@@ -462,7 +463,7 @@ def install(
                     f"request and {problem}; containment cannot attribute such rows, so install(contain=True) refuses "
                     f"this model (pass logits=False to serve it without the check)"
                 )
-            log.warning("tripwire: the non-finite logits check is off for this model: %s", problem)
+            log.warning("the non-finite logits check is off for this model: %s", problem)
             logits = False
     mon = monitor if monitor is not None else default_monitor()
     with _lock:

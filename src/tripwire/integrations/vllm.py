@@ -156,7 +156,7 @@ def _add_prometheus(monitor: Monitor) -> None:
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
-        log.warning("tripwire: PROMETHEUS_MULTIPROC_DIR is set but prometheus_client is not installed: no metrics")
+        log.warning("PROMETHEUS_MULTIPROC_DIR is set but prometheus_client is not installed: no metrics")
         return
     from ..sinks import Prometheus
 
@@ -216,7 +216,7 @@ def install(mode: str, *, monitor: Monitor | None = None, logits: bool | None = 
         # At WARNING, so vLLM's own log shows it (tripwire's INFO lines do not appear under vLLM's logging setup):
         # which process is guarded, how, and for which runners.
         log.warning(
-            "tripwire: vLLM plugin on (pid %d): mode %s, vLLM %s, runners %s; sites vllm.* (slot_mapping, "
+            "vLLM plugin on (pid %d): mode %s, vLLM %s, runners %s; sites vllm.* (slot_mapping, "
             "block_table, block_counts, positions, query_start_loc, seq_lens, idx_mapping, num_blocks%s)",
             os.getpid(),
             mode,

@@ -205,16 +205,17 @@ def _fault(ctr_ptr, n, b, r, v, qb, CALLS: tl.constexpr = True):
 
 @triton.jit
 def record_hit(ctr_ptr, row, value, req=None):
-    """Record one hit at (``row``, ``value``), both scalars; ``req``: the request it belongs to (a scalar), kept with
-    the offender. Call it under the kernel's ``if bad:``.
+    """Record one hit at (``row``, ``value``), both scalars (a tensor or a plain number); ``req``: the request it
+    belongs to (a scalar), kept with the offender. Call it under the kernel's ``if bad:``.
 
     Counts once per PROGRAM that reaches the call (scalar Triton code runs once per program, not per thread). When
     several programs see the same bad entry (head or split programs of one sequence), each counts: put the program
     condition into the kernel's ``if`` (``if bad & (pid_head == 0):``) so one of them records it.
     """
-    # Everything from here on is out of line (_record_one): the caller's `if bad:` is the whole hot path.
-    r = _saturate(row.to(tl.int64))
-    v = _saturate(value.to(tl.int64))
+    # Everything from here on is out of line (_record_one): the caller's `if bad:` is the whole hot path. tl.cast, not
+    # .to(): a plain number (record_hit(ctr, 0, v)) has no .to(); for a tensor the two are the same cast.
+    r = _saturate(tl.cast(row, tl.int64))
+    v = _saturate(tl.cast(value, tl.int64))
     _record_one(ctr_ptr, r, v, _req_words(req, r))
 
 
@@ -234,9 +235,9 @@ def record_hits(ctr_ptr, bad, rows, values, reqs=None, CALLS: tl.constexpr = Tru
     program that passes it as bad, so restrict ``bad`` to one lane and one program per entry
     (``guard_index(..., count=...)``).
     """
-    r = _saturate(rows.to(tl.int64))
-    v = _saturate(values.to(tl.int64))
-    b64 = (bad != 0).to(tl.int64)
+    r = _saturate(tl.cast(rows, tl.int64))  # tl.cast: a plain number too (see record_hit)
+    v = _saturate(tl.cast(values, tl.int64))
+    b64 = tl.cast(bad != 0, tl.int64)
     # Broadcast all three to one block shape (at least 1-D, so the reductions below always have an axis).
     zero = r * 0 + v * 0 + b64 * 0 + tl.zeros([1], tl.int64)
     r = r + zero

@@ -149,7 +149,7 @@ def ptxas_report(ptx: str) -> PtxasReport:
         try:
             cache.put(json.dumps(list(report)), _REPORT_FILE)
         except OSError as e:  # a read-only cache: the report is still right, only not kept
-            log.debug("tripwire: ptxas report not cached: %s", e)
+            log.debug("ptxas report not cached: %s", e)
     return report
 
 
@@ -173,7 +173,7 @@ def _without_return_saves(report: PtxasReport, cubin: str) -> PtxasReport | None
     try:
         sass = subprocess.run([tool_path("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
-        log.debug("tripwire: no SASS to tell return-address saves from spills: %s", e)
+        log.debug("no SASS to tell return-address saves from spills: %s", e)
         return None
     saved = min(return_address_saves(sass.stdout), report.spill_bytes)
     return report._replace(spill_bytes=report.spill_bytes - saved, return_save_bytes=saved)
@@ -284,7 +284,7 @@ def register_cap(
             cap = _search(fn, grid, args, kwargs, twin)
         except Exception as e:  # a cap is an optimisation: without one the launch is the compiler's own
             log.warning(
-                "tripwire: no register cap for %s (%s: %s); it launches with the compiler's own allocation",
+                "no register cap for %s (%s: %s); it launches with the compiler's own allocation",
                 getattr(fn, "__name__", fn), type(e).__name__, str(e)[:300],
             )  # fmt: skip
     _caps[key] = cap
@@ -337,7 +337,7 @@ def budget_choice(
 
 def _warn(fn: Any, instead: str, e: Exception) -> None:
     log.warning(
-        "tripwire: no register budget choice for %s (%s: %s); it launches %s",
+        "no register budget choice for %s (%s: %s); it launches %s",
         getattr(fn, "__name__", fn), type(e).__name__, str(e)[:300], instead,
     )  # fmt: skip
 

@@ -54,6 +54,6 @@ def _req_words(reqs, like):
     if reqs is None:
         q = like * 0
     else:
-        r = reqs.to(tl.int64) + like * 0
+        r = tl.cast(reqs, tl.int64) + like * 0  # a plain number too (record_hit's req)
         q = tl.where(r < 0, 0, _saturate(r) + GUARD_BIAS)
     return q

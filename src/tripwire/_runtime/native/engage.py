@@ -43,7 +43,7 @@ def _stop_native_at_exit() -> None:
         e.stop_event.set()
         ticker = e.ticker
         if ticker is not None and not ticker.stop(EXIT_JOIN_S):
-            log.error("tripwire: the native tick is stuck in a driver call at exit; leaving it behind")
+            log.error("the native tick is stuck in a driver call at exit; leaving it behind")
 
 
 def _forget_native_in_child() -> None:
@@ -143,7 +143,7 @@ class Engagement:
             if self.off != str(e):
                 # A WARNING: on an engine every tick then holds the engine's GIL (benchmarks/RESULTS.md, q3).
                 log.warning(
-                    "tripwire: no native quiet tick (%s); every reader tick runs in Python, holding the engine's GIL "
+                    "no native quiet tick (%s); every reader tick runs in Python, holding the engine's GIL "
                     "for the whole tick (set TRIPWIRE_NATIVE_TICK=off to choose this and silence the warning)",
                     e,
                 )
@@ -175,7 +175,7 @@ class Engagement:
         else:
             self.off = "stuck in a driver call at stop()"
             ticker.close(0.0)
-            log.error("tripwire: the native tick is stuck in a driver call; leaving it behind")
+            log.error("the native tick is stuck in a driver call; leaving it behind")
 
     # ------------------------------------------------------------------ hand-over
     def pause(self, timeout: float | None = None) -> bool:
@@ -200,9 +200,7 @@ class Engagement:
                 # The Python tick that follows repeats the read: a persistent failure loses the reader there (and
                 # arms the stop), exactly as without the native tick. Python ticks from now on.
                 self.off = f"failed: {error}"
-                log.warning(
-                    "tripwire: the native quiet tick failed (%s); the reader ticks in Python from now on", error
-                )
+                log.warning("the native quiet tick failed (%s); the reader ticks in Python from now on", error)
         return True
 
     @property
@@ -248,7 +246,7 @@ class Engagement:
             ticker.engage(readers, refs, n_rows=n_rows, capacity=capacity, last_active=last_active, relax=fn)
         except Exception as e:
             self.off = f"failed to engage: {type(e).__name__}: {e}"
-            log.warning("tripwire: the native quiet tick cannot engage (%s); the reader ticks in Python", e)
+            log.warning("the native quiet tick cannot engage (%s); the reader ticks in Python", e)
 
     def wait(self, timeout: float) -> None:
         ticker = self.ticker
