@@ -51,22 +51,26 @@ def _monitor() -> tuple[Monitor, SiteRegistry]:
     return Monitor(registry=reg, capacity=8, mode="warn", interval=3600.0), reg
 
 
-def test_write_hit_writes_the_words_a_guarded_kernel_writes():
-    """The row and its offender block after write_hit equal, word for word, what a guarded kernel's fault path
-    leaves for the same hit (the interpreted gather: one bad index at output row 2, value 32)."""
+def test_write_hit_writes_the_words_a_guarded_kernel_writes(kernel_device):
+    """The row and its offender block after write_hit (a CPU row) equal, word for word, what a guarded kernel's fault
+    path leaves for the same hit (the gather where kernels run: one bad index at output row 2, value 32)."""
     m, reg = _monitor()
     by_kernel = reg.register("testing.kernel")
     by_host = reg.register("testing.host")
-    table = torch.randn(32, 4)
-    idx = torch.tensor([3, 0, 32, 7])
-    tt.gather_rows(table, idx, torch.empty(4, 4), ctr=m.counter(by_kernel, "cpu"))
+    table = torch.randn(32, 4, device=kernel_device)
+    idx = torch.tensor([3, 0, 32, 7], device=kernel_device)
+    ctr = m.counter(by_kernel, kernel_device)
+    tt.gather_rows(table, idx, torch.empty(4, 4, device=kernel_device), ctr=ctr)
     write_hit(m.counter(by_host, "cpu"), 2, 32)
-    rows = m.read_rows("cpu")
-    assert int(rows[by_kernel.id, COUNT]) == 1
-    assert np.array_equal(rows[by_kernel.id, :7], rows[by_host.id, :7])
-    blocks = m.arena.read_offenders(torch.device("cpu"), len(reg))
-    assert blocks is not None and np.array_equal(blocks[by_kernel.id], blocks[by_host.id])
-    hit = m.drain()[(next(iter(m.readers())), by_host.name)]
+    kdev = ctr.device
+    k_rows, h_rows = m.read_rows(kdev), m.read_rows("cpu")
+    assert int(k_rows[by_kernel.id, COUNT]) == 1
+    assert np.array_equal(k_rows[by_kernel.id, :7], h_rows[by_host.id, :7])
+    k_blocks = m.arena.read_offenders(kdev, len(reg))
+    h_blocks = m.arena.read_offenders(torch.device("cpu"), len(reg))
+    assert k_blocks is not None and h_blocks is not None
+    assert np.array_equal(k_blocks[by_kernel.id], h_blocks[by_host.id])
+    hit = m.drain()[("cpu", by_host.name)]
     assert (hit.count, hit.first_row, hit.first_value) == (1, 2, 32)
     assert hit.offenders == (Offender(2, 32, None),)
 

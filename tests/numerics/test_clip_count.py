@@ -70,3 +70,24 @@ def test_bad_input_is_named(monitor, kernel_device):
         count_clipped(c, k, v, torch.ones(3, device=kernel_device), one, torch.arange(3, device=kernel_device))
     with pytest.raises(ValueError, match="contiguous per token"):
         count_clipped(c, k.transpose(1, 2), v, one, one, torch.arange(3, device=kernel_device))
+
+
+def test_the_max_is_the_largest_over_calls(monitor, kernel_device):
+    """The kernel skips its max atomic when the step's largest magnitude is at or below the word it loaded: over a
+    rising, a falling and a rising-again sequence of writes the max equals the torch path's, call by call (a skip
+    test turned the wrong way would keep the first call's max)."""
+    a = ClipCounter("layer.m1", kernel_device, monitor=monitor)
+    b = ClipCounter("layer.m2", kernel_device, monitor=monitor)
+    one = torch.ones(1, device=kernel_device)
+    slots = torch.arange(4, device=kernel_device)
+    seen = []
+    for top in (3.0, 1.5, 7.25, 7.0, 9.5):
+        k = torch.full((4, 2, 8), top / 2, device=kernel_device)
+        k[1, 1, 3] = top
+        v = -k
+        count_clipped(a, k, v, one, one, slots)
+        b.count(k, v, one, one, slots)
+        ta, tb = a.totals(), b.totals()
+        assert ta == tb, (top, ta, tb)
+        seen.append(ta["k_max"])
+    assert seen == [3.0, 3.0, 7.25, 7.25, 9.5]

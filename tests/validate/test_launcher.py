@@ -222,7 +222,7 @@ def test_gpu_misaligned_views_and_sizes_off_16_get_their_own_kernel():
     assert counts == want
     launch = v._plan.launch
     assert len(launch._bound) == 2
-    (k_first, _, _), (k_later, _, _) = launch._bound.values()
+    (k_first, _), (k_later, _) = launch._bound.values()
     assert k_first.src.attrs != k_later.src.attrs
     names = v._plan.names
 
