@@ -73,9 +73,8 @@ def test_bad_input_is_named(monitor, kernel_device):
 
 
 def test_the_max_is_the_largest_over_calls(monitor, kernel_device):
-    """The kernel skips its max atomic when the step's largest magnitude is at or below the word it loaded: over a
-    rising, a falling and a rising-again sequence of writes the max equals the torch path's, call by call (a skip
-    test turned the wrong way would keep the first call's max)."""
+    """Over a rising, a falling and a rising-again sequence of writes the max word equals the torch path's, call by
+    call (a max that a later, smaller write lowered, or that a larger one failed to raise, differs)."""
     a = ClipCounter("layer.m1", kernel_device, monitor=monitor)
     b = ClipCounter("layer.m2", kernel_device, monitor=monitor)
     one = torch.ones(1, device=kernel_device)

@@ -37,18 +37,15 @@ def _threshold(scale_ptr, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _flush(ctr_ptr, n, top, seen, COUNT: tl.constexpr, MAX: tl.constexpr):
+def _flush(ctr_ptr, n, top, COUNT: tl.constexpr, MAX: tl.constexpr):
     # Relaxed: the row's words are independent counters nobody orders against within the step (the reader and the
     # verdict read them after the stream's later work); an acq_rel atomic would wait out its round trip before the
     # next one issues, and this kernel's cost is that latency chain, not its bandwidth.
     if n > 0:
         tl.atomic_add(ctr_ptr + COUNT, n.to(tl.int64), sem="relaxed")
-    # Non-negative float32 bits order like the values: an integer max keeps the largest magnitude. ``seen`` is the
-    # word as loaded at the kernel's start: the word only grows, so a magnitude at or below it changes nothing and
-    # skips the atomic (a healthy step's usual case: no atomic, no round trip left to wait for).
-    bits = top.to(tl.int32, bitcast=True).to(tl.int64)
-    if bits > seen:
-        tl.atomic_max(ctr_ptr + MAX, bits, sem="relaxed")
+    if top > 0:
+        # Non-negative float32 bits order like the values: an integer max keeps the largest magnitude.
+        tl.atomic_max(ctr_ptr + MAX, top.to(tl.int32, bitcast=True).to(tl.int64), sem="relaxed")
 
 
 # The step's token count changes every call: not specialised on (a count of 1 would compile a variant mid-serving).
@@ -67,8 +64,6 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
     v = tl.load(v_ptr + tok.to(tl.int64) * v_stride + e, mask=inside, other=0).to(tl.float32)
     kt = _threshold(ks_ptr, FMAX)
     vt = _threshold(vs_ptr, FMAX)
-    kseen = tl.load(ctr_ptr + _KM)
-    vseen = tl.load(ctr_ptr + _VM)
     m = inside & (slot >= 0)
     ka, va = tl.abs(k), tl.abs(v)
     # One reduction for both counts (each program sees at most TOK * HDP <= _ELEMS < 2**16 elements per tensor).
@@ -76,8 +71,8 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
     # NaN is left out of the max (its bits sort above +inf); +inf stays (it was clipped). 0 where nothing counted.
     ktop = tl.max(tl.where(m & (ka == ka), ka, 0.0), axis=None)
     vtop = tl.max(tl.where(m & (va == va), va, 0.0), axis=None)
-    _flush(ctr_ptr, both & 0xFFFF, ktop, kseen, _KC, _KM)
-    _flush(ctr_ptr, both >> 16, vtop, vseen, _VC, _VM)
+    _flush(ctr_ptr, both & 0xFFFF, ktop, _KC, _KM)
+    _flush(ctr_ptr, both >> 16, vtop, _VC, _VM)
 
 
 def _check(x: torch.Tensor, what: str, device: torch.device) -> None:
