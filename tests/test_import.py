@@ -112,10 +112,10 @@ def _versions(root: Path) -> dict[str, str]:
 
 
 def test_version_is_one_number_everywhere(tmp_path):
-    """``tripwire.__version__``, pyproject.toml and the changelog's newest entry name one version, 0.3.0. Control: a
+    """``tripwire.__version__``, pyproject.toml and the changelog's newest entry name one version, 0.4.0. Control: a
     changelog whose newest entry names another version is seen."""
     root = Path(__file__).resolve().parents[1]
-    assert set(_versions(root).values()) == {"0.3.0"}, _versions(root)
+    assert set(_versions(root).values()) == {"0.4.0"}, _versions(root)
     (tmp_path / "pyproject.toml").write_text((root / "pyproject.toml").read_text())
-    (tmp_path / "CHANGELOG.md").write_text("# Changelog\n\n## 0.4.0\n\n## 0.3.0\n")
-    assert _versions(tmp_path)["CHANGELOG.md"] == "0.4.0"
+    (tmp_path / "CHANGELOG.md").write_text("# Changelog\n\n## 0.5.0\n\n## 0.4.0\n")
+    assert _versions(tmp_path)["CHANGELOG.md"] == "0.5.0"

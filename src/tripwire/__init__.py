@@ -46,7 +46,7 @@ from .sinks import Event, Offender
 from .sites import Site, SiteRegistry, register_site, sites
 from .verdict import Verdict, Verdicts
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # Where no logging is configured, tripwire's warnings still say whose they are (tripwire._runtime.logs).
 _install_log_fallback()
