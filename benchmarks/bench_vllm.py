@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quantile", type=float, default=0.25, help="the quiet-step figures' quantile")
     ap.add_argument("--mode", default="mask", choices=["flag", "mask", "contain"], help="TRIPWIRE_VLLM of the run")
+    ap.add_argument("--logits", default="1", choices=["0", "1"], help="TRIPWIRE_VLLM_LOGITS: the logits check on/off")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {"validator_us": {str(b): round(validator_us(b, args.calls), 1) for b in BATCHES}}
     work = Path(tempfile.mkdtemp(prefix="tripwire-vllm-bench-"))
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench",
         {"bench": {"batches": list(BATCHES), "steps": args.steps, "repeats": args.repeats}},
         mode=args.mode,
+        env={"TRIPWIRE_VLLM_LOGITS": args.logits},
     )
     if run.result is None:
         print(f"the engine run failed (rc {run.rc}): {run.stderr[-3000:]}", file=sys.stderr)
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = run.result["bench"]
     out["vllm"] = run.result["vllm"]
     out["engine"] = {}
-    print(f"vLLM {run.result['vllm']} CPU engine, decode step, plugin mode {bench['mode']}, {args.repeats} repeats")
+    print(f"vLLM {run.result['vllm']} CPU engine, decode step, plugin mode {bench['mode']}, logits check "
+          f"{'on' if args.logits == '1' else 'off'}, {args.repeats} repeats")  # fmt: skip
     print(
         f"{'batch':>5s} {'off ms':>8s} {'on ms':>8s} {'overhead':>9s} {'noise (off/off)':>16s} {'in hooks':>16s}"
         f"   CPU time: {'off ms':>7s} {'on ms':>7s} {'overhead':>9s} {'noise':>7s}"
