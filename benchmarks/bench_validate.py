@@ -35,6 +35,7 @@ from triton.testing import do_bench
 
 from lab.common import capture, env_info, write_json
 from tripwire import Monitor, SiteRegistry
+from tripwire.cli.bench.validator import decode_metadata, decode_validator
 from tripwire.validate import Validator
 
 PER_GRAPH = 20
@@ -44,20 +45,6 @@ HOST_TARGET_US = 20.0
 @triton.jit
 def _empty(x_ptr):
     pass
-
-
-def _metadata(device: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    lengths = torch.randint(1, 129, (256,), generator=g, dtype=torch.int32)
-    table = torch.randint(0, 4096, (256, 128), generator=g, dtype=torch.int32)
-    indptr = torch.arange(0, 32769, 128, dtype=torch.int32)
-    return {
-        "slot_mapping": torch.randint(0, 65536, (256,), generator=g).to(device),
-        "block_table": table.to(device),
-        "blocks_per_req": lengths.to(device),
-        "kv_indices": torch.randint(0, 4096, (32768,), generator=g, dtype=torch.int32).to(device),
-        "kv_indptr": indptr.to(device),
-    }
 
 
 def _host_us(fn, n: int = 2000) -> float:  # type: ignore[no-untyped-def]
@@ -91,11 +78,8 @@ def host_costs(v: Validator, md: dict[str, torch.Tensor]) -> dict[str, float]:
 def run(repeats: int = 7, rep_ms: int = 200, host_only: bool = False) -> dict:
     dev = "cuda"
     mon = Monitor(registry=SiteRegistry(capacity=64), capacity=64)
-    v = Validator("bench", dev, policy="mask", monitor=mon)
-    v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
-    v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
-    v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
-    md = _metadata(dev)
+    v = decode_validator("bench", dev, mon)
+    md = decode_metadata(dev)
     x = torch.zeros(1, device=dev)
 
     def call() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .common import SCHEMA, Ctx, env_info, write_json
+from .common import SCHEMA, Ctx, env_info, print_summary, skipped, write_json
 from .questions import QUESTIONS, selection
 
 
@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         if only and qid not in only:
             continue
         if needs_gpu and cpu:
-            report["questions"][qid] = _skipped(qid, modname, "needs a CUDA GPU (CPU run)", ctx)
+            report["questions"][qid] = skipped(qid, modname, "needs a CUDA GPU (CPU run)", ctx)
             continue
         spent = time.perf_counter() - t0
         if spent > budget:
-            report["questions"][qid] = _skipped(qid, modname, f"time budget of {budget:.0f} s spent", ctx)
+            report["questions"][qid] = skipped(qid, modname, f"time budget of {budget:.0f} s spent", ctx)
             print(f"[{qid}] skipped: time budget spent ({spent:.0f} s)", flush=True)
             continue
         print(f"[{qid}] {modname} ...", flush=True)
@@ -126,23 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken question must not lose the others' figures
             errors += 1
             traceback.print_exc()
-            res = {
-                "id": qid,
-                "title": modname,
-                "status": "error",
-                "reason": f"{type(e).__name__}: {e}",
-                "cpu_figures": cpu,
-                "device": device,
-                "quick": args.quick,
-                "figures": {},
-                "targets": [],
-                "notes": [traceback.format_exc(limit=8)],
-            }
+            res = skipped(qid, modname, f"{type(e).__name__}: {e}", ctx)
+            res["status"] = "error"
+            res["notes"] = [traceback.format_exc(limit=8)]
         res["elapsed_s"] = round(time.perf_counter() - tq, 2)
         report["questions"][qid] = res
         report["elapsed_s"] = round(time.perf_counter() - t0, 2)
         write_json(json_path, report)
-        _print_summary(res)
+        print_summary(res)
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     write_json(json_path, report)
 
@@ -156,47 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab.run: {msg}", flush=True)
     print(f"lab.run: wrote {json_path} and {out / 'results.md'} in {report['elapsed_s']:.1f} s", flush=True)
     return 1 if errors else 0
-
-
-def _skipped(qid: str, modname: str, reason: str, ctx: Ctx) -> dict:
-    return {
-        "id": qid,
-        "title": modname,
-        "status": "skipped",
-        "reason": reason,
-        "cpu_figures": not ctx.cuda,
-        "device": ctx.device,
-        "quick": ctx.quick,
-        "figures": {},
-        "targets": [],
-        "notes": [],
-    }
-
-
-def _mark(p: bool | None) -> str:
-    return "PASS" if p is True else "SHORT" if p is False else "n/a"
-
-
-def _print_summary(res: dict) -> None:
-    tag = " [CPU figures]" if res.get("cpu_figures") else ""
-    print(f"[{res['id']}] {res['title']}: {res['status']}{tag} ({res.get('elapsed_s', 0):.1f} s)", flush=True)
-    if res.get("reason"):
-        print(f"    {res['reason']}", flush=True)
-    for key, f in res.get("figures", {}).items():
-        if f.get("median") is None:
-            continue
-        extra = f" p99 {f['p99']:.4g}" if "p99" in f else ""
-        print(
-            f"    {key}: median {f['median']:.4g} {f['unit']} (min {f['min']:.4g}, max {f['max']:.4g}, n={f['n']})"
-            f"{extra}",
-            flush=True,
-        )
-    for t in res.get("targets", []):
-        v = t.get("value")
-        vs = "n/a" if v is None else f"{v:.4g}"
-        print(f"    target {t['name']}: {t['target']} -> {vs} {_mark(t['pass'])}", flush=True)
-    for n in res.get("notes", []):
-        print(f"    note: {n.splitlines()[0] if n else n}", flush=True)
 
 
 if __name__ == "__main__":

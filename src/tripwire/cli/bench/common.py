@@ -218,3 +218,46 @@ def sleep_cycles_per_ms() -> float:
         e.synchronize()
         best = min(best, s.elapsed_time(e))
     return cycles / best
+
+
+def skipped(qid: str, modname: str, reason: str, ctx: Ctx) -> dict:
+    """A question's record that carries no figures (not run, or failed: the caller sets ``status`` then)."""
+    return {
+        "id": qid,
+        "title": modname,
+        "status": "skipped",
+        "reason": reason,
+        "cpu_figures": not ctx.cuda,
+        "device": ctx.device,
+        "quick": ctx.quick,
+        "figures": {},
+        "targets": [],
+        "notes": [],
+    }
+
+
+def mark(p: bool | None) -> str:
+    return "PASS" if p is True else "SHORT" if p is False else "n/a"
+
+
+def print_summary(res: dict) -> None:
+    """One question's record as the runners print it (``tripwire bench`` and the lab's suite)."""
+    tag = " [CPU figures]" if res.get("cpu_figures") else ""
+    print(f"[{res['id']}] {res['title']}: {res['status']}{tag} ({res.get('elapsed_s', 0):.1f} s)", flush=True)
+    if res.get("reason"):
+        print(f"    {res['reason']}", flush=True)
+    for key, f in res.get("figures", {}).items():
+        if f.get("median") is None:
+            continue
+        extra = f" p99 {f['p99']:.4g}" if "p99" in f else ""
+        print(
+            f"    {key}: median {f['median']:.4g} {f['unit']} (min {f['min']:.4g}, max {f['max']:.4g}, n={f['n']})"
+            f"{extra}",
+            flush=True,
+        )
+    for t in res.get("targets", []):
+        v = t.get("value")
+        vs = "n/a" if v is None else f"{v:.4g}"
+        print(f"    target {t['name']}: {t['target']} -> {vs} {mark(t['pass'])}", flush=True)
+    for n in res.get("notes", []):
+        print(f"    note: {n.splitlines()[0] if n else n}", flush=True)

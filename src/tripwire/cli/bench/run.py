@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .common import SCHEMA, Ctx, env_info, write_json
+from .common import SCHEMA, Ctx, env_info, print_summary, skipped, write_json
 from .questions import LAB_COMMAND, LAB_QUESTIONS, QUESTIONS, selection
 
 # The options of the research suite that moved to the lab, with what each was for.
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if only and qid not in only:
             continue
         if needs_gpu and cpu:
-            report["questions"][qid] = _skipped(qid, modname, "needs a CUDA GPU (CPU run)", ctx)
+            report["questions"][qid] = skipped(qid, modname, "needs a CUDA GPU (CPU run)", ctx)
             continue
         print(f"[{qid}] {modname} ...", flush=True)
         tq = time.perf_counter()
@@ -116,59 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken check must not lose the others' figures
             errors += 1
             traceback.print_exc()
-            res = _skipped(qid, modname, f"{type(e).__name__}: {e}", ctx)
+            res = skipped(qid, modname, f"{type(e).__name__}: {e}", ctx)
             res["status"] = "error"
             res["notes"] = [traceback.format_exc(limit=8)]
         res["elapsed_s"] = round(time.perf_counter() - tq, 2)
         report["questions"][qid] = res
         report["elapsed_s"] = round(time.perf_counter() - t0, 2)
         write_json(json_path, report)
-        _print_summary(res)
+        print_summary(res)
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     write_json(json_path, report)
     print(f"tripwire bench: wrote {json_path} in {report['elapsed_s']:.1f} s", flush=True)
     return 1 if errors else 0
-
-
-def _skipped(qid: str, modname: str, reason: str, ctx: Ctx) -> dict:
-    return {
-        "id": qid,
-        "title": modname,
-        "status": "skipped",
-        "reason": reason,
-        "cpu_figures": not ctx.cuda,
-        "device": ctx.device,
-        "quick": ctx.quick,
-        "figures": {},
-        "targets": [],
-        "notes": [],
-    }
-
-
-def _mark(p: bool | None) -> str:
-    return "PASS" if p is True else "SHORT" if p is False else "n/a"
-
-
-def _print_summary(res: dict) -> None:
-    tag = " [CPU figures]" if res.get("cpu_figures") else ""
-    print(f"[{res['id']}] {res['title']}: {res['status']}{tag} ({res.get('elapsed_s', 0):.1f} s)", flush=True)
-    if res.get("reason"):
-        print(f"    {res['reason']}", flush=True)
-    for key, f in res.get("figures", {}).items():
-        if f.get("median") is None:
-            continue
-        extra = f" p99 {f['p99']:.4g}" if "p99" in f else ""
-        print(
-            f"    {key}: median {f['median']:.4g} {f['unit']} (min {f['min']:.4g}, max {f['max']:.4g}, n={f['n']})"
-            f"{extra}",
-            flush=True,
-        )
-    for t in res.get("targets", []):
-        v = t.get("value")
-        vs = "n/a" if v is None else f"{v:.4g}"
-        print(f"    target {t['name']}: {t['target']} -> {vs} {_mark(t['pass'])}", flush=True)
-    for n in res.get("notes", []):
-        print(f"    note: {n.splitlines()[0] if n else n}", flush=True)
 
 
 if __name__ == "__main__":

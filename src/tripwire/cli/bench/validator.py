@@ -25,7 +25,9 @@ HOST_TARGET_US = 20.0
 PER_GRAPH = 20
 
 
-def _metadata(device: str) -> dict[str, torch.Tensor]:
+def decode_metadata(device: str) -> dict[str, torch.Tensor]:
+    """A decode step's clean metadata at batch 256 (a slot mapping, a block table with per-row counts, a CSR page
+    list), seeded: what this check and ``benchmarks/bench_validate.py`` time one validator call over."""
     g = torch.Generator(device="cpu").manual_seed(0)
     lengths = torch.randint(1, 129, (256,), generator=g, dtype=torch.int32)
     table = torch.randint(0, 4096, (256, 128), generator=g, dtype=torch.int32)
@@ -37,6 +39,15 @@ def _metadata(device: str) -> dict[str, torch.Tensor]:
         "kv_indices": torch.randint(0, 4096, (32768,), generator=g, dtype=torch.int32).to(device),
         "kv_indptr": indptr.to(device),
     }
+
+
+def decode_validator(name: str, device: str, monitor: Monitor) -> Validator:
+    """The validator of :func:`decode_metadata`'s tensors (mask policy), with their bounds."""
+    v = Validator(name, device, policy="mask", monitor=monitor)
+    v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
+    v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
+    v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
+    return v
 
 
 def _host_us(fn, n: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
@@ -54,11 +65,8 @@ def run(ctx: Ctx) -> dict:
     res = Result(label(__name__), "Validator: one call over a decode step's metadata (batch 256), clean", ctx)
     dev = "cuda" if ctx.cuda else "cpu"
     mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
-    v = Validator("bench.validator", dev, policy="mask", monitor=mon)
-    v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
-    v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
-    v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
-    md = _metadata(dev)
+    v = decode_validator("bench.validator", dev, mon)
+    md = decode_metadata(dev)
 
     def call() -> None:
         v(**md)
