@@ -25,8 +25,9 @@ the step: a bad count there fails the step closed). V2's block tables are in the
 manager block may be several of them. Context parallelism (DCP/PCP: local slot mappings, partitioned batches) is
 refused at build.
 
-Hot path: views of V2's persistent buffers and of tripwire's preallocated ones, two request-number fills through
-pinned rings, four launches (the row guard, two validators, the fence per group), no sync and no allocation.
+Hot path: views of V2's persistent buffers and of tripwire's preallocated ones, the request numbers (by batch row and
+by request-state row) through one pinned ring in one copy, four launches (the row guard, two validators, the fence
+per group), no sync and no allocation.
 """
 
 from __future__ import annotations
@@ -158,9 +159,9 @@ class V2StepValidator:
         if self._total_len is not None:
             layout["req_states.total_len.gpu"] = (self._total_len, torch.int32)
         _vllm_rows.check_buffers(self.device, **layout)
-        self._requests = Staged(max_reqs, self.device)
-        self._by_state = Staged(max_reqs, self.device)
-        self._req: torch.Tensor = self._requests.tensor
+        # The step's request numbers twice, in one copy: by request-state row, then in batch order.
+        self._numbers = Staged(2 * max_reqs, self.device)
+        self._req: torch.Tensor = self._numbers.tensor[max_reqs:]
         self.sites: tuple[Site, ...] = tuple(
             dict.fromkeys([rows_site, *self.vin.sites().values(), *self.v.sites().values()])
         )
@@ -178,9 +179,9 @@ class V2StepValidator:
         n, tokens = int(input_batch.num_reqs), int(input_batch.num_tokens)
         number = self.monitor.requests.number
         numbers = [number(r) for r in input_batch.req_ids[:n]]
-        req = self._req = self._requests.fill(n, numbers)
         idx_np = input_batch.idx_mapping_np[:n]
-        by_state = self._by_state.scatter(idx_np, numbers)
+        by_state, req = self._numbers.scatter_fill(idx_np, numbers, n)
+        self._req = req
         # The scratch row: one no live request holds (V2's free list; its bottom is the row reused last). None free:
         # a row of this step, and the hit unattributed, so the whole step fails (see _vllm_rows).
         free = runner.req_states.free_indices

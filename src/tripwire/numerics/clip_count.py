@@ -37,15 +37,17 @@ def _threshold(scale_ptr, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _flush(ctr_ptr, n, top, COUNT: tl.constexpr, MAX: tl.constexpr):
-    # Relaxed: the row's words are independent counters nobody orders against within the step (the reader and the
-    # verdict read them after the stream's later work); an acq_rel atomic would wait out its round trip before the
-    # next one issues, and this kernel's cost is that latency chain, not its bandwidth.
-    if n > 0:
-        tl.atomic_add(ctr_ptr + COUNT, n.to(tl.int64), sem="relaxed")
-    if top > 0:
-        # Non-negative float32 bits order like the values: an integer max keeps the largest magnitude.
-        tl.atomic_max(ctr_ptr + MAX, top.to(tl.int32, bitcast=True).to(tl.int64), sem="relaxed")
+def _seen(ctr_ptr, MAX: tl.constexpr):
+    """The row's stored max magnitude as a float32 (the low 32 bits of its word; 0.0 for a zeroed row)."""
+    return tl.load(ctr_ptr + MAX).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _raise_max(ctr_ptr, a, m, MAX: tl.constexpr):
+    # NaN is left out of the max (its bits sort above +inf); +inf stays (it was clipped). Non-negative float32 bits
+    # order like the values: an integer max keeps the largest magnitude.
+    top = tl.max(tl.where(m & (a == a), a, 0.0), axis=None)
+    tl.atomic_max(ctr_ptr + MAX, top.to(tl.int32, bitcast=True).to(tl.int64), sem="relaxed")
 
 
 # The step's token count changes every call: not specialised on (a count of 1 would compile a variant mid-serving).
@@ -56,23 +58,42 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
     e = tl.arange(0, HDP)[None, :]
     live = tok < n
     inside = live & (e < HD)
-    # Every load is issued before any result is used: the K/V loads are masked by the batch bound only (not by the
-    # slot, which would make them wait for the slot's load), and the slot's padding mask is applied afterwards. A
-    # decode step calls this once per layer on a few KiB, so its time is the chain of dependent memory round trips.
+    # A decode step calls this once per layer on a few KiB, so its time is the chain of dependent memory round
+    # trips, not bandwidth. Every load is issued before any result is used: the K/V loads are masked by the batch
+    # bound only (not by the slot, which would make them wait for the slot's load), the slot's padding mask is
+    # applied afterwards, and the row's stored maxima are read in the same wave.
     slot = tl.load(slot_ptr + tok, mask=live, other=-1)
     k = tl.load(k_ptr + tok.to(tl.int64) * k_stride + e, mask=inside, other=0).to(tl.float32)
     v = tl.load(v_ptr + tok.to(tl.int64) * v_stride + e, mask=inside, other=0).to(tl.float32)
     kt = _threshold(ks_ptr, FMAX)
     vt = _threshold(vs_ptr, FMAX)
+    kseen = _seen(ctr_ptr, _KM)
+    vseen = _seen(ctr_ptr, _VM)
     m = inside & (slot >= 0)
     ka, va = tl.abs(k), tl.abs(v)
-    # One reduction for both counts (each program sees at most TOK * HDP <= _ELEMS < 2**16 elements per tensor).
-    both = tl.sum(((ka > kt) & m).to(tl.int32) + (((va > vt) & m).to(tl.int32) << 16), axis=None)
-    # NaN is left out of the max (its bits sort above +inf); +inf stays (it was clipped). 0 where nothing counted.
-    ktop = tl.max(tl.where(m & (ka == ka), ka, 0.0), axis=None)
-    vtop = tl.max(tl.where(m & (va == va), va, 0.0), axis=None)
-    _flush(ctr_ptr, both & 0xFFFF, ktop, _KC, _KM)
-    _flush(ctr_ptr, both >> 16, vtop, _VC, _VM)
+    # ONE reduction for four per-program counts, 16 bits each (at most TOK * HDP <= _ELEMS < 2**16 elements per
+    # tensor): K clipped, V clipped, K above the stored max, V above it (NaN compares false: never above).
+    flags = (
+        ((ka > kt) & m).to(tl.int64)
+        | (((va > vt) & m).to(tl.int64) << 16)
+        | (((ka > kseen) & m).to(tl.int64) << 32)
+        | (((va > vseen) & m).to(tl.int64) << 48)
+    )
+    both = tl.sum(flags, axis=None)
+    # Atomics only where something changes: a healthy step clips nothing, and once the maxima have settled no program
+    # raises them, so the common launch writes nothing and ends with its loads (no atomic round trip to wait out).
+    # Relaxed: the row's words are independent counters nobody orders against within the step (the reader and the
+    # verdict read them after the stream's later work). A stored max read stale low only costs a redundant atomic_max.
+    kc = both & 0xFFFF
+    vc = (both >> 16) & 0xFFFF
+    if kc > 0:
+        tl.atomic_add(ctr_ptr + _KC, kc, sem="relaxed")
+    if vc > 0:
+        tl.atomic_add(ctr_ptr + _VC, vc, sem="relaxed")
+    if ((both >> 32) & 0xFFFF) > 0:
+        _raise_max(ctr_ptr, ka, m, _KM)
+    if (both >> 48) > 0:
+        _raise_max(ctr_ptr, va, m, _VM)
 
 
 def _check(x: torch.Tensor, what: str, device: torch.device) -> None:
