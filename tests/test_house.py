@@ -120,11 +120,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     # the answer in the one module that gives it, and a bound stand-in as its control.
     ("tests/kernels/test_kernels_cpu.py", "tripwire.kernels._common"),
     ("tests/kernels/test_kernels_cpu.py", "tripwire.triton._callee"),
-    # The fused FP8 kernel's parts: its inline-PTX builders and rounding threshold, compiled and compared bit for
-    # bit, and the kernel itself loaded again at another address.
-    ("tests/numerics/test_fused.py", "tripwire.numerics._fused_jit"),
-    ("tests/numerics/test_fused.py", "tripwire.numerics._fused_kernel"),
-    ("tests/numerics/test_fused.py", "tripwire.numerics._fused_ptx"),
     # The register budget itself (ptxas's report parsed, the cap and the choice between builds, its cache), with
     # compiles replaced by reports.
     ("tests/triton/test_budget.py", "tripwire.triton._budget"),

@@ -21,9 +21,7 @@ import triton.language as tl
 from tripwire import Monitor, SiteRegistry
 from tripwire.layout import decode
 from tripwire.numerics import FP8_DTYPES, FP8_MAX, ClipCounter, quantize_kv_to_fp8_cache, reference_quantize
-from tripwire.numerics._fused_jit import _threshold
-from tripwire.numerics._fused_ptx import _tail_asm
-from tripwire.numerics.fused import _launch, _thread_tail_ok
+from tripwire.numerics.fused import _fp8_kv_cache_kernel, _launch, _tail_asm, _thread_tail_ok, _threshold
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FMTS = ["e4m3", "e5m2"]
@@ -211,13 +209,12 @@ def test_count_false_writes_the_same_cache_and_counts_nothing(monitor, kernel_de
 def test_launch_runs_a_copy_of_the_kernel(monitor, kernel_device):
     """``_launch(kernel=...)``: another JITFunction of the kernel (the benchmark's loads of the code at other
     addresses) writes the same bits and counts the same as the module's kernel."""
-    from tripwire.numerics import _fused_kernel
     from tripwire.testing import jit_copy
 
     fmt = "e4m3"
     key = exact_kv(fmt, torch.bfloat16, 1.0, 6, seed=5).to(kernel_device)
     slots = slots_for(6, kernel_device)
-    copy = jit_copy(_fused_kernel._fp8_kv_cache_kernel)
+    copy = jit_copy(_fp8_kv_cache_kernel)
     launched = []
 
     class Seen:  # the copy, recording that the launch went through it (a launcher ignoring kernel= fails below)
@@ -785,8 +782,7 @@ import json, re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tripwire.numerics._fused_kernel import _fp8_kv_cache_kernel
-from tripwire.numerics._fused_ptx import _cvt_asm, _limit_asm, _tail_asm
+from tripwire.numerics.fused import _cvt_asm, _fp8_kv_cache_kernel, _limit_asm, _tail_asm
 
 def ptx(kernel, types, consts, cc=90):
     names = kernel.arg_names
