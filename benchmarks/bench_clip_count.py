@@ -6,12 +6,14 @@ kernel's time is its chain of dependent memory round trips, not bandwidth, so wh
 the launch waits out. The designs, each on Llama-3-8B's K/V shape (8 KV heads x 128, bf16 slices of a fused QKV
 output, as vLLM hands them over) at 1, 8, 32 and 64 tokens, healthy input (nothing clips):
 
-* ``shipped``: the library's kernel at its launcher's configuration: every load issued first (the row's stored maxima
-  with them), one packed reduction, an atomic only where a count or a maximum changes (none on a settled row);
+* ``shipped``: the library's kernel at its launcher's configuration (one 8 x 128 token a program, 4 warps): every
+  load issued first (the row's stored maxima with them), one packed reduction, an atomic only where a count or a
+  maximum changes (none on a settled row);
 * ``always``: the same loads and counts, but each program reduces both maxima and issues its ``atomic_max`` on every
-  launch (the design before; written here as the control: what the skip saves);
-* ``tok1``: the shipped kernel with one token per program (the launcher packs up to 4096 elements per program);
-* ``warps2``: the shipped kernel with 2 warps a program (the launcher's default is 4);
+  launch (the control: what skipping the settled maxima saves; at a prefill's thousands of programs it also keeps
+  them from queueing on the row's two words);
+* ``tok4``: the shipped kernel with four tokens a program (4096 elements a tensor);
+* ``warps8``: the shipped kernel with 8 warps a program;
 * ``empty``: a kernel taking the same arguments and doing nothing: the floor every launch pays in a graph.
 
 Timing: each design captured ``LAYERS`` (32) times in one CUDA graph (a decode step's layers), the graphs timed with
@@ -38,12 +40,13 @@ import triton.language as tl
 from tripwire import Monitor
 from tripwire.numerics import ClipCounter
 from tripwire.numerics.clip import FP8_MAX, K_COUNT, K_MAX, V_COUNT, V_MAX
-from tripwire.numerics.clip_count import _clip_count_kernel, _threshold, count_clipped
+from tripwire.numerics.clip_count import _ELEMS, _clip_count_kernel, _threshold, count_clipped
 from tripwire.testing.timing import paired_replay_ms
 
 LAYERS = 32
 HEADS, DIM, QKV = 8, 128, 6144  # Llama-3-8B: 32 query + 8 + 8 KV heads of 128 in one fused projection
 TOKENS = (1, 8, 32, 64)
+DESIGNS = ("shipped", "always", "tok4", "warps8", "empty")
 _KC, _VC, _KM, _VM = (tl.constexpr(x) for x in (K_COUNT, V_COUNT, K_MAX, V_MAX))
 
 
@@ -91,8 +94,7 @@ def bodies(tokens: int, mon: Monitor) -> tuple[dict[str, Callable[[], None]], di
     vs = torch.ones(1, device="cuda")
     hd = HEADS * DIM
     hdp = triton.next_power_of_2(hd)
-    counters = {d: ClipCounter(f"bench.{d}.{tokens}", "cuda", monitor=mon) for d in ("shipped", "always", "tok1",
-                                                                                       "warps2", "empty")}  # fmt: skip
+    counters = {d: ClipCounter(f"bench.{d}.{tokens}", "cuda", monitor=mon) for d in DESIGNS}
 
     def direct(kernel: Callable, c: ClipCounter, tok: int, warps: int) -> Callable[[], None]:
         def call() -> None:
@@ -102,12 +104,12 @@ def bodies(tokens: int, mon: Monitor) -> tuple[dict[str, Callable[[], None]], di
 
         return call
 
-    tok = max(1, 4096 // hdp)
+    tok = max(1, _ELEMS // hdp)  # the launcher's
     out: dict[str, Callable[[], None]] = {
         "shipped": lambda: count_clipped(counters["shipped"], key, value, ks, vs, slots),
         "always": direct(_clip_count_always_kernel, counters["always"], tok, 4),
-        "tok1": direct(_clip_count_kernel, counters["tok1"], 1, 4),
-        "warps2": direct(_clip_count_kernel, counters["warps2"], tok, 2),
+        "tok4": direct(_clip_count_kernel, counters["tok4"], max(1, 4096 // hdp), 4),
+        "warps8": direct(_clip_count_kernel, counters["warps8"], tok, 8),
         "empty": direct(_empty_kernel, counters["empty"], tok, 4),
     }
     return out, counters
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "layers": LAYERS, "sizes": {}}  # fmt: skip
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}: us per launch (graph of {LAYERS})")
-    print(f"{'tokens':>6} " + " ".join(f"{d:>16}" for d in ("shipped", "always", "tok1", "warps2", "empty")))
+    print(f"{'tokens':>6} " + " ".join(f"{d:>16}" for d in DESIGNS))
     for n in (int(x) for x in args.tokens.split(",")):
         b, counters = bodies(n, mon)
         times = paired_replay_ms(b, per_graph=LAYERS, repeats=args.rounds, rep_ms=40)

@@ -12,7 +12,9 @@ before it.
 Per batch: the overhead is the median over repeats of on against the mean of off and off2; the noise floor, the
 median over repeats of |off against off2|. Beside them: the plugin's host time per step (its validator calls,
 timed inside the engine in rounds of their own) and the GPU time of tripwire's kernels per step against the step's
-whole device time (torch.profiler). Target: at most 0.5 % of the decode step at every batch size.
+whole device time (torch.profiler), and the device operations the plugin adds to a step (one profiled round with it
+on and one with it off: each operation's count and time, and the device-busy time per step). Target: at most 0.5 %
+of the decode step at every batch size.
 
 ``python benchmarks/bench_vllm_gpu.py OUTDIR [--repeats N] [--steps N] [--runner V2|V1]`` on a GPU machine with vLLM
 on the path; writes ``OUTDIR/bench_vllm_gpu.json`` and prints a table.
@@ -71,7 +73,23 @@ def figures(b: dict[str, Any]) -> dict[str, float]:
             if f"{part}_us" in g and g["all_us"]:
                 out[f"{part}_us"] = g[f"{part}_us"]
                 out[f"{part}_pct"] = 100 * g[f"{part}_us"] / g["all_us"]
+    if "device_ops" in b:
+        on, off = b["device_ops"]["on"], b["device_ops"]["off"]
+        out["busy_added_us"] = on["busy_us"] - off["busy_us"]
+        out["span_added_us"] = on["span_us"] - off["span_us"]
     return out
+
+
+def added_ops(b: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """The device operations the plugin adds to a step: (name, count, us) per step, on minus off, largest first."""
+    on, off = b["device_ops"]["on"]["ops"], b["device_ops"]["off"]["ops"]
+    diff = []
+    for name in set(on) | set(off):
+        c1, t1 = on.get(name, (0.0, 0.0))
+        c0, t0 = off.get(name, (0.0, 0.0))
+        if abs(c1 - c0) >= 0.5 or abs(t1 - t0) >= 0.5:
+            diff.append((name, c1 - c0, t1 - t0))
+    return sorted(diff, key=lambda d: -abs(d[2]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{f.get('gpu_tripwire_us', nan):7.1f} {f.get('gpu_share_pct', nan):6.3f} "
             f"{f.get('logits_pct', nan):8.3f} {f.get('fp8_pct', nan):6.3f}"
         )
+    for b in batches:
+        raw = bench[str(b)]
+        if "device_ops" not in raw:
+            continue
+        f = table[str(b)]
+        print(f"batch {b}: device busy +{f['busy_added_us']:.1f} us per step, span +{f['span_added_us']:.1f} us; "
+              "operations added (count, us per step):")  # fmt: skip
+        for name, dc, dt in added_ops(raw)[:14]:
+            print(f"  {dc:+6.2f} {dt:+8.2f}  {name}")
     return 0
 
 

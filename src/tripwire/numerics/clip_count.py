@@ -21,7 +21,10 @@ from .clip import FP8_MAX, K_COUNT, K_MAX, V_COUNT, V_MAX, ClipCounter
 
 __all__ = ["count_clipped"]
 
-_ELEMS = 4096  # elements per program per tensor (tokens x heads x head_dim); < 2**16: the packed count
+# Elements per program per tensor (tokens x heads x head_dim; < 2**16: the packed counts). A decode step's launch is
+# latency, not bandwidth: a program of one 8 x 128 token (8 elements a thread) ends sooner than one of four tokens,
+# and more programs cost nothing at decode sizes (benchmarks/bench_clip_count.py compares the two).
+_ELEMS = 1024
 # The row's slots, as constexprs: a compiled Triton kernel reads no plain Python global.
 _KC, _VC, _KM, _VM = (tl.constexpr(x) for x in (K_COUNT, V_COUNT, K_MAX, V_MAX))
 

@@ -244,6 +244,14 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int, block: int
         out[str(b)] = {**fig, "hook_s_per_step": inside, "cpu": cpu, "steps": every}
         if _on_cuda():
             out[str(b)]["gpu_us_per_step"] = _kernel_time(llm, prompts, steps, f"prof{b}")
+            # Where the rest goes: every device operation of the step with the plugin on and off (one profiled round
+            # each), so the operations the plugin adds, and the step's device-busy time, are seen side by side.
+            ops = {}
+            for kind in ("off", "on"):
+                for (cls, name), fn in states[kind]:
+                    setattr(cls, name, fn)
+                ops[kind] = _device_ops(llm, prompts, steps, f"ops{b}{kind}")
+            out[str(b)]["device_ops"] = ops
     return out
 
 
@@ -287,6 +295,34 @@ def _kernel_time(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> di
             parts[part] += dt
     n = steps + 1
     return {"tripwire_us": ours / n, "all_us": total / n, **{f"{p}_us": v / n for p, v in parts.items()}}
+
+
+def _device_ops(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> dict[str, Any]:
+    """One profiled round of decode steps: per device operation name (kernels, copies, memsets), its count and
+    microseconds per step; the device-busy time per step (the union of the operations' intervals) and the span
+    from the first operation to the last, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _decode_steps(llm, prompts, steps, tag)
+    n = steps + 1
+    names: dict[str, list[float]] = {}
+    spans = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        c = names.setdefault(e.name[:120], [0.0, 0.0])
+        c[0] += 1 / n
+        c[1] += float(e.device_time) / n
+        spans.append((float(e.time_range.start), float(e.time_range.end)))
+    spans.sort()
+    busy, end = 0.0, float("-inf")
+    for a, z in spans:
+        if z > end:
+            busy += z - max(a, end)
+            end = z
+    span = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {"busy_us": busy / n, "span_us": span / n, "ops": names}
 
 
 def _time_hooks() -> tuple[list[float], Any]:
