@@ -104,18 +104,18 @@ PRIVATE_IMPORT_DEBT = frozenset({
     # runner's row guard and fence, the metrics files and their collector, the step validator and its host clean
     # test, the runner state and the containment channel. vLLM calls these, not a user; the public face
     # (tripwire.integrations.vllm) is tested end to end beside them.
-    ("tests/integrations/test_vllm.py", "tripwire.integrations._vllm_rows"),
-    ("tests/integrations/test_vllm.py", "tripwire.integrations._vllm_v2"),
-    ("tests/integrations/test_vllm_metrics.py", "tripwire.integrations._vllm_metrics"),
-    ("tests/integrations/test_vllm_rows.py", "tripwire.integrations._vllm_rows"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations._vllm_contain"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations._vllm_hooks"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations._vllm_runner"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations._vllm_steps"),
+    ("tests/integrations/test_vllm.py", "tripwire.integrations.vllm._rows"),
+    ("tests/integrations/test_vllm.py", "tripwire.integrations.vllm._v2"),
+    ("tests/integrations/test_vllm_metrics.py", "tripwire.integrations.vllm._metrics"),
+    ("tests/integrations/test_vllm_rows.py", "tripwire.integrations.vllm._rows"),
+    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._contain"),
+    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),
+    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._runner"),
+    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._steps"),
     # tests/integrations/test_vllm_source.py's reader of vLLM's source: the names the adapter patches, per version.
-    ("tests/integrations/vllm_source.py", "tripwire.integrations._vllm_contain"),
-    ("tests/integrations/vllm_source.py", "tripwire.integrations._vllm_v1"),
-    ("tests/integrations/vllm_source.py", "tripwire.integrations._vllm_v2"),
+    ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._contain"),
+    ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._v1"),
+    ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._v2"),
     # Where the launchers ask whether Triton interprets (read at each call, never bound at import): the test swaps
     # the answer in the one module that gives it, and a bound stand-in as its control.
     ("tests/kernels/test_kernels_cpu.py", "tripwire.kernels._common"),

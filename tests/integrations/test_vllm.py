@@ -369,7 +369,7 @@ from types import SimpleNamespace as NS
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 import tripwire.integrations.vllm as tv
-from tripwire.integrations import _vllm_rows, _vllm_v2
+from tripwire.integrations.vllm import _rows, _v2
 from tripwire import Monitor, SiteRegistry
 
 seen = []
@@ -391,7 +391,7 @@ class Model:
 
 V2.execute_model = execute_model
 V2.sample = sample
-own = {n: V2.__dict__[n] for n in _vllm_v2.HOOKS}
+own = {n: V2.__dict__[n] for n in _v2.HOOKS}
 m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
 plugin = tv.install("mask", monitor=m)
 # sample_tokens is wrapped per runner instance, only for the call after a step that took a verdict.
@@ -431,7 +431,7 @@ r.__dict__.update(
     vllm_config=NS(parallel_config=NS(world_size=1)), block_tables=Tables(), model=Model(),
     req_states=NS(free_indices=[7, 6, 5], total_len=NS(gpu=torch.full((8,), 100, dtype=torch.int32))),
 )
-plugin.build(r, _vllm_v2.V2StepValidator)
+plugin.build(r, _v2.V2StepValidator)
 st = r._tripwire
 V2.execute_model(r, None, dummy_run=True)  # a warm-up or capture batch: not a step
 V2.execute_model(r, None)
@@ -500,12 +500,12 @@ before = counts()
 batch, tables, slots = step(STATES, [1, 4, 1], [2, 0, 1], [5, 128, 7])
 out["positions"] = {"delta": delta(before), "masked": int(batch.positions[1])}
 # Control: the fence's rewrite off (its counts kept), the same idx fault.
-fence = _vllm_rows.fence
-_vllm_rows.fence = lambda *a, mask: fence(*a, mask=False)
+fence = _rows.fence
+_rows.fence = lambda *a, mask: fence(*a, mask=False)
 before = counts()
 batch, tables, slots = step(STATES, [1, 4, 1], [2, 100, 1], [5, 100, 7])
 out["control"] = {"delta": delta(before), "slots": slots[0, 1:2].tolist()}
-_vllm_rows.fence = fence
+_rows.fence = fence
 # The logits check: inside V2's sample (due after a step), one count for the NaN row under its batch row's request,
 # the row repaired, the verdict enqueued after it and naming that request; the model's compute_logits called outside
 # sample (prompt logprobs) checks nothing.

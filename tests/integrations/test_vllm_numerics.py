@@ -1,4 +1,4 @@
-"""tripwire.integrations._vllm_numerics on vLLM's own engine (its CPU build, V1 runner; the GPU engine's V1 and V2
+"""tripwire.integrations.vllm._numerics on vLLM's own engine (its CPU build, V1 runner; the GPU engine's V1 and V2
 run in scripts/gpu_vllm.py on the device): a NaN or an Inf in one request's last hidden state at a chosen step
 (tripwire.testing.vllm_faults ``nan``: the row its logits come from) is a fault of that request alone.
 

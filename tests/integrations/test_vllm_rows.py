@@ -1,4 +1,4 @@
-"""tripwire.integrations._vllm_rows: the guard of vLLM V2's idx_mapping (rows) and the fence after prepare_attn,
+"""tripwire.integrations.vllm._rows: the guard of vLLM V2's idx_mapping (rows) and the fence after prepare_attn,
 against a torch reference, counters and offenders exactly. Compiled on a GPU, under Triton's interpreter on the CPU.
 """
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tripwire.integrations import _vllm_rows
+from tripwire.integrations.vllm import _rows
 
 MAX_REQS, WIDTH, TOKENS = 16, 6, 64
 
@@ -43,7 +43,7 @@ def test_rows_and_fence_match_the_reference(kernel_device, monitor, hit_of, mask
     req = torch.arange(100, 100 + MAX_REQS, dtype=torch.int64, device=dev)
     scratch = MAX_REQS - 1
     before = idx.clone()
-    _vllm_rows.rows(idx, flags, req, ctr, MAX_REQS, scratch, True, mask=mask)
+    _rows.rows(idx, flags, req, ctr, MAX_REQS, scratch, True, mask=mask)
     want_idx = before.clone()
     if mask:
         for b in bad:
@@ -63,7 +63,7 @@ def test_rows_and_fence_match_the_reference(kernel_device, monitor, hit_of, mask
     slots = torch.randint(0, 800, (TOKENS,), dtype=torch.int64, device=dev)
     counts = torch.full((MAX_REQS,), -9, dtype=torch.int32, device=dev)
     t0, s0 = table.clone(), slots.clone()
-    _vllm_rows.fence(flags, idx[:n], qsl, num_blocks, counts, table, slots, mask=mask)
+    _rows.fence(flags, idx[:n], qsl, num_blocks, counts, table, slots, mask=mask)
     for b in range(n):
         lo, hi = int(qsl[b]), int(qsl[b + 1])
         if b in bad:
@@ -89,7 +89,7 @@ def test_unattributed_when_no_row_is_free(kernel_device, monitor, hit_of):
     for attributed, want in ((False, None), (True, 101)):
         monitor.reset()
         idx = torch.tensor([3, MAX_REQS + 5, 4], dtype=torch.int32, device=dev)
-        _vllm_rows.rows(idx, flags, req, ctr, MAX_REQS, 3, attributed, mask=True)
+        _rows.rows(idx, flags, req, ctr, MAX_REQS, 3, attributed, mask=True)
         hit = hit_of(monitor, "test.idx_mapping")
         assert hit.count == 1 and [(o.row, o.value, o.request) for o in hit.offenders] == [(1, MAX_REQS + 5, want)]
         assert idx.tolist() == [3, 3, 4]
@@ -102,9 +102,9 @@ def test_bad_arguments_are_refused(kernel_device, monitor):
     small = torch.zeros(2, dtype=torch.int32, device=dev)
     req = torch.zeros(4, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="flags of 2"):
-        _vllm_rows.rows(idx, small, req, ctr, MAX_REQS, 0, True, mask=True)
+        _rows.rows(idx, small, req, ctr, MAX_REQS, 0, True, mask=True)
     with pytest.raises(ValueError, match="scratch row 16 of 16"):
-        _vllm_rows.rows(idx, idx.clone(), req, ctr, MAX_REQS, MAX_REQS, True, mask=True)
+        _rows.rows(idx, idx.clone(), req, ctr, MAX_REQS, MAX_REQS, True, mask=True)
 
 
 def test_many_rows_span_several_blocks(kernel_device, monitor, hit_of):
@@ -118,7 +118,7 @@ def test_many_rows_span_several_blocks(kernel_device, monitor, hit_of):
     site = monitor.registry.register("test.idx_mapping")
     flags = torch.zeros(n, dtype=torch.int32, device=dev)
     req = torch.arange(n, dtype=torch.int64, device=dev)
-    _vllm_rows.rows(idx, flags, req, monitor.counter(site, dev), bound, 400, True, mask=True)
+    _rows.rows(idx, flags, req, monitor.counter(site, dev), bound, 400, True, mask=True)
     assert hit_of(monitor, "test.idx_mapping").count == len(bad)
     assert torch.nonzero(flags).flatten().tolist() == bad
     assert [int(idx[b]) for b in bad] == [400] * len(bad)
@@ -136,6 +136,6 @@ def test_the_scratch_rows_token_count_is_zeroed_only_when_it_is_free(kernel_devi
     for attributed, bad, want in ((True, True, 0), (False, True, 128), (True, False, 128)):
         total = torch.full((MAX_REQS,), 128, dtype=torch.int32, device=dev)
         idx = torch.tensor([2, MAX_REQS + 1 if bad else 3, 4], dtype=torch.int32, device=dev)
-        _vllm_rows.rows(idx, flags, req, ctr, MAX_REQS, 9, attributed, mask=True, total_len=total)
+        _rows.rows(idx, flags, req, ctr, MAX_REQS, 9, attributed, mask=True, total_len=total)
         assert int(total[9]) == want, (attributed, bad)
         assert int(total.sum()) == 128 * MAX_REQS - (128 - want)

@@ -1,4 +1,4 @@
-"""tripwire.integrations._vllm_steps on the CPU: the step validator's host clean test never skips a step the
+"""tripwire.integrations.vllm._steps on the CPU: the step validator's host clean test never skips a step the
 validator would have counted or repaired.
 
 No vLLM needed: a stand-in runner carries the V1 runner's buffers (the attributes the step validator reads, with
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tripwire import Monitor, SiteRegistry
-from tripwire.integrations import _vllm_runner, _vllm_steps
-from tripwire.integrations._vllm_steps import StepValidator
+from tripwire.integrations.vllm import _runner, _steps
+from tripwire.integrations.vllm._steps import StepValidator
 from tripwire.layout import OFF_HEADER, OFFENDERS
 from tripwire.verdict import _offenders
 
@@ -142,12 +142,12 @@ def test_host_clean_test_skips_only_what_the_validator_would_not_count(policy):
 def test_host_clean_test_can_fail(monkeypatch):
     """Control: a host clean test one past the slot mapping's end (it lets the first bad slot through) skips a step
     the validator counts, and the comparison above catches it."""
-    real = _vllm_steps._within
+    real = _steps._within
 
     def loose(vals, lo, hi, pad=None):  # type: ignore[no-untyped-def]
         return real(vals, lo, hi + 1, pad)
 
-    monkeypatch.setattr(_vllm_steps, "_within", loose)
+    monkeypatch.setattr(_steps, "_within", loose)
     assert not all(_equal(a, b) for a, b in twin_steps(7, 300, "mask"))
 
 
@@ -170,7 +170,7 @@ def test_first_step_and_a_replaced_buffer_take_the_exact_path():
     r.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64)
     assert sv(*args) is True and sv(*args) is False
     assert sv(r, 1, 1, {0: torch.tensor([NUM_BLOCKS * BLOCK])}) is True
-    assert m.snapshot()[("cpu", _vllm_steps.SITE_SLOT_MAPPING)].count == 1
+    assert m.snapshot()[("cpu", _steps.SITE_SLOT_MAPPING)].count == 1
 
 
 def decode_step(r: SimpleNamespace) -> tuple:
@@ -197,37 +197,37 @@ def _table(r: SimpleNamespace) -> SimpleNamespace:
 BAD = {
     "slot_mapping": (
         lambda r: _table(r).slot_mapping.gpu.__setitem__(1, NUM_BLOCKS * BLOCK),
-        _vllm_steps.SITE_SLOT_MAPPING,
+        _steps.SITE_SLOT_MAPPING,
         lambda r: int(_table(r).slot_mapping.gpu[1]),
         -1,
     ),
     "block_table": (
         lambda r: _table(r).block_table.gpu.__setitem__((1, 1), NUM_BLOCKS),
-        _vllm_steps.SITE_BLOCK_TABLE,
+        _steps.SITE_BLOCK_TABLE,
         lambda r: int(_table(r).block_table.gpu[1, 1]),
         0,
     ),
     "block_counts": (
         lambda r: _table(r).num_blocks_per_row.__setitem__(1, WIDTH + 1),
-        _vllm_steps.SITE_BLOCK_COUNTS,
+        _steps.SITE_BLOCK_COUNTS,
         lambda r: int(_table(r).num_blocks_per_row[1]),
         WIDTH,
     ),
     "positions": (
         lambda r: r.positions.__setitem__(1, MAX_LEN),
-        _vllm_steps.SITE_POSITIONS,
+        _steps.SITE_POSITIONS,
         lambda r: int(r.positions[1]),
         0,
     ),
     "query_start_loc": (
         lambda r: r.query_start_loc.gpu.__setitem__(2, 0),
-        _vllm_steps.SITE_QUERY_START_LOC,
+        _steps.SITE_QUERY_START_LOC,
         lambda r: int(r.query_start_loc.gpu[2]),
         1,
     ),
     "seq_lens": (
         lambda r: r.seq_lens.__setitem__(1, 0),
-        _vllm_steps.SITE_SEQ_LENS,
+        _steps.SITE_SEQ_LENS,
         lambda r: int(r.seq_lens[1]),
         1,
     ),
@@ -348,9 +348,9 @@ class _Table:
 @pytest.fixture
 def stand_in_plugin(monkeypatch):
     """The plugin's wrappers (contain) on the stand-in classes above, installed as install() does; uninstalled after."""
-    from tripwire.integrations import _vllm_contain
-    from tripwire.integrations import _vllm_hooks as tw
     from tripwire.integrations import vllm as plugin_module
+    from tripwire.integrations.vllm import _contain
+    from tripwire.integrations.vllm import _hooks as tw
 
     for name, cls in (
         ("_runner_class", _Runner),
@@ -367,7 +367,7 @@ def stand_in_plugin(monkeypatch):
     monkeypatch.setattr(
         plugin.contain, "after_update", lambda sched: updates.append({"after": len(plugin.contain.masked)})
     )
-    monkeypatch.setattr(_vllm_contain, "ATTR", "t")
+    monkeypatch.setattr(_contain, "ATTR", "t")
     monkeypatch.setattr(tw, "ATTR", "t")
     tw._patch(plugin)
     monkeypatch.setattr(plugin_module, "_plugin", plugin)
@@ -376,7 +376,7 @@ def stand_in_plugin(monkeypatch):
     finally:
         plugin_module.uninstall()
     assert all(c.__dict__[n] is f for (c, n), f in own.items())  # uninstall restored every method
-    assert _vllm_contain.ON_TAINT is None
+    assert _contain.ON_TAINT is None
 
 
 def _sched() -> _Sched:
@@ -391,7 +391,7 @@ def test_scheduler_wrapper_is_on_only_while_taints_are_due(stand_in_plugin, monk
     never acted on."""
     import pickle
 
-    from tripwire.integrations import _vllm_contain
+    from tripwire.integrations.vllm import _contain
 
     plugin, own, updates = stand_in_plugin
     orig = own[(_Sched, "update_from_output")]
@@ -399,10 +399,10 @@ def test_scheduler_wrapper_is_on_only_while_taints_are_due(stand_in_plugin, monk
     s = _sched()
     assert s.update_from_output(None, SimpleNamespace()) == "updated" and updates == []
 
-    def worker_output(req: str, taints=_vllm_contain.arrived):  # type: ignore[no-untyped-def]
+    def worker_output(req: str, taints=_contain.arrived):  # type: ignore[no-untyped-def]
         # Made in "another process": this one's arming is off while the worker attaches its taints.
         with monkeypatch.context() as m:
-            m.setattr(_vllm_contain, "ON_TAINT", None)
+            m.setattr(_contain, "ON_TAINT", None)
             out = SimpleNamespace(t=taints({req: "why"}))
         assert _Sched.__dict__["update_from_output"] is orig
         return pickle.dumps(out)
@@ -451,7 +451,7 @@ def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plug
     validator = SimpleNamespace(begin=lambda: None, inputs=lambda *a: False, outputs=lambda *a: not clean[0])
     ring = SimpleNamespace(enqueue=lambda: f"ticket-{len(taken)}")
     r = _Runner()
-    r._tripwire = _vllm_runner.RunnerState(validator, ring)  # type: ignore[arg-type]
+    r._tripwire = _runner.RunnerState(validator, ring)  # type: ignore[arg-type]
     plugin.started = True  # the stand-in has no reader to start
     assert _Runner.__dict__["sample_tokens"] is own[(_Runner, "sample_tokens")]
 
@@ -477,7 +477,7 @@ def test_sample_tokens_is_wrapped_only_after_a_step_with_a_verdict(stand_in_plug
 def test_parallelism_is_refused_under_contain_only(mode):
     """Tensor, pipeline or context parallelism (a world of several workers): each rank's verdict covers only its own
     arena, so ``contain`` refuses to build, naming the way out; ``mask`` and ``flag`` build (the control)."""
-    from tripwire.integrations import _vllm_hooks as tw
+    from tripwire.integrations.vllm import _hooks as tw
 
     m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
     r = runner()
@@ -500,7 +500,7 @@ def test_verdicts_of_outputs_vllm_drops_are_released(kernel_device):
     an output still held keeps its verdict. Control: without the release, the fifth enqueue finds no free slot."""
     import gc
 
-    from tripwire.integrations import _vllm_contain
+    from tripwire.integrations.vllm import _contain
 
     class Out:  # an asynchronous output: vLLM calls get_output() before the scheduler sees the step
         def get_output(self):
@@ -510,24 +510,24 @@ def test_verdicts_of_outputs_vllm_drops_are_released(kernel_device):
         m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True)
         site = m.registry.register("s.x")
         ring = m.verdicts("cpu", [site], depth=4)
-        plugin = SimpleNamespace(contain=_vllm_contain.VerdictChannel("contain", m))
-        st = _vllm_runner.RunnerState(SimpleNamespace(), ring)
+        plugin = SimpleNamespace(contain=_contain.VerdictChannel("contain", m))
+        st = _runner.RunnerState(SimpleNamespace(), ring)
         held = None
         for step in range(6):
             if release and st.open:
-                _vllm_runner._release_dropped(st)
+                _runner._release_dropped(st)
             if not release and step == 4:
                 with pytest.raises(RuntimeError, match="none is free"):
                     ring.enqueue()
                 break
             st.ticket = ring.enqueue()
-            out = _vllm_runner.take_verdict(plugin, st, Out())
+            out = _runner.take_verdict(plugin, st, Out())
             if step == 3:
                 held = out  # this one's output is kept (vLLM will read it)
             del out
             gc.collect()
         if release:
-            _vllm_runner._release_dropped(st)  # the next step's
+            _runner._release_dropped(st)  # the next step's
             assert [t.taken for t, _ in st.open] == [False] and held.get_output() == "tokens"
             assert st.open[0][0].taken  # taken by its output's get_output
 
@@ -539,7 +539,7 @@ def test_contain_fails_through_the_error_set_of_each_release(monkeypatch):
     import sys
     import types
 
-    from tripwire.integrations import _vllm_contain
+    from tripwire.integrations.vllm import _contain
 
     class RequestError:
         def __init__(self, code, message, retryable=False):
@@ -548,8 +548,8 @@ def test_contain_fails_through_the_error_set_of_each_release(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, "vllm.outputs", types.SimpleNamespace(RequestError=RequestError))
     m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, contain=True)
-    c = _vllm_contain.VerdictChannel("contain", m)
-    monkeypatch.setattr(_vllm_contain, "_evict", lambda sched, ids: None)
+    c = _contain.VerdictChannel("contain", m)
+    monkeypatch.setattr(_contain, "_evict", lambda sched, ids: None)
     for errors in (set(), {}):
         req = {r: SimpleNamespace(is_finished=lambda done=(r == "done"): done) for r in ("v", "done", "other")}
         sched = SimpleNamespace(requests=req, grammar_compile_error_reqs=errors)

@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from tripwire.integrations import _vllm_contain, _vllm_v1, _vllm_v2
+from tripwire.integrations.vllm import _contain, _v1, _v2
 
 INDEX = "https://pypi.org/simple/vllm/"
 # The files the checks read, by role (a release may lack the V1 runner's: 0.34 deleted it).
@@ -203,7 +203,7 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
 
 
 def check_numerics(files: dict[str, str]) -> list[str]:
-    """What the numeric checks (``_vllm_numerics``) rely on and ``files`` lack: V2's ``sample`` computing the logits
+    """What the numeric checks (``tripwire.integrations.vllm._numerics``) rely on and ``files`` lack: V2's ``sample`` computing the logits
     through the model's ``compute_logits`` before the grammar bitmask; V1 keeping them in ``ExecuteModelState.logits``
     for ``sample_tokens``, which applies the bitmask; the attention layer's cache-write op calling
     ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` with the scales on the layer; and the
@@ -294,7 +294,7 @@ def check(files: dict[str, str]) -> list[str]:
     need(v2 is not None, "V2 runner: no GPUModelRunner in vllm/v1/worker/gpu/model_runner.py")
     if v2 is not None:
         m = _methods(v2)
-        for hook in _vllm_v2.HOOKS:
+        for hook in _v2.HOOKS:
             need(hook in m, f"V2 runner: no {hook}")
         if "prepare_attn" in m:
             need(_params(m["prepare_attn"]) == ["self", "input_batch"], "V2 prepare_attn(self, input_batch) changed")
@@ -310,14 +310,14 @@ def check(files: dict[str, str]) -> list[str]:
         need({"max_num_reqs", "max_model_len"} <= _self_attrs(v2), "V2 runner: max_num_reqs, max_model_len")
     batch = _class(trees.get("v2_batch", ast.Module([], [])), "InputBatch")
     fields = _self_attrs(batch) if batch is not None else set()
-    for f in _vllm_v2.INPUT_BATCH_FIELDS:
+    for f in _v2.INPUT_BATCH_FIELDS:
         need(f in fields, f"V2 InputBatch: no field {f}")
     tables = _class(trees.get("v2_tables", ast.Module([], [])), "BlockTables")
     t_attrs = (_self_attrs(tables) | set(_methods(tables))) if tables is not None else set()
-    for a in _vllm_v2.BLOCK_TABLES_ATTRS:
+    for a in _v2.BLOCK_TABLES_ATTRS:
         need(a in t_attrs, f"V2 BlockTables: no {a}")
     states = _class(trees.get("v2_states", ast.Module([], [])), "RequestState")
-    for a in _vllm_v2.REQUEST_STATE_ATTRS:
+    for a in _v2.REQUEST_STATE_ATTRS:
         need(states is not None and a in _self_attrs(states), f"V2 RequestState: no {a}")
     out = _class(trees.get("v2_async", ast.Module([], [])), "AsyncOutput")
     need(out is not None and "get_output" in _methods(out), "V2 AsyncOutput: no get_output")
@@ -328,7 +328,7 @@ def check(files: dict[str, str]) -> list[str]:
         need(v1 is not None, "V1 runner: no GPUModelRunner")
         if v1 is not None:
             m = _methods(v1)
-            for hook in _vllm_v1.RUNNER_HOOKS:
+            for hook in _v1.RUNNER_HOOKS:
                 need(hook in m, f"V1 runner: no {hook}")
             if "_build_attention_metadata" in m:
                 ps = _params(m["_build_attention_metadata"])
@@ -340,7 +340,7 @@ def check(files: dict[str, str]) -> list[str]:
                     "V1 _prepare_inputs does not compute the slot mapping through its block table",
                 )
         mg = _class(trees.get("v1_tables", ast.Module([], [])), "MultiGroupBlockTable")
-        hook = _methods(mg).get(_vllm_v1.TABLE_HOOK) if mg is not None else None
+        hook = _methods(mg).get(_v1.TABLE_HOOK) if mg is not None else None
         need(hook is not None, "V1 MultiGroupBlockTable: no compute_slot_mapping")
         if hook is not None:
             need(_params(hook) == ["self", "num_reqs", "query_start_loc", "positions"], "V1 compute_slot_mapping")
@@ -350,7 +350,7 @@ def check(files: dict[str, str]) -> list[str]:
     sm = _methods(sched) if sched is not None else {}
     for name in ("update_from_output", "finish_requests", "__init__"):
         need(name in sm, f"Scheduler: no {name}")
-    errors = _vllm_contain.ERRORS
+    errors = _contain.ERRORS
     if "update_from_output" in sm and "__init__" in sm:
         upd = ast.unparse(sm["update_from_output"])
         need(errors in ast.unparse(sm["__init__"]) and errors in upd, f"Scheduler: no {errors}")
@@ -365,4 +365,4 @@ def uses_request_error(files: dict[str, str]) -> bool:
     later): the contained request's error then carries tripwire's message."""
     sched = _class(ast.parse(files["scheduler"]), "Scheduler")
     init = ast.unparse(_methods(sched)["__init__"]) if sched is not None else ""
-    return f"{_vllm_contain.ERRORS}: dict[str, RequestError]" in init
+    return f"{_contain.ERRORS}: dict[str, RequestError]" in init

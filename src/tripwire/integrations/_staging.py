@@ -1,6 +1,6 @@
 """A per-step int64 vector on an engine's device, the one way the integrations hand a step's host-side numbers
 (request numbers, per-row counts, a row-to-request map) to the kernels that read them: the vLLM runners' validators
-(:mod:`tripwire.integrations._vllm_steps`, :mod:`tripwire.integrations._vllm_v2`) and the transformers integration's
+(:mod:`tripwire.integrations.vllm._steps`, :mod:`tripwire.integrations.vllm._v2`) and the transformers integration's
 request table and logits rows."""
 
 from __future__ import annotations

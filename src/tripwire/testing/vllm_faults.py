@@ -450,9 +450,9 @@ def register() -> None:
     """The plugin: wrap the runners' steps when faults are configured."""
     faults = _faults()
     if os.environ.get(NO_EVICT_ENV) == "1":
-        from ..integrations import _vllm_contain
+        from ..integrations.vllm import _contain
 
-        _vllm_contain._evict = lambda sched, request_ids: None
+        _contain._evict = lambda sched, request_ids: None
     if not faults:
         return
     inj = _Injector(faults)

@@ -117,7 +117,7 @@ def _hooked() -> bool:
 
     fn: Any = GPUModelRunner.execute_model
     while fn is not None:
-        if fn.__code__.co_filename.endswith(os.path.join("integrations", "_vllm_runner.py")):
+        if fn.__code__.co_filename.endswith(os.path.join("integrations", "vllm", "_runner.py")):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
@@ -329,7 +329,7 @@ def _time_hooks() -> tuple[list[float], Any]:
     """Time spent inside the plugin's per-step work (the clean test or the validator call, the verdict, the
     scheduler's side), summed into the returned list while it is on: the plugin's own cost, apart from the machine's
     noise. Returns the list and a function that takes the timers out again."""
-    from tripwire.integrations import _vllm_contain, _vllm_steps
+    from tripwire.integrations.vllm import _contain, _steps
 
     spent: list[float] = []
     saved: list[tuple[type, str, Any]] = []
@@ -347,15 +347,15 @@ def _time_hooks() -> tuple[list[float], Any]:
 
         setattr(cls, name, wrapper)
 
-    from tripwire.integrations import _vllm_v2
+    from tripwire.integrations.vllm import _v2
 
-    timed(_vllm_steps._HostCheck, "inputs")
-    timed(_vllm_steps._HostCheck, "outputs")
-    timed(_vllm_steps.StepValidator, "exact")
-    timed(_vllm_v2.V2StepValidator, "inputs")
-    timed(_vllm_v2.V2StepValidator, "outputs")
+    timed(_steps._HostCheck, "inputs")
+    timed(_steps._HostCheck, "outputs")
+    timed(_steps.StepValidator, "exact")
+    timed(_v2.V2StepValidator, "inputs")
+    timed(_v2.V2StepValidator, "outputs")
     for name in ("after_step", "before_update", "after_update"):
-        timed(_vllm_contain.VerdictChannel, name)
+        timed(_contain.VerdictChannel, name)
 
     def restore() -> None:
         for cls, name, fn in saved:

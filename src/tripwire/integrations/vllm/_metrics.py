@@ -38,8 +38,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..monitor import Monitor
-from ..sinks import Event, Prometheus
+from ...monitor import Monitor
+from ...sinks import Event, Prometheus
 
 __all__ = ["ENV", "Collector", "FileSink", "add_sink", "serve"]
 

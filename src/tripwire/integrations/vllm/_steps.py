@@ -3,7 +3,7 @@
 A step is validated in two phases, each one :class:`tripwire.validate.Validator` call (one launch on a GPU): its
 INPUTS (:func:`declare_inputs`) before the engine's own metadata kernels read them, its OUTPUTS
 (:func:`declare_outputs`) before the attention metadata is built from them. The V1 runner's validator
-(:class:`StepValidator`) and the V2 runner's (:class:`tripwire.integrations._vllm_v2.V2StepValidator`) declare the
+(:class:`StepValidator`) and the V2 runner's (:class:`tripwire.integrations.vllm._v2.V2StepValidator`) declare the
 same rules and sites; V2 adds its request-state rows (``vllm.idx_mapping``, ``vllm.num_blocks``). Rules (sites):
 
 * ``slot_mapping`` (``vllm.slot_mapping``, FATAL: the KV write; padding -1 is vLLM's PAD_SLOT_ID, which the cache
@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..monitor import Monitor
-from ..sites import Site
-from ..validate import Validator
-from ._staging import Staged
+from ...monitor import Monitor
+from ...sites import Site
+from ...validate import Validator
+from .._staging import Staged
 
 __all__ = [
     "SITE_BLOCK_COUNTS",

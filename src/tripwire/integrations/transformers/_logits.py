@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..monitor import Monitor
-from ..numerics import NonFiniteRows, register_nonfinite_rows_site
-from ._staging import Staged
+from ...monitor import Monitor
+from ...numerics import NonFiniteRows, register_nonfinite_rows_site
+from .._staging import Staged
 
 log = logging.getLogger("tripwire")
 

@@ -26,15 +26,15 @@ the attention metadata is built from them):
 * the V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``: vLLM's GPU runner, the default for dense
   models in 0.26, for every model from 0.29, the only one in 0.34): around ``prepare_attn``, whose Triton kernels
   read the block table through ``idx_mapping``, ``num_blocks`` and the positions
-  (:mod:`tripwire.integrations._vllm_v2`);
+  (:mod:`tripwire.integrations.vllm._v2`);
 * the V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, 0.26-0.33; the CPU build's
   ``CPUModelRunner`` subclasses it): before its block table's ``compute_slot_mapping``, and in
-  ``_build_attention_metadata`` (:mod:`tripwire.integrations._vllm_v1`).
+  ``_build_attention_metadata`` (:mod:`tripwire.integrations.vllm._v1`).
 
 ``initialize_kv_cache`` builds the validators (and so preallocates the arena) before vLLM captures anything; the
 reader starts after ``capture_model`` or at the first step; ``tripwire.check()`` runs at the top of every step; the
 engine core's ``shutdown`` drains. The scheduler's ``update_from_output`` fails the tainted requests, which the step's
-``ModelRunnerOutput`` carries to it, through its per-request error set (:mod:`tripwire.integrations._vllm_contain`).
+``ModelRunnerOutput`` carries to it, through its per-request error set (:mod:`tripwire.integrations.vllm._contain`).
 
 Supported: vLLM :data:`SUPPORTED`, 0.26 to 0.34 (detected from ``vllm.__version__``); a runner that lacks the hook
 points is refused with an error naming the version. Run: vLLM 0.26.0 on a GPU (V1 and V2, CUDA graphs and eager,
@@ -43,7 +43,7 @@ every release's hook points are checked from its own source. docs/vllm.md has th
 it is refused for several (each rank's verdict covers only its own arena).
 
 Events and metrics: the monitor's sinks. vLLM's own ``/metrics`` shows tripwire's metrics: with one API server
-through files its processes write and its API server collects (:mod:`tripwire.integrations._vllm_metrics`), with
+through files its processes write and its API server collects (:mod:`tripwire.integrations.vllm._metrics`), with
 several through ``PROMETHEUS_MULTIPROC_DIR`` (each process adds a :class:`tripwire.sinks.Prometheus` sink there).
 """
 
@@ -55,12 +55,12 @@ import os
 import threading
 from typing import Any
 
-from .._runtime.default import default_monitor
-from ..monitor import Monitor
-from . import _vllm_contain
-from ._vllm_hooks import ENV, _patch, _Plugin
-from ._vllm_numerics import ENV_LOGITS, SITE_LOGITS, logits_from_env
-from ._vllm_steps import (
+from ..._runtime.default import default_monitor
+from ...monitor import Monitor
+from . import _contain
+from ._hooks import ENV, _patch, _Plugin
+from ._numerics import ENV_LOGITS, SITE_LOGITS, logits_from_env
+from ._steps import (
     SITE_BLOCK_COUNTS,
     SITE_BLOCK_TABLE,
     SITE_IDX_MAPPING,
@@ -148,17 +148,17 @@ def installed() -> _Plugin | None:
 
 def _add_prometheus(monitor: Monitor) -> None:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # vLLM serves its API server's default registry: the counts go there through files (_vllm_metrics).
-        from . import _vllm_metrics
+        # vLLM serves its API server's default registry: the counts go there through files (_metrics).
+        from . import _metrics
 
-        _vllm_metrics.add_sink(monitor)
+        _metrics.add_sink(monitor)
         return
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
         log.warning("PROMETHEUS_MULTIPROC_DIR is set but prometheus_client is not installed: no metrics")
         return
-    from ..sinks import Prometheus
+    from ...sinks import Prometheus
 
     monitor.add_sink(Prometheus())
 
@@ -236,7 +236,7 @@ def uninstall() -> None:
             return
         for (cls, name), fn in _plugin.originals.items():
             setattr(cls, name, fn)
-        _vllm_contain.ON_TAINT = None
+        _contain.ON_TAINT = None
         if _plugin.sched is not None:
             _plugin.sched.remove()
         atexit.unregister(_plugin.drain)
@@ -248,7 +248,7 @@ def register() -> None:
     (not even an import of vLLM's internals). vLLM calls it in every process it starts. A ``TRIPWIRE_*`` name
     tripwire does not read (a misspelt switch) or a bad ``TRIPWIRE_VLLM`` stops vLLM here, in every process, whether
     or not the plugin is on: a set-but-misspelt switch would otherwise run vLLM unguarded without a word."""
-    from ..config import check_variable_names
+    from ...config import check_variable_names
 
     check_variable_names()
     logits_from_env()  # a bad value stops here too, plugin on or not
@@ -257,7 +257,7 @@ def register() -> None:
         return
     # Before install (which adds this process's sink), and in the API server before it starts the engine core, whose
     # processes inherit the folder.
-    from . import _vllm_metrics
+    from . import _metrics
 
-    _vllm_metrics.serve()
+    _metrics.serve()
     install(mode)

@@ -1,11 +1,11 @@
 """The vLLM plugin's hooks: the per-process plugin state (:class:`_Plugin`), what the running vLLM has (its runners,
 scheduler and engine core), and the wrappers of the scheduler, the engine core and the V2 runner's step; the V1
-runner's step hooks are :mod:`tripwire.integrations._vllm_v1`, the lifecycle and verdict both runners share
-:mod:`tripwire.integrations._vllm_runner`.
+runner's step hooks are :mod:`tripwire.integrations.vllm._v1`, the lifecycle and verdict both runners share
+:mod:`tripwire.integrations.vllm._runner`.
 
 :mod:`tripwire.integrations.vllm` installs them (``install`` calls :func:`_patch`) and says what they do; this module
-is how. Each runner's step is validated in two phases (:mod:`tripwire.integrations._vllm_steps`,
-:mod:`tripwire.integrations._vllm_v2`): its inputs before vLLM's own metadata kernels read them (V1: its block
+is how. Each runner's step is validated in two phases (:mod:`tripwire.integrations.vllm._steps`,
+:mod:`tripwire.integrations.vllm._v2`): its inputs before vLLM's own metadata kernels read them (V1: its block
 table's ``compute_slot_mapping``; V2: before ``prepare_attn``) and its outputs before the attention metadata is built
 from them (V1: ``_build_attention_metadata``; V2: after ``prepare_attn``).
 """
@@ -17,12 +17,12 @@ import logging
 import threading
 from typing import Any
 
-from ..monitor import Monitor
-from . import _vllm_contain, _vllm_v1, _vllm_v2
-from ._vllm_contain import ATTR, SchedulerSide, VerdictChannel
-from ._vllm_numerics import build_clip, build_logits, wrap_compute_logits
-from ._vllm_runner import RunnerState, enqueue, lifecycle
-from ._vllm_steps import StepValidator
+from ...monitor import Monitor
+from . import _contain, _v1, _v2
+from ._contain import ATTR, SchedulerSide, VerdictChannel
+from ._numerics import build_clip, build_logits, wrap_compute_logits
+from ._runner import RunnerState, enqueue, lifecycle
+from ._steps import StepValidator
 
 log = logging.getLogger("tripwire")
 
@@ -62,7 +62,7 @@ class _Plugin:
                 f"parallelism). Use {ENV}=mask or {ENV}=flag."
             )
         sv = make(runner, self.policy, self.monitor)
-        v2 = make is _vllm_v2.V2StepValidator
+        v2 = make is _v2.V2StepValidator
         logits = build_logits(runner, self.mode, self.policy, self.monitor, enabled=self.logits)
         requests = functools.partial(sv.requests, runner)  # bound once: the step path builds no closure
         if logits is not None and v2:
@@ -157,10 +157,10 @@ def _patch(plugin: _Plugin) -> None:
     plugin.contain.check_scheduler(sched_cls, plugin.version)
     patches: list[tuple[type, str, Any]] = []
     if runner_cls is not None:
-        _require(runner_cls, _vllm_v1.RUNNER_HOOKS, plugin.version)
+        _require(runner_cls, _v1.RUNNER_HOOKS, plugin.version)
         table_cls = _v1_table_class()
-        _require(table_cls, (_vllm_v1.TABLE_HOOK,), plugin.version)
-        patches += _vllm_v1.patches(plugin, runner_cls, table_cls)
+        _require(table_cls, (_v1.TABLE_HOOK,), plugin.version)
+        patches += _v1.patches(plugin, runner_cls, table_cls)
     if v2 is not None:
         patches += _v2_patches(plugin, v2)
     plugin.runners = (("V1",) if runner_cls is not None else ()) + (("V2",) if v2 is not None else ())
@@ -200,7 +200,7 @@ def _patch(plugin: _Plugin) -> None:
         plugin.originals[(cls, name)] = cls.__dict__[name]
         setattr(cls, name, fn)
     if plugin.mode != "flag":
-        _vllm_contain.ON_TAINT = side.arm  # a step output with taints puts the scheduler's wrapper on
+        _contain.ON_TAINT = side.arm  # a step output with taints puts the scheduler's wrapper on
 
 
 def _v2_runner_class(version: str) -> type | None:
@@ -211,14 +211,14 @@ def _v2_runner_class(version: str) -> type | None:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
     except Exception:  # no V2 runner this vLLM can import (its CPU build: no Triton GPU backend): none can be built
         return None
-    _require(V2, _vllm_v2.HOOKS, version)
-    _vllm_v2.check_input_batch(InputBatch, version)
+    _require(V2, _v2.HOOKS, version)
+    _v2.check_input_batch(InputBatch, version)
     return V2
 
 
 def _v2_patches(plugin: _Plugin, v2: type) -> list[tuple[type, str, Any]]:
     """The V2 runner: the same lifecycle, and both phases around ``prepare_attn``
-    (:mod:`tripwire.integrations._vllm_v2`)."""
+    (:mod:`tripwire.integrations.vllm._v2`)."""
     prep = v2.__dict__["prepare_attn"]
 
     @functools.wraps(prep)
@@ -243,7 +243,7 @@ def _v2_patches(plugin: _Plugin, v2: type) -> list[tuple[type, str, Any]]:
             return sample_orig(self, *args, **kwargs)
         st.sample_due = False
         check = st.logits
-        check.sampling = True  # the model's compute_logits checks what it returns (_vllm_numerics)
+        check.sampling = True  # the model's compute_logits checks what it returns (_numerics)
         try:
             out = sample_orig(self, *args, **kwargs)
         finally:
@@ -255,7 +255,7 @@ def _v2_patches(plugin: _Plugin, v2: type) -> list[tuple[type, str, Any]]:
         return out
 
     return [
-        *lifecycle(plugin, v2, _vllm_v2.V2StepValidator, v1=False),
+        *lifecycle(plugin, v2, _v2.V2StepValidator, v1=False),
         (v2, "prepare_attn", prepare_attn),
         (v2, "sample", sample),
     ]

@@ -12,12 +12,12 @@ it already: a map wrong there is not covered; the guard covers the device copy f
 and ``post_update`` included.)
 
 * :meth:`V2StepValidator.inputs`, before it: ``idx_mapping`` within the request-state rows (site
-  ``vllm.idx_mapping``: :mod:`tripwire.integrations._vllm_rows`, which masks a bad entry to a scratch row), every
+  ``vllm.idx_mapping``: :mod:`tripwire.integrations.vllm._rows`, which masks a bad entry to a scratch row), every
   request-state row's ``num_blocks`` within ``[0, width]`` (``vllm.num_blocks``; masked to 0), positions below
   ``max_model_len`` per request through ``query_start_loc`` (``vllm.positions``, ``vllm.query_start_loc``).
 * :meth:`V2StepValidator.outputs`, after it: the fence of rows whose ``idx_mapping`` was bad, then the slot
   mappings, the gathered tables' used columns and ``seq_lens`` (the same rules and sites as the V1 runner's:
-  :func:`tripwire.integrations._vllm_steps.declare_outputs`).
+  :func:`tripwire.integrations.vllm._steps.declare_outputs`).
 
 Every offender carries its request: a batch row's through ``req`` (filled from ``input_batch.req_ids``), a
 request-state row's (``num_blocks``) through ``req_state`` (filled through ``idx_mapping_np``, -1 for rows not in
@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 
-from ..monitor import Monitor
-from ..sites import Site
-from ..validate import Validator
-from . import _vllm_rows
-from ._staging import Staged
-from ._vllm_steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, covers, declare_inputs, declare_outputs
+from ...monitor import Monitor
+from ...sites import Site
+from ...validate import Validator
+from .._staging import Staged
+from . import _rows
+from ._steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, covers, declare_inputs, declare_outputs
 
 __all__ = ["HOOKS", "INPUT_BATCH_FIELDS", "V2StepValidator", "check_input_batch"]
 
 # The V2 runner's methods the integration wraps; prepare_attn is the step's hook (both phases around it), sample the
-# logits check's (tripwire.integrations._vllm_numerics).
+# logits check's (tripwire.integrations.vllm._numerics).
 HOOKS = ("initialize_kv_cache", "execute_model", "prepare_attn", "sample_tokens", "capture_model", "sample")
 # The fields of V2's InputBatch (a dataclass) the validator reads.
 INPUT_BATCH_FIELDS = (
@@ -158,7 +158,7 @@ class V2StepValidator:
             layout["block_tables.slot_mappings[0]"] = (tables.slot_mappings[0], torch.int64)
         if self._total_len is not None:
             layout["req_states.total_len.gpu"] = (self._total_len, torch.int32)
-        _vllm_rows.check_buffers(self.device, **layout)
+        _rows.check_buffers(self.device, **layout)
         # The step's request numbers twice, in one copy: by request-state row, then in batch order.
         self._numbers = Staged(2 * max_reqs, self.device)
         self._req: torch.Tensor = self._numbers.tensor[max_reqs:]
@@ -183,11 +183,11 @@ class V2StepValidator:
         by_state, req = self._numbers.scatter_fill(idx_np, numbers, n)
         self._req = req
         # The scratch row: one no live request holds (V2's free list; its bottom is the row reused last). None free:
-        # a row of this step, and the hit unattributed, so the whole step fails (see _vllm_rows).
+        # a row of this step, and the hit unattributed, so the whole step fails (see _rows).
         free = runner.req_states.free_indices
         scratch, attributed = (int(free[0]), True) if free else (int(idx_np[0]), False)
         idx = input_batch.idx_mapping[:n]
-        _vllm_rows.rows(
+        _rows.rows(
             idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, attributed, mask=self.mask,
             total_len=self._total_len,
         )  # fmt: skip
@@ -215,7 +215,7 @@ class V2StepValidator:
         args: dict[str, torch.Tensor] = {"req": self._req, "cu": qsl, "seq_lens": input_batch.seq_lens[:n]}
         for g, (sm, bt, cn) in enumerate(self.groups):
             counts, table, slot = self._counts[g], block_tables[g], slots[g]
-            _vllm_rows.fence(self._flags, idx, qsl, per_state[g], counts, table, slot, mask=self.mask)
+            _rows.fence(self._flags, idx, qsl, per_state[g], counts, table, slot, mask=self.mask)
             args[sm] = slot
             args[bt] = table[:n]
             args[cn] = counts[:n]

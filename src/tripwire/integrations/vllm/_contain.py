@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..monitor import Monitor
+from ...monitor import Monitor
 
 __all__ = ["VerdictChannel"]
 

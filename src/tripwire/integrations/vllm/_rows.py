@@ -1,5 +1,5 @@
 """The guard of vLLM V2's batch-row -> request-state-row map (``idx_mapping``), in two kernels around V2's own
-``prepare_attn`` (:mod:`tripwire.integrations._vllm_v2`).
+``prepare_attn`` (:mod:`tripwire.integrations.vllm._v2`).
 
 ``idx_mapping[b]`` is the request-state row of batch row ``b``. Everything after it indexes through it: V2's block
 table gather and slot-mapping kernels (``block_table[row]``, ``num_blocks[row]``), the sampler (per-request
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels._common import check_tensor
-from ..triton import record_hits
+from ...kernels._common import check_tensor
+from ...triton import record_hits
 
 __all__ = ["fence", "rows"]
 

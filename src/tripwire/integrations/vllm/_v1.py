@@ -2,8 +2,8 @@
 build's ``CPUModelRunner`` subclasses it): the inputs phase before its block table's slot-mapping kernel
 (``MultiGroupBlockTable.compute_slot_mapping``, which reads the table at ``position // block_size`` with no bound),
 the outputs phase in ``_build_attention_metadata`` (before any attention metadata is built), and the lifecycle
-both runners share (:mod:`tripwire.integrations._vllm_runner`). The validator is
-:class:`tripwire.integrations._vllm_steps.StepValidator`.
+both runners share (:mod:`tripwire.integrations.vllm._runner`). The validator is
+:class:`tripwire.integrations.vllm._steps.StepValidator`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._vllm_runner import RunnerState, lifecycle
-from ._vllm_steps import StepValidator
+from ._runner import RunnerState, lifecycle
+from ._steps import StepValidator
 
 # The V1 runner's methods this integration wraps, and its block table's method that runs vLLM's slot-mapping kernel.
 RUNNER_HOOKS = ("initialize_kv_cache", "execute_model", "_build_attention_metadata", "sample_tokens", "capture_model")

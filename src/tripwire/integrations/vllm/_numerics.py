@@ -6,7 +6,7 @@ Where the logits are:
 
 * V1 (``gpu_model_runner``, 0.26-0.33): ``execute_model`` computes them and keeps them in its
   ``execute_model_state`` for ``sample_tokens``; the check runs when ``execute_model`` returns, before the verdict
-  copy is enqueued (:func:`tripwire.integrations._vllm_runner.lifecycle`).
+  copy is enqueued (:func:`tripwire.integrations.vllm._runner.lifecycle`).
 * V2 (``gpu/model_runner``): ``sample_tokens`` computes them in ``sample`` (``model.compute_logits``, in 0.34 through
   ``model_state.compute_sample_logits``, which calls it) and applies the grammar bitmask right after. The model's
   ``compute_logits`` is wrapped on the instance and checks only while ``sample`` runs (prompt logprobs and the
@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from ..monitor import Monitor
-from ..numerics import ClipCounter, NonFiniteRows, register_nonfinite_rows_site
-from ..numerics.clip_count import count_clipped
-from ..sites import Site
+from ...monitor import Monitor
+from ...numerics import ClipCounter, NonFiniteRows, register_nonfinite_rows_site
+from ...numerics.clip_count import count_clipped
+from ...sites import Site
 
 __all__ = ["CLIP_PREFIX", "ENV_LOGITS", "SITE_LOGITS", "LogitsCheck", "build_clip", "build_logits", "logits_from_env"]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ._staging import Staged
-from ._transformers_logits import LogitsRows
+from .._staging import Staged
+from ._logits import LogitsRows
 
 __all__ = ["MAX_REQUESTS", "RequestTable", "States"]
 

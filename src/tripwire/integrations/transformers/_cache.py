@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ..monitor import Monitor
-from ..validate import Validator
-from ._transformers_engine import zeroed
+from ...monitor import Monitor
+from ...validate import Validator
+from ._engine import zeroed
 
 # [lowest, first unsupported): the versions whose cache layout this module reads (see cache_groups).
 SUPPORTED = ("5.17", "5.26")
@@ -125,7 +125,7 @@ class CacheValidators:
         self.groups = cache_groups(cache)
         # Whether a masked write can be contained (fail its request only): only where no slot a read can reach holds
         # a NaN, since the masked write's own slot stays unwritten and its request reads it into the step's packed
-        # attention (see _transformers_engine: 5.18+'s cache is zeros by construction, 5.17's is zeroed when built
+        # attention (see _engine: 5.18+'s cache is zeros by construction, 5.17's is zeroed when built
         # while tripwire is installed). A 5.17 cache built before install may hold uninitialised memory: there the
         # write site stays a stop under containment.
         self.writes_contained = getattr(cache, "cache_allocators", None) is not None or cache in zeroed

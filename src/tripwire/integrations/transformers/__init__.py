@@ -31,7 +31,7 @@ What it does:
   masked (the ``mask`` policy).
 * **No shared state from a masked computation**: a request a masked access touched never registers its blocks for
   prefix sharing from that step on, and a failed one frees its blocks uncached, under ``mask`` as under containment.
-* **Non-finite logits, per request** (``logits=True``, the default; :mod:`._transformers_logits`): a forward hook on
+* **Non-finite logits, per request** (``logits=True``, the default; :mod:`._logits`): a forward hook on
   the model checks the model's logits, one row per request that samples this step, after the forward and before
   the engine's logits processors and sampler (inside the captured forward, so replayed with the engine's graphs).
   Each row holding a NaN or an Inf counts once, with its request; ``mask`` sets its NaN/Inf to 0 before sampling,
@@ -69,13 +69,13 @@ from typing import Any
 
 import torch
 
-from .._runtime.default import default_monitor
-from ..contain import Taint
-from ..errors import GuardTripped
-from ..monitor import Monitor
-from ..validate import POLICIES
-from . import _transformers_engine as _engine
-from ._transformers_cache import (
+from ..._runtime.default import default_monitor
+from ...contain import Taint
+from ...errors import GuardTripped
+from ...monitor import Monitor
+from ...validate import POLICIES
+from . import _engine
+from ._cache import (
     _DESC_READ,
     _DESC_TABLE,
     _DESC_WRITE,
@@ -86,8 +86,8 @@ from ._transformers_cache import (
     CacheValidators,
     cache_groups,
 )
-from ._transformers_logits import SITE_LOGITS, LogitsCheck, LogitsRows, logits_layout_problem, register_logits_site
-from ._transformers_requests import MAX_REQUESTS, RequestTable, States
+from ._logits import SITE_LOGITS, LogitsCheck, LogitsRows, logits_layout_problem, register_logits_site
+from ._requests import MAX_REQUESTS, RequestTable, States
 
 __all__ = [
     "SITE_BLOCK_TABLE",
@@ -227,7 +227,7 @@ class Handle:
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         """After the model's forward, before the engine reads its logits: the non-finite logits check (inside the
-        engine's captured forward, so replayed with its graphs; see _transformers_logits)."""
+        engine's captured forward, so replayed with its graphs; see _logits)."""
         if self._logits is None or kwargs.get("cache") is None or "logits_indices" not in kwargs:
             return None  # an ordinary forward (no continuous batching): nothing to check
         self._logits(output, kwargs)

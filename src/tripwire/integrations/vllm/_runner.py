@@ -2,10 +2,10 @@
 (the validator built after the KV cache, the reader started after the captures, the stop checked and the verdict
 enqueued around each step) and the verdict taken with the step's sampled tokens.
 
-:mod:`tripwire.integrations._vllm_hooks` installs them with each runner's own step hooks
-(:mod:`tripwire.integrations._vllm_v1`, and V2's in the hooks module). They run on every engine step, so each does
+:mod:`tripwire.integrations.vllm._hooks` installs them with each runner's own step hooks
+(:mod:`tripwire.integrations.vllm._v1`, and V2's in the hooks module). They run on every engine step, so each does
 the least it can on a clean step (no argument tuples, no allocation, no torch call) and says why where it does more.
-``plugin`` is the installed :class:`tripwire.integrations._vllm_hooks._Plugin` (its mode, monitor, containment and
+``plugin`` is the installed :class:`tripwire.integrations.vllm._hooks._Plugin` (its mode, monitor, containment and
 ``start``), passed in rather than imported: this module sits below the hooks module.
 """
 
@@ -18,7 +18,7 @@ import types
 import weakref
 from typing import Any
 
-from . import _vllm_numerics
+from . import _numerics
 
 log = logging.getLogger("tripwire")
 
@@ -38,7 +38,7 @@ class RunnerState:
     def __init__(self, validator: Any, ring: Any, logits: Any = None, requests: Any = None, *, late: bool = False):
         self.validator = validator
         self.ring = ring
-        # The logits check (tripwire.integrations._vllm_numerics; None: off) and the step's request numbers for it (a
+        # The logits check (tripwire.integrations.vllm._numerics; None: off) and the step's request numbers for it (a
         # function bound to the runner once: nothing is built per step). ``late``: the logits come after
         # execute_model (V2's sample), so the verdict is enqueued there; ``sample_due``: this step's sample is due.
         self.logits = logits
@@ -119,7 +119,7 @@ def lifecycle(plugin: Any, runner_cls: type, make: Any, *, v1: bool) -> list[tup
                     self.sample_tokens = types.MethodType(sample_tokens, self)
                 return out
             if v1:
-                st.rose = _vllm_numerics.v1_logits(self, st.logits, st.requests) or st.rose
+                st.rose = _numerics.v1_logits(self, st.logits, st.requests) or st.rose
         if st.rose and st.ring is not None:
             # After the step's kernels, in their stream order: the verdict copy of the sites' rows. A CPU step whose
             # metadata was clean takes none: nothing could rise, and its verdict would be the clean one.
