@@ -67,6 +67,9 @@ def fill(r: SimpleNamespace, rng: random.Random) -> tuple[int, int, int]:
     if rng.random() < 0.1:
         k = rng.randrange(len(cu))
         cu[k] = rng.choice((cu[k] - 1, cu[k] + 1, tokens + 1, -1))
+    elif reqs >= 2 and rng.random() < 0.05:
+        k = rng.randrange(2, reqs + 1)
+        cu[k] = cu[k - 1] - 1  # one step back, still within [0, tokens]: only the order is wrong
     r.query_start_loc.gpu[: reqs + 1] = torch.tensor(cu, dtype=torch.int32)
     r.positions[:tokens] = torch.tensor([edge(rng, 0, MAX_LEN) for _ in range(tokens)])
     r.seq_lens[:reqs] = torch.tensor([edge(rng, 1, MAX_LEN + 1) for _ in range(reqs)], dtype=torch.int32)
@@ -139,15 +142,18 @@ def test_host_clean_test_skips_only_what_the_validator_would_not_count(policy):
     assert skipped > 50 and counted > 50, (skipped, counted)
 
 
-def test_host_clean_test_can_fail(monkeypatch):
-    """Control: a host clean test one past the slot mapping's end (it lets the first bad slot through) skips a step
-    the validator counts, and the comparison above catches it."""
-    real = _steps._within
-
-    def loose(vals, lo, hi, pad=None):  # type: ignore[no-untyped-def]
-        return real(vals, lo, hi + 1, pad)
-
-    monkeypatch.setattr(_steps, "_within", loose)
+@pytest.mark.parametrize("loosened", ["entries_clean", "lengths_clean", "indptr_clean"])
+def test_host_clean_test_can_fail(monkeypatch, loosened):
+    """Control: the step check's rule tests loosened one at a time (a range one past its end, counts one past the
+    width, an indptr whose order is not tested) let a bad entry through: a step the validator counts is skipped, and
+    the comparison above catches it."""
+    real = getattr(_steps, loosened)
+    loose = {
+        "entries_clean": lambda vals, lo, hi, pad=None: real(vals, lo, hi + 1, pad),
+        "lengths_clean": lambda vals, width: real(vals, width + 1),
+        "indptr_clean": lambda vals, end: real(sorted(vals), end),
+    }[loosened]
+    monkeypatch.setattr(_steps, loosened, loose)
     assert not all(_equal(a, b) for a, b in twin_steps(7, 300, "mask"))
 
 

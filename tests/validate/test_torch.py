@@ -156,3 +156,48 @@ def test_word_comparison_can_fail(monkeypatch):
     monkeypatch.setattr(_vt, "_fault", one_more)
     (rows_t, _, _), (rows_k, _, _) = _twin_call(4, 11, True, 1)
     assert not torch.equal(rows_t, rows_k)
+
+
+# ---------------------------------------------------------------------------------------------- the clean path
+@pytest.mark.parametrize("n", [8, 300])  # a list read, and a tensor's extremes (past _vt._SMALL)
+def test_clean_path_gates_the_exact_path_with_the_host_clean_test(monkeypatch, n):
+    """The torch path's clean path is the host clean test: clean calls (padding included, on a small tensor) run no
+    exact path; one entry past a bound, a count past the width or a decreasing indptr runs exactly that rule's
+    and counts it once. Control: with the shared range test loosened by one past hi, the entry at hi goes
+    uncounted."""
+    ran: list[str] = []
+    for name in ("_entries", "_lengths", "_indptr"):
+        real = getattr(_vt, name)
+        monkeypatch.setattr(_vt, name, lambda *a, _n=name, _r=real: (ran.append(_n), _r(*a))[1])
+
+    def call(slots_hi=False, count_past=False, ptr_down=False, slot_pad=True):  # type: ignore[no-untyped-def]
+        ran.clear()
+        m = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+        v = Validator("gate", "cpu", policy="flag", monitor=m)
+        v.index("slots", hi=10, padding=-1)
+        v.index("table", hi=10, lengths="n")
+        v.csr("kv", indptr="ptr", hi=10)
+        slots = torch.full((n,), 9)
+        if slot_pad:
+            slots[1] = -1
+        if slots_hi:
+            slots[2] = 10
+        ln = torch.full((n,), 4, dtype=torch.int32)
+        if count_past:
+            ln[3] = 5
+        ptr = torch.arange(n + 1)
+        if ptr_down:
+            ptr[4] = 2
+        v(slots=slots, table=torch.zeros(n, 4, dtype=torch.int32), n=ln, kv=torch.zeros(n, dtype=torch.int64), ptr=ptr)
+        return sorted(ran), {site: hit.count for (_d, site), hit in m.snapshot().items()}
+
+    # A large tensor whose extreme is the padding takes the exact path (its extremes cannot show the entries
+    # between the padding and the range), which counts nothing.
+    assert call() == (([] if n <= _vt._SMALL else ["_entries"]), {})
+    assert call(slot_pad=False) == ([], {})
+    assert call(slots_hi=True) == (["_entries"], {"gate.slots": 1})
+    assert call(count_past=True, slot_pad=False) == (["_lengths"], {"gate.n": 1})
+    assert call(ptr_down=True, slot_pad=False) == (["_indptr"], {"gate.ptr": 1})
+    real_clean = _vt.entries_clean
+    monkeypatch.setattr(_vt, "entries_clean", lambda vals, lo, hi, pad=None: real_clean(vals, lo, hi + 1, pad))
+    assert call(slots_hi=True, slot_pad=False) == ([], {})

@@ -34,12 +34,14 @@ Contract:
 Backends: CUDA tensors run the Triton kernel (:mod:`tripwire.validate._triton`; triton is imported at the first CUDA
 validator, never for a CPU one). CPU tensors (CPU engines, such as vLLM's CPU build) run a plain torch implementation
 (:mod:`tripwire.validate._torch`) with the same counts, offenders, masking and arena words, and need neither triton
-nor its interpreter.
+nor its interpreter. Before its exact path the CPU path runs the host clean test, which each declared :class:`Rule`
+offers too (``rule.clean(values)``, ``rule.clean_lengths(counts, width)``, ``rule.clean_indptr(indptr, n)``): an
+engine adapter can read its metadata as plain integers and skip a call that would count and change nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -78,6 +80,29 @@ class Rule:
     aux_site: Site | None
     requests: str | None = None
     segments: str | None = None
+
+    # The host clean test, per rule: the same test the CPU path runs before its exact path (and vLLM's CPU step
+    # check before calling the validator at all), from tripwire.validate._rules, where it is written once.
+    def clean(self, values: Iterable[int]) -> bool:
+        """True when the validator would count none of ``values`` as entries of this rule: each is in
+        ``[lo, hi)`` or is the rule's padding (no values: True). Every value is tested, so for a table or CSR rule
+        pass the used entries or all of them (all clean means the used ones are). ``values`` is left as it is."""
+        return _r.entries_clean(list(values), self.lo, self.hi, self.padding)
+
+    def clean_lengths(self, counts: Iterable[int], width: int) -> bool:
+        """True when every per-row count of this table rule's ``lengths`` is in ``[0, width]`` (``width``: the
+        table's columns), so the validator counts and clamps none. ValueError for a rule without lengths."""
+        if self.kind != "index" or self.aux is None:
+            raise ValueError(f"rule {self.name!r} has no lengths tensor (only a 2-D index rule declared with lengths=)")
+        return _r.lengths_clean(list(counts), _int_arg(f"rule {self.name!r}: width", width))
+
+    def clean_indptr(self, indptr: Iterable[int], num_indices: int) -> bool:
+        """True when this CSR rule's ``indptr`` starts at 0, never decreases and ends within ``num_indices`` (the
+        indices' length), so the validator counts and rewrites none of it (an empty indptr: False, the validator
+        refuses it). ValueError for an index rule."""
+        if self.kind != "csr":
+            raise ValueError(f"rule {self.name!r} is an index rule; only a CSR rule has an indptr")
+        return _r.indptr_clean(list(indptr), _int_arg(f"rule {self.name!r}: num_indices", num_indices))
 
 
 def _int_arg(what: str, v: object) -> int:

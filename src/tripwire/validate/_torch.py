@@ -18,15 +18,17 @@ What "the same" takes, beyond the rules' semantics (see the kernel's docstring):
   with the kernel's own bisection (a segments tensor that is not sorted gives the kernel's wrong segment, not
   another one).
 
-Cost: the clean path is one range test per rule tensor (all entries, used or not, inside the rule's range means no
-entry is bad: a list read for small tensors, one ``aminmax`` for larger ones); the exact path (masks, lookups,
-writes) runs only when that test fails. The scalar reads are host reads of host tensors: this module is never given
-a CUDA tensor.
+Cost: the clean path is the host clean test (:mod:`tripwire.validate._rules`: all entries, used or not, inside the
+rule's range or its padding means no entry is bad; per-row counts within the width; an indptr non-decreasing from 0
+within its indices) on a list read of each small tensor, one ``aminmax`` (or, for an indptr, three tensor reads) for
+larger ones; the exact path (masks, lookups, writes) runs only when that test fails. The scalar reads are host reads
+of host tensors: this module is never given a CUDA tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import torch
 
@@ -53,7 +55,7 @@ from ..layout import (
     offender_key,
 )
 from . import _rules as _r
-from ._rules import ABLOCK, BLOCK, CSR, Rules
+from ._rules import ABLOCK, BLOCK, CSR, Rules, entries_clean, indptr_clean, lengths_clean
 
 __all__ = ["launch", "offenders_of"]
 
@@ -273,28 +275,40 @@ def _indptr(ctr: torch.Tensor, block: torch.Tensor | None, a: torch.Tensor, ni: 
         a[k] = prev[k].to(a.dtype)
 
 
-def _in_range(t: torch.Tensor, lo: int, hi: int) -> bool:
-    """Every entry of ``t`` is in ``[lo, hi)`` (an empty tensor: yes). The clean path's one reduction: a small tensor
-    (a decode step's metadata) is read as a list, which costs less than a torch op's dispatch (so is a 2-D one row
-    by row: a flattening ``view`` would be one more dispatch); a larger one is one ``aminmax``."""
+def _in_range(t: torch.Tensor, lo: int, hi: int, pad: int | None = None) -> bool:
+    """Every entry of ``t`` is in ``[lo, hi)`` or is ``pad`` (an empty tensor: yes), by the host clean test
+    (:func:`tripwire.validate._rules.entries_clean`). A small tensor (a decode step's metadata) is read as a list,
+    which costs less than a torch op's dispatch (a 2-D one row by row, joined in Python: a flattening ``view`` would
+    be one more dispatch). A larger one stays a tensor (a list would be a Python object per entry): one ``aminmax``,
+    whose extremes take the same test without the padding (an extreme that is the padding says nothing of the
+    entries between it and the range, so such a tensor takes the exact path, which counts no padding)."""
     n = t.numel()
     if n == 0:
         return True
     if n <= _SMALL:
         vals = t.tolist()
-        if t.dim() == 2:
-            return lo <= min(map(min, vals)) and max(map(max, vals)) < hi
-        return lo <= min(vals) and max(vals) < hi
+        return entries_clean(list(chain.from_iterable(vals)) if t.dim() == 2 else vals, lo, hi, pad)
     mn, mx = torch.aminmax(t)
-    return lo <= int(mn) and int(mx) < hi
+    return entries_clean([int(mn), int(mx)], lo, hi)
 
 
-def _indptr_clean(a: torch.Tensor, ni: int) -> bool:
-    """Non-decreasing from 0 and ending within ``ni`` (so every entry is in ``[0, ni]``): no entry is bad."""
+def _lengths_in_range(a: torch.Tensor, width: int) -> bool:
+    """Every per-row count of ``a`` is in ``[0, width]``, by :func:`tripwire.validate._rules.lengths_clean`: on the
+    list of a small tensor, on the extremes of a larger one (exact for a range)."""
+    if a.numel() <= _SMALL:
+        return lengths_clean(a.tolist(), width)
+    mn, mx = torch.aminmax(a)
+    return lengths_clean([int(mn), int(mx)], width)
+
+
+def _indptr_in_range(a: torch.Tensor, ni: int) -> bool:
+    """The indptr ``a`` starts at 0, never decreases and ends within ``ni``: no entry is bad. A small one is
+    :func:`tripwire.validate._rules.indptr_clean` on its list; a larger one is the same rule in three tensor reads
+    (its order is what is tested, which a pair of extremes cannot show, and a list would be a Python object per
+    entry)."""
     n = a.numel()
     if n <= _SMALL:
-        v = a.tolist()
-        return v[0] == 0 and v[-1] <= ni and v == sorted(v)
+        return indptr_clean(a.tolist(), ni)
     if int(a[0]) != 0:
         return False
     return int(a[n - 1]) <= ni and bool((a[1:] >= a[:-1]).all())
@@ -362,18 +376,18 @@ def launch(
         if kind == CSR:
             a = tensors[ai]
             ni = t.numel()
-            if not _in_range(t, lo, hi):
+            if not _in_range(t, lo, hi, pad):
                 # The used end: the largest in-range indptr entry past the first (what the repaired indptr ends at).
                 tail = a[1:].to(torch.int64)
                 ok = tail[(tail >= 0) & (tail <= ni)]
                 end = int(ok.max()) if ok.numel() else 0
                 used = torch.arange(ni) < end
                 _entries(at, row, t, used, 1, lo, hi, pad, safe, mask, req, tensors[ri], a)
-            if own_aux and not _indptr_clean(a, ni):
+            if own_aux and not _indptr_in_range(a, ni):
                 _indptr(*at(aux_row), a, ni, mask)
         else:
             width = t.shape[1] if t.dim() == 2 else 1
-            if not _in_range(t, lo, hi):
+            if not _in_range(t, lo, hi, pad):
                 used = None
                 if has_len:
                     # Clamped on read like the kernel: a length past the width checks the whole row, a negative one
@@ -381,5 +395,5 @@ def launch(
                     ln = tensors[ai].to(torch.int64).clamp(0, width)
                     used = (torch.arange(width).unsqueeze(0) < ln.unsqueeze(1)).view(-1)
                 _entries(at, row, t, used, width, lo, hi, pad, safe, mask, req, tensors[ri], tensors[si])
-            if own_aux and not _in_range(tensors[ai], 0, width + 1):
+            if own_aux and not _lengths_in_range(tensors[ai], width):
                 _lengths(*at(aux_row), tensors[ai], width, mask, req, tensors[ri], tensors[si])

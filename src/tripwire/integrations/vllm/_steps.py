@@ -38,6 +38,7 @@ import torch
 from ...monitor import Monitor
 from ...sites import Site
 from ...validate import Validator
+from ...validate._rules import entries_clean, indptr_clean, lengths_clean
 from .._staging import Staged
 
 __all__ = [
@@ -250,22 +251,35 @@ def covers(group: int, width: int, block_size: int, max_model_len: int) -> None:
         )
 
 
-def _host_view(t: torch.Tensor) -> memoryview | None:
-    """A flat view of one of the runner's persistent CPU tensors (no copy), or None for a buffer the clean test
-    cannot read as the validator would (strided, or not an integer type): every step then takes the validator's
-    exact path, whose argument checks refuse such a buffer clearly. A ``memoryview`` of the tensor's numpy view: its
-    slice and ``tolist`` run far less C code than numpy's (no index parsing, no array object), which is what a step
-    pays for on a host whose caches the model's forward pass has just evicted."""
+class _Prefixes(dict[int, memoryview]):
+    """The prefixes of one bound buffer's flat ``memoryview`` by length (``p[n]`` is ``view[:n]``), each made at the
+    first step that reads that many entries and kept: a step reads its entries through a dict lookup instead of
+    making a slice object per rule. A view keeps the buffer it was made from, so a prefix always reads the buffer's
+    current contents. One per length a step asks for: the engine's buffer sizes bound them."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view = view
+
+    def __missing__(self, n: int) -> memoryview:
+        prefix = self[n] = self.view[:n]
+        return prefix
+
+
+def _host_view(t: torch.Tensor | np.ndarray) -> _Prefixes | None:
+    """The prefixes of a flat view of one of the runner's persistent CPU buffers (no copy), or None for a buffer the
+    clean test cannot read as the validator would (strided, or not an integer type): every step then takes the
+    validator's exact path, whose argument checks refuse such a buffer clearly. A ``memoryview`` of the buffer's
+    numpy view: its slice and ``tolist`` run far less C code than numpy's (no index parsing, no array object), which
+    is what a step pays for on a host whose caches the model's forward pass has just evicted."""
+    if isinstance(t, np.ndarray):
+        ok = t.ndim == 1 and t.flags.c_contiguous and t.dtype in (np.int32, np.int64)
+        return _Prefixes(t.data) if ok else None
     if not (t.is_contiguous() and t.dtype in (torch.int32, torch.int64)):
         return None
-    return t.detach().view(-1).numpy().data
-
-
-def _within(vals: list[int], lo: int, hi: int, pad: int | None = None) -> bool:
-    """Every entry in ``[lo, hi)`` or equal to ``pad`` (an empty list: yes)."""
-    if not vals or (lo <= min(vals) and max(vals) < hi):
-        return True
-    return pad is not None and all(v == pad or lo <= v < hi for v in vals)
+    return _Prefixes(t.detach().view(-1).numpy().data)
 
 
 class _Group:
@@ -293,12 +307,12 @@ class _Group:
     def __init__(self, table: Any, counts: np.ndarray | None, bounds: tuple[int, int, int | None, int, int]) -> None:
         self.table = table
         # The runner's own per-row counts (a numpy array vLLM writes in place, never replaces), read as a view too.
-        self.counts = counts.data if counts is not None and counts.ndim == 1 and counts.flags.c_contiguous else None
+        self.counts = _host_view(counts) if counts is not None else None
         self.s_lo, self.s_hi, self.pad, self.b_lo, self.b_hi = bounds
         self.slot_t: Any = None
         self.table_t: Any = None
-        self.slots: memoryview | None = None
-        self.blocks: memoryview | None = None
+        self.slots: _Prefixes | None = None
+        self.blocks: _Prefixes | None = None
         self.ptr = 0
         self.width = 1
 
@@ -308,7 +322,7 @@ class _Group:
         self.ptr = self.slot_t.data_ptr()
         self.slots, self.blocks = _host_view(self.slot_t), _host_view(self.table_t)
         self.width = int(self.table_t.shape[1]) if self.table_t.dim() == 2 else 0
-        return self.slots is not None and self.blocks is not None and self.width > 0
+        return self.slots is not None and self.blocks is not None and self.counts is not None and self.width > 0
 
 
 class _HostCheck:
@@ -317,17 +331,21 @@ class _HostCheck:
 
     A decode step's metadata is a few dozen integers; on the CPU each torch op on them (a slice, a reduction, a
     ``tolist``) costs microseconds of dispatch, far more than reading them. This reads exactly the entries the
-    validator would be given, through views bound once per buffer object, as Python lists, and applies the CPU
-    path's own clean test (:mod:`tripwire.validate._torch`): every entry of a rule tensor within the rule's range
-    (or its padding), used columns or not; the per-row block counts within ``[0, width]``; ``query_start_loc``
-    non-decreasing from 0 up to the step's tokens. When it holds, the phase's validator would count nothing and
-    change nothing, so its call (and the host work of building its arguments and request numbers) is skipped;
-    otherwise the validator runs in full. Bounds come from the validators' declared rules, so the two never differ.
+    validator would be given, through views bound once per buffer object, as Python lists, and applies the
+    validator's host clean test to them (:mod:`tripwire.validate._rules`, which the CPU path runs too): every entry
+    of a rule tensor within the rule's range (or its padding), used columns or not; the per-row block counts within
+    ``[0, width]``; ``query_start_loc`` non-decreasing from 0 up to the step's tokens. When it holds, the phase's
+    validator would count nothing and change nothing, so its call (and the host work of building its arguments and
+    request numbers) is skipped; otherwise the validator runs in full. Bounds come from the validators' declared
+    rules and the test is theirs, so the two never differ.
 
     It runs on every step of the engine, after the model's previous forward pass has evicted most of the host's
     caches, so what it touches is kept small: bounds and views are attributes bound once (no rule lookup, no view
     built per step), buffers are compared by identity (no torch op), and the only objects made per step are the
-    numpy slices and the short lists read from them. A phase that sees a buffer it has not bound yet (the first
+    short lists read (a buffer's prefix of each length is made once: :class:`_Prefixes`). Each rule costs one call
+    of the shared test; timed on clean decode steps against the same tests written inline in these methods, this
+    layout (kept prefixes, the bound check written out in each phase) is the faster of the two, and is kept for
+    that. A phase that sees a buffer it has not bound yet (the first
     step, or one after vLLM replaced a buffer) binds it and takes the exact path, so the validator's argument checks
     see every new buffer once before any step is skipped on it.
     """
@@ -346,10 +364,9 @@ class _HostCheck:
         self._pos_t: Any = None
         self._sl_t: Any = None
         self._qsl_t: Any = None
-        self._pos: memoryview | None = None
-        self._sl: memoryview | None = None
-        self._qsl: memoryview | None = None
-        self._ok = False
+        self._pos: _Prefixes | None = None
+        self._sl: _Prefixes | None = None
+        self._qsl: _Prefixes | None = None
 
     def _bind(self, runner: Any) -> bool:
         """Bind the views to the runner's current buffers. Returns False: the phase that binds takes the exact
@@ -359,44 +376,38 @@ class _HostCheck:
         ok = self._pos is not None and self._sl is not None and self._qsl is not None
         for g in self.groups:
             ok = g.bind() and ok  # every group binds, so the next step can skip
-        self._ok = ok
+        if not ok:
+            self._pos_t = None  # a buffer the views cannot read: left unbound, so every step binds and is exact
         return False
-
-    def _bound(self, runner: Any) -> bool:
-        """The runner's buffers are the ones bound, and readable here (attribute loads only)."""
-        return (
-            runner.positions is self._pos_t
-            and runner.seq_lens is self._sl_t
-            and runner.query_start_loc.gpu is self._qsl_t
-        )
 
     def inputs(self, runner: Any, num_reqs: int, num_tokens: int) -> bool:
         """True when the step's positions and ``query_start_loc`` are clean by the validator's own test."""
-        if not self._bound(runner):
+        # The runner's buffers are the ones bound (attribute loads, written out here: a helper's call would cost
+        # as much as one rule's test).
+        if (
+            runner.positions is not self._pos_t
+            or runner.seq_lens is not self._sl_t
+            or runner.query_start_loc.gpu is not self._qsl_t
+        ):
             return self._bind(runner)
-        if not self._ok:
-            return False  # a buffer the views cannot read: every step is exact
-        # Slices of bound views and tolist() of a few entries: no torch op, no tensor allocated. The list is sorted
-        # in place and tested at its ends: one C call where min() and max() are two slower ones (their generic
-        # iteration), no second list as sorted() would copy, on lists that are mostly sorted already.
-        v = self._pos[:num_tokens].tolist()  # type: ignore[index]
-        v.sort()
-        if v and not (self.pos_lo <= v[0] and v[-1] < self.pos_hi):
+        # Kept prefixes of bound views and tolist() of a few entries (no torch op, no tensor allocated), tested by
+        # the validator's own host clean test (tripwire.validate._rules): one plain function call per rule.
+        if not entries_clean(self._pos[num_tokens].tolist(), self.pos_lo, self.pos_hi):  # type: ignore[index]
             return False
-        q = self._qsl[: num_reqs + 1].tolist()  # type: ignore[index]
-        # Non-decreasing: compared with its sorted copy (the one rule that needs the list's order kept).
-        return not (q[0] != 0 or q[-1] > num_tokens or q != sorted(q))
+        return indptr_clean(self._qsl[num_reqs + 1].tolist(), num_tokens)  # type: ignore[index]
 
     def outputs(self, runner: Any, num_reqs: int, num_tokens: int, slot_mappings: dict[int, torch.Tensor]) -> bool:
         """True when the step's slot mappings, block tables, per-row counts and ``seq_lens`` are clean by the
         validator's own test."""
-        if not self._bound(runner):
+        # The runner's buffers are the ones bound (attribute loads, written out here: a helper's call would cost
+        # as much as one rule's test).
+        if (
+            runner.positions is not self._pos_t
+            or runner.seq_lens is not self._sl_t
+            or runner.query_start_loc.gpu is not self._qsl_t
+        ):
             return self._bind(runner)
-        if not self._ok:
-            return False
-        v = self._sl[:num_reqs].tolist()  # type: ignore[index]
-        v.sort()
-        if v and not (self.sl_lo <= v[0] and v[-1] < self.sl_hi):
+        if not entries_clean(self._sl[num_reqs].tolist(), self.sl_lo, self.sl_hi):  # type: ignore[index]
             return False
         # (index, group) pairs built once: iterating them makes no enumerate object per step.
         for i, g in self.indexed:
@@ -408,19 +419,11 @@ class _HostCheck:
                 return False  # a slot mapping that is not a view of the runner's slot buffer: validated
             # numel, not shape[0] or len(): the cheapest of torch's reads of the length (no Size object). vLLM's
             # slot mapping is a prefix slice of that buffer (gpu[:n]), so its numel entries are the ones read here.
-            v = g.slots[: sm.numel()].tolist()  # type: ignore[index]
-            v.sort()  # order does not matter to _within either (every entry tested)
-            if v and not (g.s_lo <= v[0] and v[-1] < g.s_hi) and not _within(v, g.s_lo, g.s_hi, g.pad):
+            if not entries_clean(g.slots[sm.numel()].tolist(), g.s_lo, g.s_hi, g.pad):  # type: ignore[index]
                 return False
             width = g.width
-            v = g.blocks[: num_reqs * width].tolist()  # type: ignore[index]
-            v.sort()
-            if v and not (g.b_lo <= v[0] and v[-1] < g.b_hi):
+            if not entries_clean(g.blocks[num_reqs * width].tolist(), g.b_lo, g.b_hi):  # type: ignore[index]
                 return False
-            if g.counts is None:
-                return False
-            v = g.counts[:num_reqs].tolist()
-            v.sort()
-            if v and not (0 <= v[0] and v[-1] <= width):
+            if not lengths_clean(g.counts[num_reqs].tolist(), width):  # type: ignore[index]
                 return False
         return True
