@@ -74,6 +74,7 @@ from ...contain import Taint
 from ...errors import GuardTripped
 from ...monitor import Monitor
 from ...validate import POLICIES
+from .._versions import in_range
 from . import _engine
 from ._cache import (
     _DESC_READ,
@@ -103,12 +104,6 @@ __all__ = [
 log = logging.getLogger("tripwire")
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    from packaging.version import Version
-
-    return Version(text).release
-
-
 def _installed_version() -> str:
     import transformers
 
@@ -117,9 +112,7 @@ def _installed_version() -> str:
 
 def check_version(version: str) -> None:
     """Raise RuntimeError unless ``version`` is inside :data:`SUPPORTED` (pre-releases of a supported minor count)."""
-    lo, hi = (_version_tuple(v) for v in SUPPORTED)
-    got = _version_tuple(version)
-    if not lo <= got[: len(lo)] or not got[: len(hi)] < hi:
+    if not in_range(version, SUPPORTED):
         raise RuntimeError(
             f"tripwire.integrations.transformers supports transformers >={SUPPORTED[0]},<{SUPPORTED[1]}; this process "
             f"has transformers {version}. Its continuous-batching cache layout is read directly (index bounds and trash "

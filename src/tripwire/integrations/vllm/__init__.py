@@ -57,6 +57,7 @@ from typing import Any
 
 from ..._runtime.default import default_monitor
 from ...monitor import Monitor
+from .._versions import in_range
 from . import _contain
 from ._hooks import ENV, _patch, _Plugin
 from ._numerics import ENV_LOGITS, SITE_LOGITS, logits_from_env
@@ -117,18 +118,10 @@ def mode_from_env(environ: Any = None) -> str | None:
     return value
 
 
-def _release(text: str) -> tuple[int, ...]:
-    from packaging.version import Version
-
-    return Version(text).release
-
-
 def check_version(version: str) -> None:
     """RuntimeError unless ``version`` is inside :data:`SUPPORTED` (pre-releases and local builds of a supported
     minor count: ``0.32.0+cpu``)."""
-    lo, hi = (_release(v) for v in SUPPORTED)
-    got = _release(version)
-    if not lo <= got[: len(lo)] or not got[: len(hi)] < hi:
+    if not in_range(version, SUPPORTED):
         raise RuntimeError(
             f"tripwire.integrations.vllm supports vLLM >={SUPPORTED[0]},<{SUPPORTED[1]}; this process has vLLM "
             f"{version}. Its model runner's private hook points and buffers are read directly, so an untested "
