@@ -231,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"runs": {}}
     if specs:
         pool = _vllm_proc.EnginePool(work, specs, workers=args.workers)
-        done = {name: pool.get(name) for name in specs}
+        done = {}
+        for name in specs:
+            # One line per engine as it ends: a call cut short by its time limit still says which engines ran.
+            done[name] = run = pool.get(name)
+            print(f"{time.time() - t0:5.0f} s  {name}: rc {run.rc}, alive {run.result is not None}, "
+                  f"{len(run.injected)} faults injected", flush=True)  # fmt: skip
         pool.close()
         for name, run in done.items():
             (out / f"{name}.stderr.txt").write_text(run.stderr[-20000:]) if run.result is None else None
