@@ -18,9 +18,9 @@ Fixtures:
   CUDA graph and checks the capture counted nothing; returns the graph.
 * ``triton_interpret``: ``triton_interpret(on)`` sets Triton's own setting of whether kernels run in its interpreter
   (``triton.knobs.runtime.interpret`` from Triton 3.4, else ``TRITON_INTERPRET``), put back at the end of the test;
-  ``triton_interpret()`` reads it. tripwire reads it at each launch (its launchers' CPU refusal, the register
-  budget), so the test sees a process whose kernels run compiled without compiling any (the kernels already
-  imported keep the mode they were imported in).
+  ``triton_interpret()`` reads it. tripwire reads it at each launch (the launchers' refusal of CPU tensors, the
+  register budget's search), so a test can show what a compiling process does there without compiling anything;
+  kernels already imported stay in the mode they were imported in.
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
   JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). The
   script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a
