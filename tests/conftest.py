@@ -16,6 +16,11 @@ Fixtures:
   the offender block's address: layout, not checked here).
 * ``captured``: ``captured(fn, monitor)`` runs ``fn`` once (compiles, loads), resets ``monitor``, captures ``fn`` in a
   CUDA graph and checks the capture counted nothing; returns the graph.
+* ``triton_interpret``: ``triton_interpret(on)`` sets Triton's own setting of whether kernels run in its interpreter
+  (``triton.knobs.runtime.interpret`` from Triton 3.4, else ``TRITON_INTERPRET``), put back at the end of the test;
+  ``triton_interpret()`` reads it. tripwire reads it at each launch (the launchers' refusal of CPU tensors, the
+  register budget's search), so a test can show what a compiling process does there without compiling anything;
+  kernels already imported stay in the mode they were imported in.
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
   JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). The
   script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a
@@ -54,6 +59,22 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_device() -> str:
     return "cpu" if INTERPRET or not HAS_CUDA else "cuda"
+
+
+@pytest.fixture
+def triton_interpret(monkeypatch):
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable at each call
+
+    def setting(on: bool | None = None) -> bool:
+        if on is not None and knobs is not None:
+            monkeypatch.setattr(knobs.runtime, "interpret", on)
+        elif on is not None:
+            monkeypatch.setenv("TRITON_INTERPRET", "1" if on else "0")
+        return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+    return setting
 
 
 @pytest.fixture

@@ -116,14 +116,9 @@ PRIVATE_IMPORT_DEBT = frozenset({
     ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._contain"),
     ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._v1"),
     ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._v2"),
-    # Where the launchers ask whether Triton interprets (read at each call, never bound at import): the test swaps
-    # the answer in the one module that gives it, and a bound stand-in as its control.
-    ("tests/kernels/test_kernels_cpu.py", "tripwire.kernels._common"),
-    ("tests/kernels/test_kernels_cpu.py", "tripwire.triton._callee"),
     # The register budget itself (ptxas's report parsed, the cap and the choice between builds, its cache), with
     # compiles replaced by reports.
     ("tests/triton/test_budget.py", "tripwire.triton._budget"),
-    ("tests/triton/test_budget.py", "tripwire.triton._callee"),
     ("tests/triton/test_triton.py", "tripwire.triton._budget"),
     # The validator's two backends, proven equal word for word (the torch path against the Triton kernel under the
     # interpreter), each fault build forced in turn, and the bound launch's own choices.

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tripwire import Monitor, SiteRegistry
+from tripwire.integrations import vllm as tw_vllm
 from tripwire.integrations.vllm import _runner, _steps
 from tripwire.integrations.vllm._steps import StepValidator
 from tripwire.layout import OFF_HEADER, OFFENDERS
@@ -176,7 +177,7 @@ def test_first_step_and_a_replaced_buffer_take_the_exact_path():
     r.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64)
     assert sv(*args) is True and sv(*args) is False
     assert sv(r, 1, 1, {0: torch.tensor([NUM_BLOCKS * BLOCK])}) is True
-    assert m.snapshot()[("cpu", _steps.SITE_SLOT_MAPPING)].count == 1
+    assert m.snapshot()[("cpu", tw_vllm.SITE_SLOT_MAPPING)].count == 1
 
 
 def decode_step(r: SimpleNamespace) -> tuple:
@@ -203,37 +204,37 @@ def _table(r: SimpleNamespace) -> SimpleNamespace:
 BAD = {
     "slot_mapping": (
         lambda r: _table(r).slot_mapping.gpu.__setitem__(1, NUM_BLOCKS * BLOCK),
-        _steps.SITE_SLOT_MAPPING,
+        tw_vllm.SITE_SLOT_MAPPING,
         lambda r: int(_table(r).slot_mapping.gpu[1]),
         -1,
     ),
     "block_table": (
         lambda r: _table(r).block_table.gpu.__setitem__((1, 1), NUM_BLOCKS),
-        _steps.SITE_BLOCK_TABLE,
+        tw_vllm.SITE_BLOCK_TABLE,
         lambda r: int(_table(r).block_table.gpu[1, 1]),
         0,
     ),
     "block_counts": (
         lambda r: _table(r).num_blocks_per_row.__setitem__(1, WIDTH + 1),
-        _steps.SITE_BLOCK_COUNTS,
+        tw_vllm.SITE_BLOCK_COUNTS,
         lambda r: int(_table(r).num_blocks_per_row[1]),
         WIDTH,
     ),
     "positions": (
         lambda r: r.positions.__setitem__(1, MAX_LEN),
-        _steps.SITE_POSITIONS,
+        tw_vllm.SITE_POSITIONS,
         lambda r: int(r.positions[1]),
         0,
     ),
     "query_start_loc": (
         lambda r: r.query_start_loc.gpu.__setitem__(2, 0),
-        _steps.SITE_QUERY_START_LOC,
+        tw_vllm.SITE_QUERY_START_LOC,
         lambda r: int(r.query_start_loc.gpu[2]),
         1,
     ),
     "seq_lens": (
         lambda r: r.seq_lens.__setitem__(1, 0),
-        _steps.SITE_SEQ_LENS,
+        tw_vllm.SITE_SEQ_LENS,
         lambda r: int(r.seq_lens[1]),
         1,
     ),
@@ -354,7 +355,6 @@ class _Table:
 @pytest.fixture
 def stand_in_plugin(monkeypatch):
     """The plugin's wrappers (contain) on the stand-in classes above, installed as install() does; uninstalled after."""
-    from tripwire.integrations import vllm as plugin_module
     from tripwire.integrations.vllm import _contain
     from tripwire.integrations.vllm import _hooks as tw
 
@@ -376,11 +376,11 @@ def stand_in_plugin(monkeypatch):
     monkeypatch.setattr(_contain, "ATTR", "t")
     monkeypatch.setattr(tw, "ATTR", "t")
     tw._patch(plugin)
-    monkeypatch.setattr(plugin_module, "_plugin", plugin)
+    monkeypatch.setattr(tw_vllm, "_plugin", plugin)
     try:
         yield plugin, own, updates
     finally:
-        plugin_module.uninstall()
+        tw_vllm.uninstall()
     assert all(c.__dict__[n] is f for (c, n), f in own.items())  # uninstall restored every method
     assert _contain.ON_TAINT is None
 
@@ -577,8 +577,6 @@ def test_the_plugin_switches_containment_through_the_monitors_one_setting(monkey
     ``Monitor.set_contain`` (whether the monitor was built before the plugin or not), and no environment variable is
     set for it. Control: under ``mask`` and ``flag`` the setting stays off, and a monitor set to contain is refused
     (an explicit setting is never dropped silently)."""
-    from tripwire.integrations import vllm as tw_vllm
-
     monkeypatch.delenv("TRIPWIRE_CONTAIN", raising=False)
     built_before = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
     assert built_before.contain is False

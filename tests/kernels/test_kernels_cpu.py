@@ -54,28 +54,23 @@ print("recorded", [launch.name for launch in capture_launches(lambda: pg.paged_g
     assert p.returncode == 0 and "recorded ['_paged_gather']" in p.stdout, p.stderr[-2000:]
 
 
-def test_the_launchers_ask_whether_triton_interprets_at_each_call(monkeypatch):
-    """Which of the two above a call gets is decided at the call, from tripwire.triton._callee: a stand-in set there
-    (as the register budget's tests set one) is seen while it is set and gone once it is undone, whichever module
-    was imported first. The control: a launcher holding a bound stand-in (what a name bound at its import, under
-    the stand-in, would hold) refuses CPU tensors."""
-    import types
-
+def test_the_launchers_ask_whether_triton_interprets_at_each_call(triton_interpret):
+    """Which of the two above a call gets is decided at the call, from Triton's own setting (``TRITON_INTERPRET``,
+    which Triton 3.4 and later hold as ``triton.knobs.runtime.interpret``): turned off in a process whose kernels
+    were imported interpreted, the same CPU call is refused while it is off and runs once it is back on, twice over.
+    The control is the call itself, refused and run on one process's kernels: a launcher that read the setting once
+    (at its import) would run every time, or refuse every time."""
     import pytest
     import torch
 
-    from tripwire.kernels import _common
     from tripwire.kernels import paged_gather as pg
-    from tripwire.triton import _callee
 
-    if not _callee.interpreting():
+    if not triton_interpret():
         pytest.skip("in-process under the interpreter (CI's); the subprocess tests above cover a compiling process")
     cache, table, out = torch.randn(64, 16), torch.randint(0, 64, (8, 4)), torch.empty(8, 4, 16)
-    with monkeypatch.context() as m:
-        m.setattr(_callee, "interpreting", lambda: False)
+    for _ in range(2):
+        triton_interpret(False)
         with pytest.raises(RuntimeError, match="cache is on the CPU"):
             pg.paged_gather(cache, table, out)
-    pg.paged_gather(cache, table, out)  # runs: the stand-in is gone
-    monkeypatch.setattr(_common, "_callee", types.SimpleNamespace(interpreting=lambda: False, recording=lambda: False))
-    with pytest.raises(RuntimeError, match="cache is on the CPU"):
-        pg.paged_gather(cache, table, out)
+        triton_interpret(True)
+        pg.paged_gather(cache, table, out)  # runs: read again at this call

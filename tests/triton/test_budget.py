@@ -114,20 +114,19 @@ def test_ptx_without_a_target_is_an_error():
         _budget.ptxas_report(".version 8.0\n.address_size 64\n")
 
 
-def test_nothing_compiled_under_the_interpreter(monkeypatch):
+def test_nothing_compiled_under_the_interpreter(triton_interpret):
     """Under Triton's interpreter the launch runs no compiled code: no cap, nothing compiled, and the answer is
     cached. The control: the search itself compiles (here it reaches the function handed in)."""
-    from tripwire.triton import _callee
 
     class Unbuildable:
         def warmup(self, *a, **k):
             raise AssertionError("compiled")
 
     key = ("test_budget", object())
-    monkeypatch.setattr(_callee, "interpreting", lambda: True)
+    triton_interpret(True)
     assert _budget.register_cap(key, Unbuildable(), (1,), (), {}, {"GUARD": False}) is None
     assert key in _budget._caps
-    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    triton_interpret(False)
     assert _budget.register_cap(key, Unbuildable(), (1,), (), {}, {"GUARD": False}) is None  # cached
     with pytest.raises(AssertionError, match="compiled"):
         _budget._search(Unbuildable(), (1,), (), {}, {"GUARD": False})
@@ -143,12 +142,10 @@ class _Broken:
         raise ValueError("no target")
 
 
-def test_a_failed_search_launches_uncapped_and_says_so(monkeypatch, caplog):
+def test_a_failed_search_launches_uncapped_and_says_so(triton_interpret, caplog):
     """Compiled (not interpreted) and the compile fails: no cap, a warning naming the kernel and the error, and the
     answer cached (one warning, not one per launch). The control: the error reaches the caller without the guard."""
-    from tripwire.triton import _callee
-
-    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    triton_interpret(False)
     key = ("test_budget_broken", object())
     with caplog.at_level("WARNING", logger="tripwire"):
         assert _budget.register_cap(key, _Broken(), (1,), (), {}, {"GUARD": False}) is None
@@ -160,18 +157,16 @@ def test_a_failed_search_launches_uncapped_and_says_so(monkeypatch, caplog):
         _budget._search(_Broken(), (1,), (), {}, {"GUARD": False})
 
 
-def _fake_builds(monkeypatch, report):
+def _fake_builds(monkeypatch, triton_interpret, report):
     """Compiles replaced: ``report(kwargs)`` is ptxas's report of the build with those keyword arguments; returns
     the list of the keyword arguments compiled, in order."""
-    from tripwire.triton import _callee
-
     compiled: list[dict] = []
 
     def compile_(fn, grid, args, kw):  # type: ignore[no-untyped-def]
         compiled.append(dict(kw))
         return len(compiled) - 1
 
-    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    triton_interpret(False)
     monkeypatch.setattr(_budget, "_compiled_ptx", compile_)
     monkeypatch.setattr(_budget, "ptxas_report", lambda i: report(compiled[i]))
     return compiled
@@ -193,10 +188,10 @@ def _calls_costs(kw):
     return _report(64)
 
 
-def test_budget_choice_takes_the_build_that_fits_the_twin(monkeypatch):
+def test_budget_choice_takes_the_build_that_fits_the_twin(monkeypatch, triton_interpret):
     """Calling costs a register unit the cap cannot take back without a spill in the entry; inlining fits the
     twin's 64: the launch inlines, uncapped. The control: calling alone is what the launch would be otherwise."""
-    compiled = _fake_builds(monkeypatch, _calls_costs)
+    compiled = _fake_builds(monkeypatch, triton_interpret, _calls_costs)
     key = ("test_budget_choice", object())
     assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": False}
     assert [k.get("CALLS") for k in compiled] == [True, True, True, False]  # twin, calling, calling at 64, inlining
@@ -208,10 +203,10 @@ def test_budget_choice_takes_the_build_that_fits_the_twin(monkeypatch):
     _budget._choices.pop(alone)
 
 
-def test_budget_choice_stops_at_the_first_build_that_fits(monkeypatch):
+def test_budget_choice_stops_at_the_first_build_that_fits(monkeypatch, triton_interpret):
     """Calling fits the twin's allocation once capped (no spill at 64): it launches capped, and the inlining build
     is never compiled."""
-    compiled = _fake_builds(monkeypatch, lambda kw: _report(kw.get("maxnreg", 72) if kw.get("FAULT") is not False
+    compiled = _fake_builds(monkeypatch, triton_interpret, lambda kw: _report(kw.get("maxnreg", 72) if kw.get("FAULT") is not False
                                                            else 64))  # fmt: skip
     key = ("test_budget_first", object())
     assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True, "maxnreg": 64}
@@ -219,7 +214,7 @@ def test_budget_choice_stops_at_the_first_build_that_fits(monkeypatch):
     _budget._choices.pop(key)
 
 
-def test_budget_choice_never_takes_a_build_that_spills_more(monkeypatch):
+def test_budget_choice_never_takes_a_build_that_spills_more(monkeypatch, triton_interpret):
     """Where neither fits, the fewest register units among builds spilling no more than the twin: inlining's 72
     registers spill 16 bytes in the entry, so the launch calls at 80 (the control: with the spill gone it would
     inline)."""
@@ -235,13 +230,13 @@ def test_budget_choice_never_takes_a_build_that_spills_more(monkeypatch):
         return report
 
     for spill, want in ((16, True), (0, False)):
-        _fake_builds(monkeypatch, costs(spill))
+        _fake_builds(monkeypatch, triton_interpret, costs(spill))
         key = ("test_budget_spill", spill, object())
         assert _budget.budget_choice(key, None, (1,), (), {}, {"FAULT": False}, OPTIONS)["CALLS"] is want
         _budget._choices.pop(key)
 
 
-def test_budget_choice_leaves_out_a_build_that_fails(monkeypatch, caplog):
+def test_budget_choice_leaves_out_a_build_that_fails(monkeypatch, triton_interpret, caplog):
     """Calling does not fit and the inlining build fails to compile: the launch calls with the cap its search found
     (not uncapped), and the failure is logged naming the build. The control: with the inlining build compiling,
     it is the one launched."""
@@ -257,7 +252,7 @@ def test_budget_choice_leaves_out_a_build_that_fails(monkeypatch, caplog):
         return _report(88) if "maxnreg" not in kw else _report(kw["maxnreg"], 0 if kw["maxnreg"] > 64 else 24)
 
     for fail, want in ((True, {"CALLS": True, "maxnreg": 72}), (False, {"CALLS": False})):
-        _fake_builds(monkeypatch, report)
+        _fake_builds(monkeypatch, triton_interpret, report)
         key = ("test_budget_failed_build", fail, object())
         caplog.clear()
         with caplog.at_level("WARNING", logger="tripwire"):
@@ -267,16 +262,14 @@ def test_budget_choice_leaves_out_a_build_that_fails(monkeypatch, caplog):
         _budget._choices.pop(key)
 
 
-def test_budget_choice_under_the_interpreter_and_on_failure(monkeypatch, caplog):
+def test_budget_choice_under_the_interpreter_and_on_failure(triton_interpret, caplog):
     """Nothing compiled under the interpreter, and a failed search, both launch the first option uncapped; the
     failure says so once. No options at all is an error."""
-    from tripwire.triton import _callee
-
-    monkeypatch.setattr(_callee, "interpreting", lambda: True)
+    triton_interpret(True)
     key = ("test_budget_interp", object())
     assert _budget.budget_choice(key, _Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
     _budget._choices.pop(key)
-    monkeypatch.setattr(_callee, "interpreting", lambda: False)
+    triton_interpret(False)
     key = ("test_budget_broken_choice", object())
     with caplog.at_level("WARNING", logger="tripwire"):
         assert _budget.budget_choice(key, _Broken(), (1,), (), {}, {"FAULT": False}, OPTIONS) == {"CALLS": True}
