@@ -6,6 +6,8 @@ epoch's control: the same epoch twice records the row once."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -93,13 +95,17 @@ def test_clean_rows_record_nothing(monitor, kernel_device, dtype):
     ],
 )
 def test_the_cpu_clean_test_misses_no_row(monitor, dtype, plant, rows):
-    """The CPU path's clean test (the exponent field of every element) lets no non-finite row through, whatever the
-    mix of +Inf, -Inf and NaN, and takes no finite value for one: the largest finite value of the dtype and its
-    smallest subnormal count nothing (a test on the values' sum would overflow on the first)."""
+    """The CPU path's clean test (a float32 sum, then the exponent field of every element where the sum is not
+    finite) lets no non-finite row through, whatever the mix of +Inf, -Inf and NaN, and takes no finite value for
+    one: the dtype's largest finite value (twice in one row: the sum overflows) and its smallest subnormal count
+    nothing, and the check says nothing rose. Control: the sum alone is not finite on the clean tensor (it would
+    have taken the overflow for a fault)."""
     x = torch.randn(4, 3000).to(dtype)
     x[3, 0] = torch.finfo(dtype).max
-    x[3, 1] = -torch.finfo(dtype).max
+    x[3, 1] = torch.finfo(dtype).max
     x[2, 5] = torch.finfo(dtype).smallest_normal / 4
+    if dtype != torch.float16:  # fp16's largest value sums to well inside float32: no overflow to show
+        assert not math.isfinite(x.sum(dtype=torch.float32).item())
     for r, v in plant.items():
         x[r, 7 + r] = v
     site = register_nonfinite_rows_site(f"t.cpu{len(plant)}", monitor=monitor)

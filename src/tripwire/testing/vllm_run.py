@@ -346,8 +346,9 @@ def _time_hooks() -> tuple[list[float], Any]:
 
         setattr(cls, name, wrapper)
 
-    from tripwire.integrations.vllm import _v2
+    from tripwire.integrations.vllm import _numerics, _v2
 
+    timed(_numerics.LogitsCheck, "__call__")  # the logits check (V1's and V2's: both call the runner's LogitsCheck)
     timed(_steps._HostCheck, "inputs")
     timed(_steps._HostCheck, "outputs")
     timed(_steps.StepValidator, "exact")
