@@ -90,3 +90,22 @@ def test_the_max_is_the_largest_over_calls(monitor, kernel_device):
         assert ta == tb, (top, ta, tb)
         seen.append(ta["k_max"])
     assert seen == [3.0, 3.0, 7.25, 7.25, 9.5]
+
+
+def test_the_widest_token_raises_both_maxima(monitor, kernel_device):
+    """A token of 2**15 K/V elements (the widest the counter takes: one program holds it) all above the row's stored
+    maximum fills each 'above' field to 2**15; the V field then reaches the packed sum's sign bit, and the max is
+    raised for V as for K. Control: read without its mask, that field is negative (the max would be skipped). One
+    element wider is refused, naming the limit."""
+    k = torch.full((1, 256, 128), 3.0, device=kernel_device)
+    v = torch.full((1, 256, 128), 5.0, device=kernel_device)
+    one = torch.ones(1, device=kernel_device)
+    c = ClipCounter("layer.wide", kernel_device, monitor=monitor)
+    count_clipped(c, k, v, one, one, torch.zeros(1, dtype=torch.int64, device=kernel_device))
+    t = c.totals()
+    assert (t["k"], t["v"], t["k_max"], t["v_max"]) == (0, 0, 3.0, 5.0)
+    packed = torch.tensor([1 << 15], dtype=torch.int64) << 48
+    assert int(packed >> 48) < 0 and int((packed >> 48) & 0xFFFF) == 1 << 15  # the control: unmasked, negative
+    wide = torch.zeros(1, 32769, 1, device=kernel_device)
+    with pytest.raises(ValueError, match="past this counter's 32768"):
+        count_clipped(c, wide, wide, one, one, torch.zeros(1, dtype=torch.int64, device=kernel_device))

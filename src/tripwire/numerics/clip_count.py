@@ -74,8 +74,9 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
     vseen = _seen(ctr_ptr, _VM)
     m = inside & (slot >= 0)
     ka, va = tl.abs(k), tl.abs(v)
-    # ONE reduction for four per-program counts, 16 bits each (at most TOK * HDP <= _ELEMS < 2**16 elements per
-    # tensor): K clipped, V clipped, K above the stored max, V above it (NaN compares false: never above).
+    # ONE reduction for four per-program counts, 16 bits each (a program holds at most max(_ELEMS, HDP) <= 2**15
+    # elements per tensor: no field carries into the next): K clipped, V clipped, K above the stored max, V above it
+    # (NaN compares false: never above). Each field is read back masked: the top one may reach bit 63.
     flags = (
         ((ka > kt) & m).to(tl.int64)
         | (((va > vt) & m).to(tl.int64) << 16)
@@ -84,7 +85,8 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
     )
     both = tl.sum(flags, axis=None)
     # Atomics only where something changes: a healthy step clips nothing, and once the maxima have settled no program
-    # raises them, so the common launch writes nothing and ends with its loads (no atomic round trip to wait out).
+    # raises them, so the common launch writes nothing (and a prefill's thousands of programs do not queue on the
+    # row's two max words).
     # Relaxed: the row's words are independent counters nobody orders against within the step (the reader and the
     # verdict read them after the stream's later work). A stored max read stale low only costs a redundant atomic_max.
     kc = both & 0xFFFF
@@ -95,7 +97,7 @@ def _clip_count_kernel(k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, ctr_ptr, n, k_str
         tl.atomic_add(ctr_ptr + _VC, vc, sem="relaxed")
     if ((both >> 32) & 0xFFFF) > 0:
         _raise_max(ctr_ptr, ka, m, _KM)
-    if (both >> 48) > 0:
+    if ((both >> 48) & 0xFFFF) > 0:
         _raise_max(ctr_ptr, va, m, _VM)
 
 
@@ -137,8 +139,8 @@ def count_clipped(
         return
     hd = key.shape[1] * key.shape[2]
     hdp = triton.next_power_of_2(hd)
-    if hdp >= 1 << 16:  # the kernel packs K's and V's per-program counts in 16 bits each
-        raise ValueError(f"{hd} K/V elements per token (heads x head_dim) is past this counter's 65535")
+    if hdp > 1 << 15:  # the kernel packs a program's four counts in 16 bits each
+        raise ValueError(f"{hd} K/V elements per token (heads x head_dim) is past this counter's 32768")
     tok = max(1, _ELEMS // hdp)
     _clip_count_kernel[(triton.cdiv(n, tok),)](key, value, slot_mapping, k_scale, v_scale, counter.ctr, n,
                                                 key.stride(0), value.stride(0), HD=hd, HDP=hdp, TOK=tok,
