@@ -66,17 +66,9 @@ class Staged:
         self._push(host, n, stream)
         return self.tensor[:n]
 
-    def scatter(self, at: np.ndarray, values: Any) -> torch.Tensor:
-        """The whole vector: ``values`` at the indices ``at``, -1 (none) everywhere else."""
-        buf, host = self._slot()
-        buf.fill(-1)
-        buf[at] = values  # numpy fancy assignment into the pinned slot: no torch allocation
-        self._push(host, None, None)
-        return self.tensor
-
     def scatter_fill(self, at: np.ndarray, values: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two vectors in ONE copy, for a Staged built with twice a vector's size: the first half as :meth:`scatter`
-        makes it (``values`` at ``at``, -1 elsewhere), and the second half's first ``n`` entries ``values`` as
+        """Two vectors in ONE copy, for a Staged built with twice a vector's size: the first half ``values`` at the
+        indices ``at`` and -1 (none) everywhere else, and the second half's first ``n`` entries ``values`` as
         :meth:`fill` makes them. Each host-to-device copy is an operation of its own on the engine's stream, between
         its kernels: a step that needs both vectors pays for one."""
         half = self.tensor.shape[0] // 2

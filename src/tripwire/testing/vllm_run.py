@@ -243,14 +243,15 @@ def run_bench(llm: Any, batches: list[int], steps: int, repeats: int, block: int
             inside.append(sum(hook) / steps)
         out[str(b)] = {**fig, "hook_s_per_step": inside, "cpu": cpu, "steps": every}
         if _on_cuda():
-            out[str(b)]["gpu_us_per_step"] = _kernel_time(llm, prompts, steps, f"prof{b}")
-            # Where the rest goes: every device operation of the step with the plugin on and off (one profiled round
-            # each), so the operations the plugin adds, and the step's device-busy time, are seen side by side.
+            # Every device operation of the step with the plugin off and on (one profiled round each, "on" last, so
+            # the plugin stays on): the operations it adds and the device-busy time side by side, and from the "on"
+            # round the GPU time of tripwire's own kernels.
             ops = {}
             for kind in ("off", "on"):
                 for (cls, name), fn in states[kind]:
                     setattr(cls, name, fn)
                 ops[kind] = _device_ops(llm, prompts, steps, f"ops{b}{kind}")
+            out[str(b)]["gpu_us_per_step"] = _kernel_time(ops["on"])
             out[str(b)]["device_ops"] = ops
     return out
 
@@ -274,27 +275,20 @@ _OURS = {
 }
 
 
-def _kernel_time(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> dict[str, float]:
-    """The GPU time per decode step, with the plugin on, of tripwire's kernels and of every kernel (CUPTI, through
-    torch.profiler; kernels replayed inside a CUDA graph are traced with their names), in microseconds: what the
-    validator's launches cost on the device inside the step, beside the step's own device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _decode_steps(llm, prompts, steps, tag)
+def _kernel_time(round_: dict[str, Any]) -> dict[str, float]:
+    """From a profiled round with the plugin on (:func:`_device_ops`): the GPU time per decode step of tripwire's
+    kernels and of every device operation (CUPTI, through torch.profiler; kernels replayed inside a CUDA graph are
+    traced with their names), in microseconds: what the plugin's launches cost on the device inside the step, beside
+    the step's own device time."""
     ours = total = 0.0
     parts = dict.fromkeys(_OURS.values(), 0.0)
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        dt = float(e.device_time)  # microseconds
-        total += dt
-        part = next((p for k, p in _OURS.items() if k in e.name), None)  # the first match: the most specific name
+    for name, (_count, us) in round_["ops"].items():
+        total += us
+        part = next((p for k, p in _OURS.items() if k in name), None)  # the first match: the most specific name
         if part is not None:
-            ours += dt
-            parts[part] += dt
-    n = steps + 1
-    return {"tripwire_us": ours / n, "all_us": total / n, **{f"{p}_us": v / n for p, v in parts.items()}}
+            ours += us
+            parts[part] += us
+    return {"tripwire_us": ours, "all_us": total, **{f"{p}_us": v for p, v in parts.items()}}
 
 
 def _device_ops(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ path never imports triton.
 The host clean test lives here too, once: :func:`entries_clean`, :func:`lengths_clean` and :func:`indptr_clean` say
 of one rule's values, read into a Python list, that the validator would count none of them and change none. The
 torch path runs them on a small tensor's ``tolist()`` (and on a large one's extremes), vLLM's CPU step check
-(``tripwire.integrations._vllm_steps``) on its buffers' views, and :class:`tripwire.validate.Rule` offers them per
+(``tripwire.integrations.vllm._steps``) on its buffers' views, and :class:`tripwire.validate.Rule` offers them per
 rule; the Triton kernel's clean test is the same rules on the device.
 """
 

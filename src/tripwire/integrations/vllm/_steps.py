@@ -345,9 +345,9 @@ class _HostCheck:
     short lists read (a buffer's prefix of each length is made once: :class:`_Prefixes`). Each rule costs one call
     of the shared test; timed on clean decode steps against the same tests written inline in these methods, this
     layout (kept prefixes, the bound check written out in each phase) is the faster of the two, and is kept for
-    that. A phase that sees a buffer it has not bound yet (the first
-    step, or one after vLLM replaced a buffer) binds it and takes the exact path, so the validator's argument checks
-    see every new buffer once before any step is skipped on it.
+    that. A phase that sees a buffer it has not bound yet (the first step, or one after vLLM replaced a buffer) binds
+    it and takes the exact path, so the validator's argument checks see every new buffer once before any step is
+    skipped on it.
     """
 
     def __init__(self, sv: StepValidator) -> None:
