@@ -60,8 +60,10 @@ def test_demo_default_run(device):
     # twice
     stops = [ln for ln in err.splitlines() if "stop ARMED" in ln]
     assert len(stops) == 1 and len(stops[0]) <= 200, stops
+    # the device as the arena names it: an index always (cuda:0), where the command line said "cuda"
+    named = "cuda:0" if device == "cuda" else device
     assert stops[0].startswith(
-        f"ERROR tripwire: stop ARMED: site 'kernels.rope.position' on {device} (FATAL: stops in every mode), first "
+        f"ERROR tripwire: stop ARMED: site 'kernels.rope.position' on {named} (FATAL: stops in every mode), first "
         f"offender row "
     )
     assert "tripwire: tripwire" not in err
