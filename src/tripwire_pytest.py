@@ -56,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _counts() -> dict[tuple[str, str], Any]:
     """The default monitor's guard rows with a count, ``{(device, site): Hit}``; {} while it does not exist."""
-    import tripwire._runtime.default as default
+    import tripwire._default as default
 
     if not default.built():
         return {}

@@ -8,10 +8,9 @@ imports are resolved against the module that makes them.
 * No upward import: a layer does not import the layers built on it (:data:`LAYERS`).
 
   - ``tripwire._runtime``, the machinery, is owned by no caller: it imports none of the public modules built on it
-    (:data:`ABOVE_RUNTIME`: the package root, ``monitor``, ``verdict``, ``report``, ``resources``, ``testing``,
-    ``kernels``, ``numerics``, ``validate``, ``integrations``, ``distributed``, ``cli``). Reporters get a narrow
-    context, not the Monitor. The one named exception (:data:`UPWARD_EXCEPTIONS`): ``_runtime.default`` holds the
-    process's default Monitor and so imports ``monitor``.
+    (:data:`ABOVE_RUNTIME`: the package root, ``_default``, ``monitor``, ``verdict``, ``report``, ``resources``,
+    ``testing``, ``kernels``, ``numerics``, ``validate``, ``integrations``, ``distributed``, ``cli``). Reporters get a narrow
+    context, not the Monitor. The process's default Monitor (built from it) sits above it, in ``tripwire._default``.
   - ``tripwire.triton``, the device helpers, sits under the kernels that use it: it imports none of those modules
     and not ``_runtime`` either (the launch recorder the register budget reads lives in ``triton._callee``).
   - Nothing imports the command (``tripwire.cli``) but the command itself and ``tripwire.__main__``.
@@ -68,8 +67,8 @@ class Layer(NamedTuple):
 
 
 # The public modules built on the machinery (relative names; "" is the package root).
-ABOVE_RUNTIME = ("", "monitor", "verdict", "report", "resources", "testing", "kernels", "numerics", "validate",
-                 "integrations", "distributed", "cli")  # fmt: skip
+ABOVE_RUNTIME = ("", "_default", "monitor", "verdict", "report", "resources", "testing", "kernels", "numerics",
+                 "validate", "integrations", "distributed", "cli")  # fmt: skip
 LAYERS = (
     Layer(("_runtime",), ABOVE_RUNTIME),
     Layer(("triton",), (*ABOVE_RUNTIME, "_runtime")),
@@ -77,12 +76,10 @@ LAYERS = (
     Layer(("",), ("",), exempt=("cli", "__main__", "testing")),
     Layer(("numerics", "integrations"), ("_runtime.report", "_runtime.hit")),
 )
-# (importer, imported), relative: _runtime.default builds and holds the process's default Monitor.
-UPWARD_EXCEPTIONS = frozenset({("_runtime.default", "monitor")})
 LAB = ("benchmarks", "scripts", "tests")
 
 # The white-box tests of the machinery: they may import tripwire._runtime's modules (and only those privately).
-# test_import.py reads the machinery's import-time state (arenas made, the default monitor, the driver binding).
+# test_import.py reads the machinery's import-time state (arenas made, the driver binding).
 RUNTIME_WHITE_BOX = frozenset({
     "tests/_runtime/test_arena.py",
     "tests/_runtime/test_confirm.py",
@@ -227,9 +224,8 @@ def upward_imports(
     graph: dict[str, set[str]],
     top: str = TOP,
     layers: Iterable[Layer] = LAYERS,
-    exceptions: Collection[tuple[str, str]] = UPWARD_EXCEPTIONS,
 ) -> list[tuple[str, str]]:
-    """(importer, imported) pairs, relative to ``top``, that break one of ``layers``, less the named exceptions."""
+    """(importer, imported) pairs, relative to ``top``, that break one of ``layers``."""
     found = set()
     for layer in layers:
         for m, targets in graph.items():
@@ -240,7 +236,7 @@ def upward_imports(
             for t in targets:
                 if any(t == top if x == "" else _under(t, _abs(top, x)) for x in layer.targets):
                     found.add((_rel(top, m), _rel(top, t)))
-    return sorted(found - set(exceptions))
+    return sorted(found)
 
 
 def lab_imports(src: Path, top: str = TOP, lab: Collection[str] = LAB) -> list[tuple[str, str]]:
@@ -335,12 +331,6 @@ def test_no_upward_imports():
     assert upward_imports(import_graph(SRC)) == []
 
 
-def test_each_named_exception_is_still_an_import():
-    """An exception the code no longer needs leaves UPWARD_EXCEPTIONS (the rules only tighten)."""
-    graph = import_graph(SRC)
-    assert all(_abs(TOP, up) in graph[_abs(TOP, low)] for low, up in UPWARD_EXCEPTIONS)
-
-
 def test_the_package_does_not_import_the_lab():
     assert lab_imports(SRC) == []
 
@@ -407,7 +397,7 @@ def test_control_no_cycle_in_a_chain(tmp_path):
 
 def test_control_upward_imports_are_found(tmp_path):
     """Each layer rule, broken once (one of them by an import inside a function), beside imports that keep them:
-    downward ones, the command's and the test helpers', and a named exception."""
+    downward ones, the command's and the test helpers'."""
     src = _package(
         tmp_path,
         {
@@ -432,15 +422,14 @@ def test_control_upward_imports_are_found(tmp_path):
         },
     )
     graph = import_graph(src, "pkg")
-    assert upward_imports(graph, "pkg", LAYERS, {("_runtime.default", "monitor")}) == [
+    assert upward_imports(graph, "pkg", LAYERS) == [
+        ("_runtime.default", "monitor"),
         ("_runtime.part", "monitor"),
         ("integrations.x", ""),
         ("integrations.x", "cli.run"),
         ("numerics", "_runtime.hit"),
         ("triton._budget", "kernels._common"),
     ]
-    # Without the exception, the default monitor's import is one more.
-    assert ("_runtime.default", "monitor") in upward_imports(graph, "pkg", LAYERS, ())
 
 
 def test_control_lab_imports_are_found(tmp_path):

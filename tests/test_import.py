@@ -21,14 +21,13 @@ import torch
 mods = sys.argv[1].split(",")
 for m in mods:
     __import__(m)
-import tripwire, tripwire._runtime.arena, tripwire._runtime.default, tripwire._runtime.driver
+import tripwire, tripwire._runtime.arena, tripwire._runtime.driver
 exec(sys.argv[2])
 print(json.dumps({
     "threads": sorted(t.name for t in threading.enumerate()),
     "driver_bound": tripwire._runtime.driver.Driver._instance is not False,
     "cuda_initialized": torch.cuda.is_initialized(),
     "arenas": tripwire._runtime.arena.arenas_made(),
-    "default_monitor_built": tripwire._runtime.default.built(),
 }))
 """
 
@@ -59,20 +58,28 @@ def available_modules() -> list[str]:
 
 
 def test_import_is_lean():
-    # A broken setting in the environment must not break the import (settings are read on first use).
+    # A broken setting in the environment must not break the import: settings are read, and the default monitor
+    # built, on first use (a monitor built at import would have raised on this mode: the control below).
     r = probe(available_modules(), env_extra={"TRIPWIRE_MODE": "loud", "TRITON_INTERPRET": "1"})
-    assert r == {
-        "threads": ["MainThread"],
-        "driver_bound": False,
-        "cuda_initialized": False,
-        "arenas": 0,
-        "default_monitor_built": False,
-    }
+    assert r == {"threads": ["MainThread"], "driver_bound": False, "cuda_initialized": False, "arenas": 0}
+
+
+def test_control_probe_sees_the_default_monitor_built():
+    """The broken mode that the import leaves unread is refused the moment the default monitor is built."""
+    env = {**os.environ, "TRIPWIRE_MODE": "loud", "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, "tripwire", "tripwire.default_monitor()"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode != 0 and "TRIPWIRE_MODE" in out.stderr and "loud" in out.stderr, out.stderr[-2000:]
 
 
 def test_control_probe_sees_threads_and_arenas():
     r = probe(["tripwire"], "tripwire.counter(tripwire.register_site('x'), 'cpu'); tripwire.start()")
-    assert "tripwire-reader" in r["threads"] and r["arenas"] == 1 and r["default_monitor_built"]
+    assert "tripwire-reader" in r["threads"] and r["arenas"] == 1
 
 
 def test_control_probe_sees_the_driver_bound():

@@ -12,7 +12,7 @@ reporters of one's own (and :class:`Offender`) in :mod:`tripwire.report`; metada
 
 from __future__ import annotations
 
-from ._runtime.default import (
+from ._default import (
     check,
     configure,
     counter,
@@ -27,7 +27,7 @@ from ._runtime.default import (
     start,
     stop,
 )
-from ._runtime.default import run_post_capture_hooks as run_post_capture_hooks
+from ._default import run_post_capture_hooks as run_post_capture_hooks
 from ._runtime.logs import install as _install_log_fallback
 from .config import MODES
 from .config import Settings as Settings

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._runtime.capture import relax_thread_capture_mode
-from .._runtime.default import default_monitor
+from .._default import default_monitor
 from ..errors import GuardTripped
 from ..monitor import Monitor
 from ._abort import abort_groups, all_groups

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from .._runtime.arena import normalize_device
-from .._runtime.default import default_monitor
+from .._default import default_monitor
 from ..layout import SLOTS
 from ..monitor import Monitor
 from ..sites import Site

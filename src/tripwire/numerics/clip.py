@@ -244,7 +244,7 @@ class ClipCounter:
         description: str = "",
     ) -> None:
         if monitor is None:
-            from .._runtime.default import default_monitor
+            from .._default import default_monitor
 
             monitor = default_monitor()
         self.fmt = _check_fmt(fmt)

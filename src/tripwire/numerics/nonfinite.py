@@ -53,7 +53,7 @@ def register_nonfinite_site(
     """Register (or look up) a non-finite counting site (kind ``"nonfinite"``) in ``monitor``'s registry (the
     default monitor's when None). Call it at import or construction time, before any capture."""
     if monitor is None:
-        from .._runtime.default import default_monitor
+        from .._default import default_monitor
 
         monitor = default_monitor()
     return monitor.registry.register(name, description=description, fatal=fatal, kind="nonfinite")
@@ -166,7 +166,7 @@ def count_nonfinite(
         raise ValueError(f"count_nonfinite needs a contiguous tensor, got strides {tuple(tensor.stride())}")
     if ctr is None:
         if monitor is None:
-            from .._runtime.default import default_monitor
+            from .._default import default_monitor
 
             monitor = default_monitor()
         if isinstance(site, str):

@@ -47,7 +47,7 @@ def register_nonfinite_rows_site(name: str, *, description: str = "", monitor: M
     """Register (or look up) a non-finite rows site (kind ``"nonfinite_rows"``) in ``monitor``'s registry (the default
     monitor's when None). Never fatal: a non-finite row is a fault of its request, which a verdict can fail."""
     if monitor is None:
-        from .._runtime.default import default_monitor
+        from .._default import default_monitor
 
         monitor = default_monitor()
     return monitor.registry.register(name, description=description, kind=KIND)

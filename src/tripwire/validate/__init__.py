@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from .._runtime.arena import normalize_device
-from .._runtime.default import default_monitor
+from .._default import default_monitor
 from ..monitor import Monitor
 from ..sites import Site
 from . import _rules as _r

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from ..._runtime.default import default_monitor
+from ..._default import default_monitor
 from ...contain import Taint
 from ...errors import GuardTripped
 from ...monitor import Monitor

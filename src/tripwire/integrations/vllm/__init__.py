@@ -55,7 +55,7 @@ import os
 import threading
 from typing import Any
 
-from ..._runtime.default import default_monitor
+from ..._default import default_monitor
 from ...monitor import Monitor
 from .._versions import in_range
 from . import _contain

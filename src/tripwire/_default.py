@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..config import load_settings
-from ..monitor import Hit, Monitor
-from ..sites import Site
+from .config import load_settings
+from .monitor import Hit, Monitor
+from .sites import Site
 
 _lock = threading.Lock()
 _monitor: Monitor | None = None
