@@ -10,7 +10,8 @@ imports are resolved against the module that makes them.
   - ``tripwire._runtime``, the machinery, is owned by no caller: it imports none of the public modules built on it
     (:data:`ABOVE_RUNTIME`: the package root, ``_default``, ``monitor``, ``verdict``, ``report``, ``resources``,
     ``testing``, ``kernels``, ``numerics``, ``validate``, ``integrations``, ``distributed``, ``cli``). Reporters get
-    a narrow context, not the Monitor. The process's default Monitor (built from it) sits above it, in ``tripwire._default``.
+    a narrow context, not the Monitor. The process's default Monitor (built from it) sits above it, in
+    ``tripwire._default``.
   - ``tripwire.triton``, the device helpers, sits under the kernels that use it: it imports none of those modules
     and not ``_runtime`` either (the launch recorder the register budget reads lives in ``triton._callee``).
   - Nothing imports the command (``tripwire.cli``) but the command itself and ``tripwire.__main__``.
