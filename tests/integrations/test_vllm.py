@@ -296,9 +296,10 @@ print("version:", vllm.__version__)
 def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     """The V2 model runner (``vllm.v1.worker.gpu.model_runner``) cannot run on this CPU build (it needs Triton's GPU
     backend and pinned memory); its engine runs on the GPU (scripts/gpu_vllm.py). What is exercised of it here:
-    ``install`` wraps the real class's hook points (and ``uninstall`` restores them), and vLLM's own
-    ``prepare_attn``, run on a V2 instance whose BlockTables is a torch stand-in with a real V2 ``InputBatch``, is
-    validated in both phases (tripwire's row guard and fence under Triton's interpreter):
+    ``install`` wraps the real class's hook points (``HOOK_POINTS.v2_runner``; ``uninstall`` restores them), the
+    wrapped ``initialize_kv_cache`` builds the V2 validator (V2's own stands in: it allocates on the device), and
+    vLLM's own ``prepare_attn``, run on a V2 instance whose BlockTables is a torch stand-in with a real V2
+    ``InputBatch``, is validated in both phases (tripwire's row guard and fence under Triton's interpreter):
 
     * a bad block id in a used column of a request state counts once at ``vllm.block_table`` under that batch row's
       vLLM request id and is masked to the null block; one past a state's used blocks does not count;
@@ -369,7 +370,7 @@ from types import SimpleNamespace as NS
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 import tripwire.integrations.vllm as tv
-from tripwire.integrations.vllm import _rows, _v2
+from tripwire.integrations.vllm import _rows
 from tripwire import Monitor, SiteRegistry
 
 seen = []
@@ -384,6 +385,10 @@ def sample(self, hidden_states, input_batch, grammar_output):  # stands in for V
     return self.model.compute_logits(hidden_states)
 
 
+def initialize_kv_cache(self, kv_cache_config):  # stands in for V2's own (it allocates the cache on the device)
+    self.kv_cache_config = kv_cache_config
+
+
 class Model:
     def compute_logits(self, hidden_states):
         return hidden_states * 1.0
@@ -391,9 +396,10 @@ class Model:
 
 V2.execute_model = execute_model
 V2.sample = sample
-own = {n: V2.__dict__[n] for n in _v2.HOOKS}
+V2.initialize_kv_cache = initialize_kv_cache
+own = {n: V2.__dict__[n] for n in tv.HOOK_POINTS.v2_runner}
 m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
-plugin = tv.install("mask", monitor=m)
+tv.install("mask", monitor=m)
 # sample_tokens is wrapped per runner instance, only for the call after a step that took a verdict.
 bound = all(V2.__dict__[n] is not own[n] and V2.__dict__[n].__wrapped__ is own[n] for n in own if n != "sample_tokens")
 bound = bound and V2.__dict__["sample_tokens"] is own["sample_tokens"]
@@ -427,11 +433,11 @@ r = object.__new__(V2)
 spec = NS(block_size=32)
 r.__dict__.update(
     device=torch.device("cpu"), max_model_len=128, max_num_reqs=8, dcp_size=1, pcp_manager=None,
-    kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64),
     vllm_config=NS(parallel_config=NS(world_size=1)), block_tables=Tables(), model=Model(),
     req_states=NS(free_indices=[7, 6, 5], total_len=NS(gpu=torch.full((8,), 100, dtype=torch.int32))),
 )
-plugin.build(r, _v2.V2StepValidator)
+# As vLLM builds a runner's cache: the plugin's wrapper builds the runner's validator after it (V2's, for this class).
+V2.initialize_kv_cache(r, NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64))
 st = r._tripwire
 V2.execute_model(r, None, dummy_run=True)  # a warm-up or capture batch: not a step
 V2.execute_model(r, None)
