@@ -293,6 +293,44 @@ print("version:", vllm.__version__)
     assert lines[3] == "installed: None"
 
 
+def test_hook_points_are_what_install_wraps():
+    """``HOOK_POINTS`` (what the source check of every release reads) names exactly the methods ``install`` wraps on
+    vLLM's classes, V1's runner and block table and V2's runner (``sample_tokens``, wrapped per runner instance, aside);
+    control: after ``uninstall`` the same comparison finds no method changed."""
+    code = """
+import json
+import tripwire.integrations.vllm as tv
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+from vllm.v1.worker.block_table import MultiGroupBlockTable
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+classes = {"v1_runner": V1, "v1_block_table": MultiGroupBlockTable, "v2_runner": V2}
+before = {k: dict(c.__dict__) for k, c in classes.items()}
+
+def changed():
+    return {k: sorted(n for n, f in c.__dict__.items() if before[k].get(n) is not f) for k, c in classes.items()}
+
+tv.install("mask")
+out = {"installed": changed(), "declared": {k: getattr(tv.HOOK_POINTS, k) for k in classes}}
+out["unwrapped"] = sorted(
+    f"{k}.{n}" for k, c in classes.items() for n in out["installed"][k] if c.__dict__[n].__wrapped__ is not before[k][n]
+)
+tv.uninstall()
+out["uninstalled"] = changed()
+print("RESULT", json.dumps(out))
+"""
+    p = python_in_vllm_env(code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT ")).split(" ", 1)[1])
+    declared = out["declared"]
+    assert out["installed"] == {
+        "v1_runner": sorted(set(declared["v1_runner"]) - {"sample_tokens"}),
+        "v1_block_table": [declared["v1_block_table"]],
+        "v2_runner": sorted(set(declared["v2_runner"]) - {"sample_tokens"}),
+    }
+    assert out["unwrapped"] == []  # each wraps the class's own method
+    assert out["uninstalled"] == {"v1_runner": [], "v1_block_table": [], "v2_runner": []}
+
+
 def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     """The V2 model runner (``vllm.v1.worker.gpu.model_runner``) cannot run on this CPU build (it needs Triton's GPU
     backend and pinned memory); its engine runs on the GPU (scripts/gpu_vllm.py). What is exercised of it here:

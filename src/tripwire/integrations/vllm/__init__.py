@@ -120,9 +120,12 @@ SUPPORTED = ("0.26", "0.35")
 @dataclasses.dataclass(frozen=True)
 class HookPoints:
     """The private names of vLLM that the plugin wraps or reads, by role: what a vLLM release must still have for the
-    plugin to work on it. :func:`install` refuses a runner that lacks a wrapped method (naming the version);
-    ``tests/integrations/test_vllm_source.py`` checks every release of :data:`SUPPORTED` for all of them from its
-    own source. Names, not signatures: the parameters each hook expects are that test's.
+    plugin to work on it. :func:`install` refuses a runner that lacks a method of ``v1_runner`` or ``v2_runner``, a
+    V1 block table without ``v1_block_table`` and a V2 ``InputBatch`` without a field of ``v2_input_batch`` (naming
+    the version); ``tests/integrations/test_vllm_source.py`` checks every release of :data:`SUPPORTED` for all of
+    them from its own source. Names, not signatures: the parameters each hook expects are that test's. The runners'
+    methods are wrapped on the class, except ``sample_tokens``: on a runner instance, for the one call after a step
+    that took a verdict.
 
     * ``v2_runner``: the methods of V2's ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` wrapped
       (``prepare_attn`` is the step's hook, both phases around it; ``sample`` the logits check's);
