@@ -98,22 +98,20 @@ PRIVATE_IMPORT_DEBT = frozenset({
     # Triton validator's build choice to show what the cap does to a compiled kernel.
     ("tests/_register_rule_probe.py", "tripwire.triton._budget"),
     ("tests/_register_rule_probe.py", "tripwire.validate._triton"),
-    # The vLLM adapter's internals, driven on vLLM's CPU build and on stand-in runners: its hook tables, the V2
-    # runner's row guard and fence, the metrics files and their collector, the step validator and its host clean
-    # test, the runner state and the containment channel. vLLM calls these, not a user; the public face
-    # (tripwire.integrations.vllm) is tested end to end beside them.
+    # The vLLM adapter's internals, which vLLM calls and no user does; the public face (tripwire.integrations.vllm:
+    # install, HOOK_POINTS, the metrics sink) is tested end to end beside them. The V2 runner's row guard and fence
+    # (V2's engine needs a GPU): their kernels against a reference, and on the CPU the fence's rewrite switched off
+    # as the control of a V2 step driven through the installed hooks (its step state set by hand, since V2's own
+    # execute_model cannot run there).
     ("tests/integrations/test_vllm.py", "tripwire.integrations.vllm._rows"),
-    ("tests/integrations/test_vllm.py", "tripwire.integrations.vllm._v2"),
-    ("tests/integrations/test_vllm_metrics.py", "tripwire.integrations.vllm._metrics"),
     ("tests/integrations/test_vllm_rows.py", "tripwire.integrations.vllm._rows"),
+    # The V1 step validator's host clean test (its rule tests loosened one at a time as controls, twin validators
+    # with it on and off compared word for word), and the hooks' wiring on stand-in runner, scheduler and output
+    # classes: the runner state, sample_tokens wrapped per step, released verdicts, the containment channel.
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._contain"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._runner"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._steps"),
-    # tests/integrations/test_vllm_source.py's reader of vLLM's source: the names the adapter patches, per version.
-    ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._contain"),
-    ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._v1"),
-    ("tests/integrations/vllm_source.py", "tripwire.integrations.vllm._v2"),
     # The register budget itself (ptxas's report parsed, the cap and the choice between builds, its cache), with
     # compiles replaced by reports.
     ("tests/triton/test_budget.py", "tripwire.triton._budget"),

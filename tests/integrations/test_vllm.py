@@ -293,12 +293,51 @@ print("version:", vllm.__version__)
     assert lines[3] == "installed: None"
 
 
+def test_hook_points_are_what_install_wraps():
+    """``HOOK_POINTS`` (what the source check of every release reads) names exactly the methods ``install`` wraps on
+    vLLM's classes, V1's runner and block table and V2's runner (``sample_tokens``, wrapped per runner instance, aside);
+    control: after ``uninstall`` the same comparison finds no method changed."""
+    code = """
+import json
+import tripwire.integrations.vllm as tv
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+from vllm.v1.worker.block_table import MultiGroupBlockTable
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+classes = {"v1_runner": V1, "v1_block_table": MultiGroupBlockTable, "v2_runner": V2}
+before = {k: dict(c.__dict__) for k, c in classes.items()}
+
+def changed():
+    return {k: sorted(n for n, f in c.__dict__.items() if before[k].get(n) is not f) for k, c in classes.items()}
+
+tv.install("mask")
+out = {"installed": changed(), "declared": {k: getattr(tv.HOOK_POINTS, k) for k in classes}}
+out["unwrapped"] = sorted(
+    f"{k}.{n}" for k, c in classes.items() for n in out["installed"][k] if c.__dict__[n].__wrapped__ is not before[k][n]
+)
+tv.uninstall()
+out["uninstalled"] = changed()
+print("RESULT", json.dumps(out))
+"""
+    p = python_in_vllm_env(code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT ")).split(" ", 1)[1])
+    declared = out["declared"]
+    assert out["installed"] == {
+        "v1_runner": sorted(set(declared["v1_runner"]) - {"sample_tokens"}),
+        "v1_block_table": [declared["v1_block_table"]],
+        "v2_runner": sorted(set(declared["v2_runner"]) - {"sample_tokens"}),
+    }
+    assert out["unwrapped"] == []  # each wraps the class's own method
+    assert out["uninstalled"] == {"v1_runner": [], "v1_block_table": [], "v2_runner": []}
+
+
 def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     """The V2 model runner (``vllm.v1.worker.gpu.model_runner``) cannot run on this CPU build (it needs Triton's GPU
     backend and pinned memory); its engine runs on the GPU (scripts/gpu_vllm.py). What is exercised of it here:
-    ``install`` wraps the real class's hook points (and ``uninstall`` restores them), and vLLM's own
-    ``prepare_attn``, run on a V2 instance whose BlockTables is a torch stand-in with a real V2 ``InputBatch``, is
-    validated in both phases (tripwire's row guard and fence under Triton's interpreter):
+    ``install`` wraps the real class's hook points (``HOOK_POINTS.v2_runner``; ``uninstall`` restores them), the
+    wrapped ``initialize_kv_cache`` builds the V2 validator (V2's own stands in: it allocates on the device), and
+    vLLM's own ``prepare_attn``, run on a V2 instance whose BlockTables is a torch stand-in with a real V2
+    ``InputBatch``, is validated in both phases (tripwire's row guard and fence under Triton's interpreter):
 
     * a bad block id in a used column of a request state counts once at ``vllm.block_table`` under that batch row's
       vLLM request id and is masked to the null block; one past a state's used blocks does not count;
@@ -369,7 +408,7 @@ from types import SimpleNamespace as NS
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 import tripwire.integrations.vllm as tv
-from tripwire.integrations.vllm import _rows, _v2
+from tripwire.integrations.vllm import _rows
 from tripwire import Monitor, SiteRegistry
 
 seen = []
@@ -384,6 +423,10 @@ def sample(self, hidden_states, input_batch, grammar_output):  # stands in for V
     return self.model.compute_logits(hidden_states)
 
 
+def initialize_kv_cache(self, kv_cache_config):  # stands in for V2's own (it allocates the cache on the device)
+    self.kv_cache_config = kv_cache_config
+
+
 class Model:
     def compute_logits(self, hidden_states):
         return hidden_states * 1.0
@@ -391,9 +434,10 @@ class Model:
 
 V2.execute_model = execute_model
 V2.sample = sample
-own = {n: V2.__dict__[n] for n in _v2.HOOKS}
+V2.initialize_kv_cache = initialize_kv_cache
+own = {n: V2.__dict__[n] for n in tv.HOOK_POINTS.v2_runner}
 m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
-plugin = tv.install("mask", monitor=m)
+tv.install("mask", monitor=m)
 # sample_tokens is wrapped per runner instance, only for the call after a step that took a verdict.
 bound = all(V2.__dict__[n] is not own[n] and V2.__dict__[n].__wrapped__ is own[n] for n in own if n != "sample_tokens")
 bound = bound and V2.__dict__["sample_tokens"] is own["sample_tokens"]
@@ -427,11 +471,11 @@ r = object.__new__(V2)
 spec = NS(block_size=32)
 r.__dict__.update(
     device=torch.device("cpu"), max_model_len=128, max_num_reqs=8, dcp_size=1, pcp_manager=None,
-    kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64),
     vllm_config=NS(parallel_config=NS(world_size=1)), block_tables=Tables(), model=Model(),
     req_states=NS(free_indices=[7, 6, 5], total_len=NS(gpu=torch.full((8,), 100, dtype=torch.int32))),
 )
-plugin.build(r, _v2.V2StepValidator)
+# As vLLM builds a runner's cache: the plugin's wrapper builds the runner's validator after it (V2's, for this class).
+V2.initialize_kv_cache(r, NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64))
 st = r._tripwire
 V2.execute_model(r, None, dummy_run=True)  # a warm-up or capture batch: not a step
 V2.execute_model(r, None)

