@@ -427,7 +427,6 @@ def _with_cap(
     kw.update(
         budget_choice((prefix, arena.device, consts, key), _validate, (total,), args, kw, {"FAULT": False}, options)
     )
-
     return kw
 
 
