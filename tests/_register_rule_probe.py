@@ -86,14 +86,9 @@ def shipped(guard: bool) -> dict:
     }  # fmt: skip
 
 
-def instruments() -> dict:
-    """Kernels without a GUARD switch: their twin is the same launch with the fault path stubbed out."""
-    import tripwire.validate as tv
-
-    v = Validator("probe", "cpu", policy="mask", monitor=mon)
-    v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
-    v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
-    v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
+def instruments(fault_calls: bool | None = None) -> dict:
+    """Kernels without a GUARD switch: their twin is the same launch with the fault path stubbed out. The validator
+    is built with ``fault_calls`` (None: the build the register budget picks)."""
     md = dict(slot_mapping=z(256, dtype=i64), block_table=z(256, 128, dtype=i32), blocks_per_req=z(256, dtype=i32),
               kv_indices=z(32768, dtype=i32), kv_indptr=z(257, dtype=i32))  # fmt: skip
     # Another kernel Triton compiles for the same rules (a one-token step: every size 1, a constant; the tensors
@@ -105,9 +100,13 @@ def instruments() -> dict:
     nf_site = nf.register_nonfinite_site("probe.logits", monitor=mon)
 
     def validate(md: dict) -> None:
-        # The kernel's own launch with the validator's rules: a CPU validator runs its torch path, not the kernel.
-        plan = v._build_plan()
-        tv._kernel().launch(v._arena, plan.rules, [md[n] for n in plan.names], mask=True)
+        # The kernel's launch with the validator's rules: a CPU validator of the Triton backend, built where its
+        # launch is recorded (a CPU validator runs its torch path by default). The same sites at each build.
+        v = Validator("probe", "cpu", policy="mask", monitor=mon, backend="triton", fault_calls=fault_calls)
+        v.index("slot_mapping", hi=65536, padding=-1, fatal=True)
+        v.index("block_table", hi=4096, safe=0, lengths="blocks_per_req")
+        v.csr("kv_indices", indptr="kv_indptr", hi=4096, safe=0)
+        v(**md)
 
     return {
         "validator": functools.partial(validate, md),
@@ -199,7 +198,7 @@ def precheck_reductions() -> dict:
 
 def nonfinite_budget() -> dict:
     """The non-finite counter at three launch shapes of its sweep (the default first): as launched (within its
-    twin's register allocation: tripwire.triton._budget), the control (the same launch without its ``maxnreg``:
+    twin's register allocation: the register budget), the control (the same launch without its ``maxnreg``:
     the compiler's own allocation) and the twin (its GUARD=False build). {shape: {variant: [kernel, regs, spills,
     programs_per_sm, maxnreg]}}."""
 
@@ -219,20 +218,17 @@ def nonfinite_budget() -> dict:
 
 def validator_budget() -> dict:
     """The validator's launch (the instruments' rules) at two of the kernels Triton compiles for them (full sizes;
-    one-entry sizes at misaligned addresses): as launched (within its twin's registers:
-    tripwire.validate._triton._with_cap), the control (the same launch without its ``maxnreg``) and the twin
-    (``FAULT=False``: each bad block only counted); and each of the launcher's two builds as it would launch it
-    alone (``calls``: the fault functions call the record's atomics; ``inlined``: they inline them; each with its
-    own cap), of which the launch is the one the budget chose. {spec: {variant: [kernel, regs, spills,
-    programs_per_sm, maxnreg, CALLS]}}."""
+    one-entry sizes at misaligned addresses): as launched (within its twin's registers: the register budget), the
+    control (the same launch without its ``maxnreg``) and the twin (``FAULT=False``: each bad block only counted);
+    and each of the launcher's two builds as it would launch it alone (``Validator(fault_calls=...)``: ``calls``,
+    the fault functions call the record's atomics; ``inlined``, they inline them; each with its own cap), of which
+    the launch is the one the budget chose. {spec: {variant: [kernel, regs, spills, programs_per_sm, maxnreg,
+    CALLS]}}."""
     import dataclasses
-
-    from tripwire.validate import _triton
 
     def row(launch: rs.Launch) -> list:
         return [*usage_of(launch), launch.kwargs.get("maxnreg"), launch.kwargs.get("CALLS")]
 
-    choose = _triton.budget_choice
     out = {}
     for spec in ("validator", "validator_one"):
         launched = rs.capture_launches(instruments()[spec])[0]
@@ -240,22 +236,14 @@ def validator_budget() -> dict:
         twin = dataclasses.replace(bare, kwargs={**bare.kwargs, "FAULT": False})
         out[spec] = {name: row(launch) for name, launch in (("launched", launched), ("uncapped", bare), ("twin", twin))}
         for name, calls in (("calls", True), ("inlined", False)):
-            # The launcher offered this build alone (its own cache key, so nothing of the choice above is reused).
-            def alone(key, fn, grid, args, kw, t, options, calls=calls):  # type: ignore[no-untyped-def]
-                return choose((key, "alone", calls), fn, grid, args, kw, t, [{"CALLS": calls}])
-
-            _triton.budget_choice = alone  # type: ignore[assignment]
-            try:
-                out[spec][name] = row(rs.capture_launches(instruments()[spec])[0])
-            finally:
-                _triton.budget_choice = choose
+            out[spec][name] = row(rs.capture_launches(instruments(fault_calls=calls)[spec])[0])
     return out
 
 
 def ptxas_agreement() -> dict:
     """The validator (both specialisations) and the non-finite counter compiled for sm_90 by Triton, uncapped, and
     their twins (``FAULT=False`` / ``GUARD=False``): per kernel, the registers of Triton's own cubin (cuobjdump),
-    what tripwire.triton._budget.ptxas_report reads from the same PTX (with Triton's ptxas options: what the
+    what tripwire.triton.ptxas_report reads from the same PTX (with Triton's ptxas options: what the
     register caps and the tools go by), ptxas's without those options (the control), and the options.
     {kernel: [cubin, report, plain, options]}."""
     import dataclasses
@@ -273,34 +261,29 @@ def ptxas_agreement() -> dict:
 
 
 def _agreement(launch) -> list:  # type: ignore[no-untyped-def]
-    from tripwire.triton import _budget
+    from tripwire.triton import ptxas_report, triton_ptxas_options
 
     compiled = rs._compile(launch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         cubin = rs._res_usage(f.name)[compiled.metadata.name]["REG"]
-    report = _budget.ptxas_report(compiled.asm["ptx"]).regs
-    options = _budget.triton_ptxas_options
-    _budget.triton_ptxas_options = lambda: ()  # type: ignore[assignment]
-    try:
-        plain = _budget.ptxas_report(compiled.asm["ptx"]).regs
-    finally:
-        _budget.triton_ptxas_options = options  # type: ignore[assignment]
-    return [cubin, report, plain, list(options())]
+    report = ptxas_report(compiled.asm["ptx"]).regs
+    plain = ptxas_report(compiled.asm["ptx"], options=()).regs
+    return [cubin, report, plain, list(triton_ptxas_options())]
 
 
 def return_saves() -> dict:
     """vLLM's adopted kernels, guarded: per kernel, ptxas's report of its entry function (spill bytes as the rule
-    reads them, and the return-address saves taken out of ptxas's count: tripwire.triton._budget.ptxas_report).
+    reads them, and the return-address saves taken out of ptxas's count: tripwire.triton.ptxas_report).
     {case: [[kernel, spill_bytes, return_save_bytes], ...]}."""
-    from tripwire.triton import _budget
+    from tripwire.triton import ptxas_report
 
     out = {}
     for name, fn in adopted(True).items():
         rows = []
         for launch in rs.capture_launches(fn):
-            r = _budget.ptxas_report(rs._compile(launch).asm["ptx"])
+            r = ptxas_report(rs._compile(launch).asm["ptx"])
             rows.append([launch.name, r.spill_bytes, r.return_save_bytes])
         out[name] = rows
     return out

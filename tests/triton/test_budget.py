@@ -313,3 +313,37 @@ def test_a_report_comes_from_the_cache_the_next_time(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "b"))
     _budget.ptxas_report(PTX)
     assert len(runs) == 4
+
+
+def test_a_report_with_options_of_ones_own(monkeypatch, tmp_path):
+    """The public face (tripwire.triton.ptxas_report): ``options`` passed to ptxas as given (``()``: none), and by
+    default Triton's own, which are one of those two here: that report comes from the cache, ptxas not run again.
+    Anything but a sequence of option strings is refused before ptxas runs (the control: a string, a number)."""
+    import tripwire.triton as tt
+
+    try:
+        _budget.ptxas_path(90)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    import subprocess
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    runs: list = []
+    real = subprocess.run
+
+    def counted(cmd, *a, **k):  # type: ignore[no-untyped-def]
+        runs.append(cmd)
+        return real(cmd, *a, **k)
+
+    monkeypatch.setattr(_budget.subprocess, "run", counted)
+    assert tt.triton_ptxas_options() in ((), ("--regAllocOptLevel=2",))
+    plain = tt.ptxas_report(PTX, options=())
+    assert isinstance(plain, tt.PtxasReport) and runs[-1][1:3] == ["-v", "--gpu-name=sm_90a"]
+    tt.ptxas_report(PTX, options=["--regAllocOptLevel=2"])
+    assert runs[-1][1:3] == ["-v", "--regAllocOptLevel=2"] and len(runs) == 2
+    tt.ptxas_report(PTX)
+    assert len(runs) == 2
+    for bad in ("--regAllocOptLevel=2", [2]):
+        with pytest.raises(TypeError, match="options must be a sequence of ptxas option strings"):
+            tt.ptxas_report(PTX, options=bad)  # type: ignore[arg-type]
+    assert len(runs) == 2

@@ -901,13 +901,12 @@ def regs(fn, types, consts, warps):
 def launched_nonfinite():
     # The non-finite counter as count_nonfinite launches it over [256, 152064] bf16 logits: recorded (not run) and
     # compiled for sm_90 with the launch's own specialisation (16-byte aligned data) and register cap (its twin's
-    # allocation; the cap cache cleared, so that each variant below searches its own).
+    # allocation, found in this process: each variant runs in a process of its own, the register budget keeping one
+    # cap per launch).
     import torch
     from tripwire import Monitor, SiteRegistry
     from tripwire import resources as rs
-    from tripwire.triton import _budget
 
-    _budget._caps.clear()
     mon = Monitor(registry=SiteRegistry(capacity=4), capacity=4, mode="off")
     site = nf.register_nonfinite_site("probe.logits", monitor=mon)
     x = torch.zeros(256, 152064, dtype=torch.bfloat16)
@@ -924,14 +923,12 @@ KERNELS = {
                      dict(BLOCK_T=sm._BLOCK_T, FAULT_T=32 * sm._NUM_WARPS, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True,
                           HAS_REQ=False), sm._NUM_WARPS),
 }
+VARIANT = "@VARIANT@"  # the one this process compiles (the test runs a process per variant)
 try:
-    shipped = tt._claim_offenders
-    out = {}
-    for variant, fn in (("shipped", shipped), ("none", no_offenders), ("per_lane", per_lane_offenders)):
-        tt._claim_offenders = fn  # _fault resolves it by name when it is compiled
-        out[variant] = {name: regs(*spec) for name, spec in KERNELS.items()}
-        out[variant]["nonfinite"] = launched_nonfinite()
-    tt._claim_offenders = shipped
+    variants = {"shipped": tt._claim_offenders, "none": no_offenders, "per_lane": per_lane_offenders}
+    tt._claim_offenders = variants[VARIANT]  # _fault resolves it by name when it is compiled
+    out = {name: regs(*spec) for name, spec in KERNELS.items()}
+    out["nonfinite"] = launched_nonfinite()
 except CompilationError:
     raise  # a kernel that does not compile is a failure, never a skip
 except Exception as e:
@@ -950,7 +947,7 @@ def test_offender_claims_cost_the_hot_path_no_occupancy(build_probe):
     shipped scalar claims need fewer registers than claims made by every lane at once (the control: per-lane keys
     and compare-and-swap results live across the block), so the comparison can fail. (The slot mapping is held to
     the register rule against its twin in tests/test_register_rule.py.)"""
-    r = build_probe(_REGISTERS_PROBE)
+    r = {v: build_probe(_REGISTERS_PROBE.replace("@VARIANT@", v)) for v in ("shipped", "none", "per_lane")}
     assert r["per_lane"]["wide"]["regs"] > r["shipped"]["wide"]["regs"] + 8, r
     assert r["per_lane"]["wide"]["programs_per_sm"] <= r["shipped"]["wide"]["programs_per_sm"], r
     shipped, none = r["shipped"]["nonfinite"], r["none"]["nonfinite"]

@@ -93,6 +93,38 @@ def _one_entry(md: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+def test_one_launch_per_call(monkeypatch, kernel_device):
+    """Every rule of a call in one launch of the kernel (compiled on a GPU; on the CPU the Triton backend, under the
+    interpreter). Control: the same rules as three validators are three launches (what the one-launch design
+    avoids)."""
+    from tripwire.validate import _triton
+
+    launches = []
+    real = _triton._validate
+
+    class Counting:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(_triton, "_validate", Counting())
+    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    v = Validator("one", kernel_device, monitor=mon, backend="triton")
+    v.index("a", hi=10, padding=-1)
+    v.index("b", hi=10, safe=0, lengths="n")
+    v.csr("c", indptr="p", hi=10, safe=0)
+    t = torch.tensor([1, 2, 30], device=kernel_device)
+    n, p = torch.tensor([3], device=kernel_device), torch.tensor([0, 3], device=kernel_device)
+    v(a=t, b=t.reshape(1, 3).clone(), n=n, c=t.clone(), p=p)
+    assert len(launches) == 1
+    assert mon.snapshot()[(str(v.device), "one.a")].count == 1
+    for name in ("x", "y", "z"):
+        w = Validator("three", kernel_device, monitor=mon, backend="triton")
+        w.index(name, hi=10, padding=-1)
+        w(**{name: t})
+    assert len(launches) == 4
+
+
 @pytest.mark.parametrize("dtype_key", [False, True])
 def test_each_specialisation_gets_its_own_register_budget(monkeypatch, kernel_device, dtype_key):
     """The register budget (_triton._with_cap: its cap and CALLS) is found per compiled kernel: three calls that
@@ -112,8 +144,8 @@ def test_each_specialisation_gets_its_own_register_budget(monkeypatch, kernel_de
     monkeypatch.setattr(_triton, "budget_choice", record)
     if dtype_key:
         with_cap = _triton._with_cap
-        monkeypatch.setattr(_triton, "_with_cap", lambda arena, consts, key, total, args: with_cap(
-            arena, consts, key[0], total, args))  # fmt: skip
+        monkeypatch.setattr(_triton, "_with_cap", lambda arena, consts, key, total, args, builds: with_cap(
+            arena, consts, key[0], total, args, builds))  # fmt: skip
     v = _declared("caps", Monitor(registry=SiteRegistry(capacity=16), capacity=16), kernel_device)
     plan = v._build_plan()
     launch = Launcher(v._arena, plan.rules, mask=True)

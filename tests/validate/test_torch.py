@@ -23,7 +23,7 @@ from tripwire.validate import Validator
 
 def test_cpu_path_needs_no_triton():
     """A CPU validator runs in a process where triton cannot be imported at all (vLLM's CPU build), with its exact
-    counts, offenders and masking. Control: the same process fails on a CUDA-path import of the kernel module."""
+    counts, offenders and masking. Control: the same process fails on a validator of the Triton backend."""
     code = """
 import sys
 sys.modules["triton"] = None  # `import triton` raises ImportError from here on
@@ -38,29 +38,28 @@ v(slots=s, req=torch.tensor([5, 6, 7, 8]))
 hit = m.snapshot()[("cpu", "cpu.slots")]
 print(s.tolist(), hit.count, [tuple(o) for o in hit.offenders])
 try:
-    import tripwire.validate._triton
+    Validator("kernel", "cpu", monitor=m, backend="triton")
 except ImportError:
-    print("kernel module needs triton")
+    print("the triton backend needs triton")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.splitlines() == ["[1, -1, -1, -1] 2 [(1, 12, 6), (3, -3, 8)]", "kernel module needs triton"]
+    assert p.stdout.splitlines() == ["[1, -1, -1, -1] 2 [(1, 12, 6), (3, -3, 8)]", "the triton backend needs triton"]
 
 
 # ---------------------------------------------------------------------------------------------- the two CPU paths
 def _twin_call(k_offenders, seed, mask, calls):
     """Two monitors with the same rules (so the same arena rows), one run on the torch path and one on the kernel
-    under the interpreter, over the same calls: returns both arenas' words (rows less slot 7, the offender block's
-    address; offender blocks whole) and both runs' repaired tensors."""
-    import tripwire.validate._triton as k
+    under the interpreter (``backend="triton"``), over the same calls: returns both arenas' words (rows less slot 7,
+    the offender block's address; offender blocks whole) and both runs' repaired tensors."""
     from tripwire.layout import OFFENDERS
 
     g = torch.Generator().manual_seed(seed)
     out = []
-    for runner in ("torch", "kernel"):
+    for backend in ("torch", "triton"):
         m = Monitor(registry=SiteRegistry(capacity=32), capacity=32, offenders=k_offenders)
-        v = Validator("twin", "cpu", policy="mask" if mask else "flag", monitor=m)
+        v = Validator("twin", "cpu", policy="mask" if mask else "flag", monitor=m, backend=backend)
         v.index("slots", hi=900, padding=-1, fatal=True, requests="req", segments="cu")
         v.index("table", hi=50, safe=0, lengths="n", requests="row_req")
         v.index("pos", hi=64, safe=0, site="twin.shared")
@@ -104,11 +103,7 @@ def _twin_call(k_offenders, seed, mask, calls):
                 }
             )
         for tensors in tensors_per_call:
-            if runner == "torch":
-                v(**tensors)
-            else:
-                plan = v._plan if v._plan is not None else v._build_plan()
-                k.launch(v._arena, plan.rules, [tensors[x] for x in plan.names], mask=mask)
+            v(**tensors)
         rows = m.arena.get(torch.device("cpu")).clone()
         rows[:, OFFENDERS] = 0
         out.append((rows, m.arena.offenders(torch.device("cpu")).clone(), tensors_per_call))
@@ -201,3 +196,30 @@ def test_clean_path_gates_the_exact_path_with_the_host_clean_test(monkeypatch, n
     real_clean = _vt.entries_clean
     monkeypatch.setattr(_vt, "entries_clean", lambda vals, lo, hi, pad=None: real_clean(vals, lo, hi + 1, pad))
     assert call(slots_hi=True, slot_pad=False) == ([], {})
+
+
+def test_one_pass_per_call(monkeypatch):
+    """A CPU validator's call runs the torch path once for every rule together (as a CUDA call is one launch:
+    tests/validate/test_launcher.py). Control: the same rules as three validators are three passes."""
+    passes = []
+    real = _vt.launch
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        passes.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_vt, "launch", counting)
+    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    v = Validator("one", "cpu", monitor=mon)
+    v.index("a", hi=10, padding=-1)
+    v.index("b", hi=10, safe=0, lengths="n")
+    v.csr("c", indptr="p", hi=10, safe=0)
+    t = torch.tensor([1, 2, 30])
+    v(a=t, b=t.reshape(1, 3).clone(), n=torch.tensor([3]), c=t.clone(), p=torch.tensor([0, 3]))
+    assert len(passes) == 1
+    assert mon.snapshot()[("cpu", "one.a")].count == 1
+    for name in ("x", "y", "z"):
+        w = Validator("three", "cpu", monitor=mon)
+        w.index(name, hi=10, padding=-1)
+        w(**{name: t})
+    assert len(passes) == 4

@@ -7,13 +7,14 @@ indptr entry, and an indptr entry is bad when it is not 0 at position 0, or out 
 good entry before it (mask replaces it with that entry).
 
 Backends: CUDA tensors run the Triton kernel; CPU tensors run the plain torch path (``tripwire.validate._torch``).
-Without a GPU every test here runs twice (the ``backend`` fixture): on the torch path, and with the CPU path swapped
-for the Triton kernel under the interpreter; ``tests/validate/test_torch.py`` compares the two on the same calls,
-every arena and offender word and every repaired entry.
+Without a GPU every test here runs twice (the ``backend`` fixture): on the torch path, and on the Triton kernel under
+the interpreter (``Validator(..., backend="triton")``); ``tests/validate/test_torch.py`` compares the two on the same
+calls, every arena and offender word and every repaired entry.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -21,25 +22,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tripwire.validate._torch as _vt
 from conftest import HAS_CUDA
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
-
-_TORCH_LAUNCH = _vt.launch  # the CPU path itself, kept before the backend fixture swaps it
 
 
 @pytest.fixture(autouse=True, params=["cuda"] if HAS_CUDA else ["torch", "interpreter"])
 def backend(request, monkeypatch):
     """``torch``: CPU validators run the plain torch path; ``interpreter``: they run the Triton kernel under the
-    interpreter instead (the same arena, the same tensors); ``cuda``: the kernel, compiled."""
+    interpreter instead (the same arena, the same tensors); ``cuda``: the kernel, compiled. Every validator this
+    module builds is built through its module-level name ``Validator``, which the interpreter's case binds to the
+    Triton backend for the test."""
     if request.param == "interpreter":
-        import tripwire.validate._triton as k
-
-        def kernel(arena, rules, tensors, *, mask, offenders=None):  # type: ignore[no-untyped-def]
-            k.launch(arena, rules, tensors, mask=mask)
-
-        monkeypatch.setattr(_vt, "launch", kernel)
+        monkeypatch.setitem(globals(), "Validator", functools.partial(Validator, backend="triton"))
     return request.param
 
 
@@ -148,15 +143,14 @@ def test_matches_reference(md, mon, kernel_device):
 @pytest.mark.parametrize("calls", [True, False])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(md=metadata)
-def test_each_fault_build_matches_reference(md, mon, kernel_device, backend, monkeypatch, calls):
-    """Both builds the launcher chooses between (tripwire.triton._budget.budget_choice: the out-of-line fault
-    functions calling the record's atomics, or inlining them) record and repair exactly as the reference, each
-    forced in turn (every launch is handed the forced build: the test below shows the two run different code)."""
+def test_each_fault_build_matches_reference(md, mon, kernel_device, backend, calls):
+    """Both builds the register budget chooses between (the out-of-line fault functions calling the record's
+    atomics, or inlining them) record and repair exactly as the reference, each forced in turn
+    (``Validator(fault_calls=...)``: every launch of the validator is that build; the test below shows the two run
+    different code, and that the forced one is the one launched)."""
     if backend == "torch":
         pytest.skip("the Triton kernel's two builds: the interpreter and cuda backends run them")
-    seen = _force_build(monkeypatch, calls)
-    _matches_reference(md, mon, kernel_device)
-    assert seen == {calls}  # every call launches (the indptr's own program at least), each the forced build
+    _matches_reference(md, mon, kernel_device, fault_calls=calls)
 
 
 @pytest.mark.parametrize("calls", [True, False])
@@ -175,37 +169,18 @@ def test_each_fault_build_runs_its_own_record(mon, kernel_device, backend, monke
         write(ctr_ptr, n + 1, max_rb, max_vb, neg_min, first_rb, first_vb)
 
     monkeypatch.setattr(tt, "_record_words", one_more)
-    _force_build(monkeypatch, calls)
     md = {"dtype": torch.int32, "policy": "mask", "hi": 5, "slots": [1, 9, 2], "rows": 0, "width": 0,
           "table": [0] * 45, "lengths": [0] * 5, "indptr": [0], "indices": []}  # fmt: skip
     if calls:
         with pytest.raises(AssertionError, match=r"^assert 2 == 1\n"):  # the slot rule's one bad entry, counted twice
-            _matches_reference(md, mon, kernel_device)
+            _matches_reference(md, mon, kernel_device, fault_calls=calls)
     else:
-        _matches_reference(md, mon, kernel_device)
+        _matches_reference(md, mon, kernel_device, fault_calls=calls)
 
 
-def _force_build(monkeypatch, calls: bool) -> set[bool]:
-    """The validator offered its two builds and handed only the one with ``CALLS=calls`` (under a cache key of its
-    own, so nothing chosen elsewhere is reused); returns the set the launches' CALLS are added to."""
-    from tripwire.triton._budget import budget_choice as choose
-    from tripwire.validate import _triton
-
-    seen: set[bool] = set()
-
-    def forced(key, fn, grid, args, kw, twin, options):  # type: ignore[no-untyped-def]
-        assert {"CALLS": True} in options and {"CALLS": False} in options
-        out = choose((key, "forced", calls), fn, grid, args, kw, twin, [{"CALLS": calls}])
-        seen.add(out["CALLS"])
-        return out
-
-    monkeypatch.setattr(_triton, "budget_choice", forced)
-    return seen
-
-
-def _matches_reference(md, mon, kernel_device):
+def _matches_reference(md, mon, kernel_device, fault_calls=None):
     dt, hi = md["dtype"], md["hi"]
-    v = Validator("ref", kernel_device, policy=md["policy"], monitor=mon)
+    v = Validator("ref", kernel_device, policy=md["policy"], monitor=mon, fault_calls=fault_calls)
     v.index("slots", hi=hi, padding=-1, fatal=True)
     v.index("table", hi=hi, safe=0, lengths="lengths")
     v.csr("kv", indptr="kv_ptr", hi=hi, safe=hi - 1)
@@ -292,49 +267,6 @@ def test_shared_lengths_count_once(mon, kernel_device):
     assert n.tolist() == [3, 0]
 
 
-def test_one_launch_per_call(mon, kernel_device, monkeypatch, backend):
-    import tripwire.validate._triton as k
-
-    launches = []
-    if backend == "torch":
-        real_pass = _vt.launch
-
-        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-            launches.append(args[1])
-            return real_pass(*args, **kwargs)
-
-        monkeypatch.setattr(_vt, "launch", counting)
-    else:
-        real = k._validate
-
-        class Counting:
-            def __getitem__(self, grid):
-                launches.append(grid)
-                return real[grid]
-
-        monkeypatch.setattr(k, "_validate", Counting())
-    v = Validator("one", kernel_device, monitor=mon)
-    v.index("a", hi=10, padding=-1)
-    v.index("b", hi=10, safe=0, lengths="n")
-    v.csr("c", indptr="p", hi=10, safe=0)
-    t = torch.tensor([1, 2, 30], device=kernel_device)
-    v(
-        a=t,
-        b=t.reshape(1, 3).clone(),
-        n=torch.tensor([3], device=kernel_device),
-        c=t.clone(),
-        p=torch.tensor([0, 3], device=kernel_device),
-    )
-    assert len(launches) == 1
-    assert mon.snapshot()[(str(v.device), "one.a")].count == 1
-    # Control: the same rules as three validators are three launches (what the one-launch design avoids).
-    for name in ("x", "y", "z"):
-        w = Validator("three", kernel_device, monitor=mon)
-        w.index(name, hi=10, padding=-1)
-        w(**{name: t})
-    assert len(launches) == 4
-
-
 def test_empty_tensors(mon, kernel_device):
     v = Validator("empty", kernel_device, monitor=mon)
     v.index("a", hi=10, padding=-1)
@@ -407,6 +339,34 @@ def test_bad_validators_and_names(mon, kernel_device):
         v.csr("k", indptr="n", hi=4, safe=0)
     # The flag policy needs no safe value.
     Validator("f", kernel_device, policy="flag", monitor=mon).index("a", hi=4)
+
+
+def test_backend_and_build_choices(mon, kernel_device, triton_interpret):
+    """``backend`` and ``fault_calls`` are checked when the validator is built, each refusal naming what is wrong;
+    the device's own backend is the default. The Triton backend on the CPU runs under the interpreter only: with
+    the interpreter off (a process that compiles for a GPU) it is refused before any call (the control: on, the
+    same validator builds)."""
+    from tripwire.validate import BACKENDS
+    from tripwire.validate import Validator as Built  # the class itself, whatever the fixture binds
+
+    assert BACKENDS == ("triton", "torch")
+    assert Built("d", kernel_device, monitor=mon).backend == ("torch" if kernel_device == "cpu" else "triton")
+    with pytest.raises(ValueError, match="backend='numpy' is not a validator backend; expected one of triton, torch"):
+        Built("x", kernel_device, monitor=mon, backend="numpy")
+    if kernel_device == "cpu":
+        with pytest.raises(ValueError, match=r"fault_calls=True picks a build of the Triton kernel.*runs 'torch'"):
+            Built("x", "cpu", monitor=mon, fault_calls=True)
+        assert Built("k", "cpu", monitor=mon, backend="triton", fault_calls=False).fault_calls is False
+        triton_interpret(False)
+        with pytest.raises(RuntimeError, match="backend='triton' on the CPU runs the kernel under Triton's interp"):
+            Built("x", "cpu", monitor=mon, backend="triton")
+        triton_interpret(True)
+        assert Built("x", "cpu", monitor=mon, backend="triton").backend == "triton"
+    else:
+        with pytest.raises(ValueError, match="backend='torch' reads its tensors on the host"):
+            Built("x", kernel_device, monitor=mon, backend="torch")
+    with pytest.raises(ValueError, match="fault_calls=1 picks a build"):
+        Built("x", kernel_device, monitor=mon, backend="triton", fault_calls=1)
 
 
 def test_bad_calls(mon, kernel_device):

@@ -33,6 +33,16 @@ the rest (``record_hits``' ``CALLS=False``: inline the rest, from a caller that 
 vote, no call), so it does cost registers of its own. ``tripwire resources`` shows what a guarded
 kernel occupies beside its twin (docs/guarding.md).
 
+The register budget, for a launcher of a guarded kernel whose out-of-line fault path needs more registers than its
+hot path: :func:`register_cap` ``(key, kernel, grid, args, kwargs, twin)`` -> the ``maxnreg`` that keeps the launch
+within its twin's allocation (None: none needed, or none found); :func:`budget_choice` ``(..., twin, options)`` ->
+the keyword arguments of the first of several builds (``CALLS`` of ``record_hits``) that fits it, with its cap.
+Both compile at the first launch of a key (make it before a CUDA graph capture) and cache the answer per key; under
+the interpreter they compile nothing. :func:`ptxas_report` ``(ptx, options=None)`` -> :class:`PtxasReport` is what
+they and ``tripwire resources`` read of a compiled kernel: ``ptxas -v``'s registers and spills of its entry function
+(its callees' spills apart), run with the options Triton's own ptxas command passes (:func:`triton_ptxas_options`),
+or with ``options`` instead.
+
 Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
 ``record_hits`` counts LANES. A count should mean bad ENTRIES: where one entry is held by several lanes (a page id
 broadcast over the token lanes of its page) or read by several programs (head or split programs of one sequence),
@@ -68,6 +78,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._budget import PtxasReport as PtxasReport
+from ._budget import budget_choice as budget_choice
+from ._budget import ptxas_report as ptxas_report
+from ._budget import register_cap as register_cap
+from ._budget import triton_ptxas_options as triton_ptxas_options
 from ._callee import _INTERP as _INTERP
 from ._callee import _PTX as _PTX
 from ._callee import CALLEE_SMEM_SAFE as CALLEE_SMEM_SAFE
@@ -81,12 +96,17 @@ from ._words import GUARD_BIAS as GUARD_BIAS
 __all__ = [
     "CALLEE_SMEM_SAFE",
     "GUARD_BIAS",
+    "PtxasReport",
     "any_outside",
+    "budget_choice",
     "guard_index",
+    "ptxas_report",
     "record_hit",
     "record_hits",
     "record_lanes",
     "record_tiles",
+    "register_cap",
+    "triton_ptxas_options",
 ]
 
 # Larger than any encoded word: the neutral element of the "lowest row" reduction.
@@ -228,7 +248,7 @@ def record_hits(ctr_ptr, bad, rows, values, reqs=None, CALLS: tl.constexpr = Tru
     ``CALLS``: whether the atomics are called out of line (the default, for a caller whose clean path this is) or
     inlined into the caller, for a caller that is itself an out-of-line fault path: there a nested call only adds
     the call's own registers to the kernel's allocation, or saves nothing, depending on the compiler; a launcher
-    that compiles both picks (tripwire.triton._budget.budget_choice). The records are the same either way.
+    that compiles both picks (:func:`budget_choice`). The records are the same either way.
 
     One reduction per call; atomics (one set, for all lanes together) only when some lane is bad. Each program
     counts its own lanes: an entry held by several lanes or read by several programs counts once per lane and

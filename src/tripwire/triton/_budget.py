@@ -42,7 +42,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -111,10 +111,12 @@ def triton_ptxas_options() -> tuple[str, ...]:
     return tuple(sorted(set(re.findall(r"--regAllocOptLevel=\d+", src))))
 
 
-def ptxas_report(ptx: str) -> PtxasReport:
+def ptxas_report(ptx: str, *, options: Sequence[str] | None = None) -> PtxasReport:
     """``ptxas -v`` over ``ptx`` (one kernel, as Triton emits it: its target and any ``.maxnreg`` are in the text),
-    with the allocation options Triton's own command passes (:func:`triton_ptxas_options`), parsed. Raises
-    RuntimeError with ptxas's words if it fails or reports no entry function.
+    with the allocation options Triton's own command passes (:func:`triton_ptxas_options`), parsed: what the register
+    budget and ``tripwire resources`` go by. ``options``: other ptxas options instead of Triton's (``()``: none; a
+    report of a build Triton would not make). Needs a ptxas (Triton's bundled one, else one on PATH:
+    FileNotFoundError without). Raises RuntimeError with ptxas's words if it fails or reports no entry function.
 
     Kept in Triton's cache (its ``TRITON_CACHE_DIR``), keyed by the PTX, the options and the ptxas binary: the
     report is a function of those alone, and ptxas over a large kernel takes a noticeable fraction of a second. A
@@ -124,8 +126,11 @@ def ptxas_report(ptx: str) -> PtxasReport:
     if m is None:
         raise RuntimeError("ptxas_report: the PTX names no .target sm_NN")
     arch = int(m.group(1))
-    ptxas, options, gpu = ptxas_path(arch), triton_ptxas_options(), f"sm_{arch}{m.group(2)}"
-    cache = _report_cache(ptxas, options, gpu, ptx)
+    if options is not None and (isinstance(options, str) or not all(isinstance(o, str) for o in options)):
+        raise TypeError(f"ptxas_report: options must be a sequence of ptxas option strings, got {options!r}")
+    opts = triton_ptxas_options() if options is None else tuple(options)
+    ptxas, gpu = ptxas_path(arch), f"sm_{arch}{m.group(2)}"
+    cache = _report_cache(ptxas, opts, gpu, ptx)
     if cache is not None and (found := cache.get_file(_REPORT_FILE)) is not None:
         with open(found) as f:
             return PtxasReport(*json.load(f))
@@ -134,7 +139,7 @@ def ptxas_report(ptx: str) -> PtxasReport:
         with open(src, "w") as f:
             f.write(ptx)
         out = os.path.join(d, "k.cubin")
-        p = subprocess.run([ptxas, "-v", *options, f"--gpu-name={gpu}", src, "-o", out], capture_output=True, text=True)
+        p = subprocess.run([ptxas, "-v", *opts, f"--gpu-name={gpu}", src, "-o", out], capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"ptxas failed: {p.stderr[-2000:]}")
         report = parse_ptxas(p.stderr)
@@ -298,7 +303,7 @@ def budget_choice(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     twin: dict[str, Any],
-    options: list[dict[str, Any]],
+    options: Sequence[Mapping[str, Any]],
 ) -> Mapping[str, Any]:
     """The keyword arguments to add to ``fn[grid](*args, **kwargs)``: one of ``options`` (constexpr overrides, each
     a build of the same kernel that records the same, e.g. its fault paths' atomics called or inlined:
@@ -343,7 +348,12 @@ def _warn(fn: Any, instead: str, e: Exception) -> None:
 
 
 def _choose(
-    fn: Any, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any], twin: dict[str, Any], options: list[dict]
+    fn: Any,
+    grid: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    twin: dict[str, Any],
+    options: Sequence[Mapping[str, Any]],
 ) -> dict[str, Any]:
     t = ptxas_report(_compiled_ptx(fn, grid, args, {**kwargs, **options[0], **twin}))
     best: tuple[tuple[bool, int], dict[str, Any]] | None = None

@@ -19,9 +19,9 @@ Contract:
 * A call on CUDA tensors is ONE Triton launch for every rule, with no device sync and no allocation: it is captured
   into a CUDA graph like any kernel, and under ``torch.compile`` it is the custom op ``torch.ops.tripwire.validate``
   (which declares the tensors and the counter arena as mutated, so the compiler keeps and orders it). Its first
-  call for a set of rules and dtypes compiles the kernel, and its twin for a register cap (tripwire.triton._budget),
-  as any Triton kernel's first launch compiles: make it before a capture. A call on CPU tensors is one pass of plain
-  torch ops over every rule (host reads of host tensors, no interpreter).
+  call for a set of rules and dtypes compiles the kernel, and its twin for a register cap
+  (tripwire.triton.budget_choice), as any Triton kernel's first launch compiles: make it before a capture. A call
+  on CPU tensors is one pass of plain torch ops over every rule (host reads of host tensors, no interpreter).
 * Each bad entry counts exactly once per call, at the rule's site (``"<validator>.<rule>"``). First offender:
   row = the entry's first-dimension index (the request row of a table, the token of a slot mapping, the position
   in a CSR indices array), value = the bad value.
@@ -31,12 +31,15 @@ Contract:
 * Entries in an engine's unused space are not checked: past a row's ``lengths`` for a 2-D table, past the last row's
   end for a CSR layout.
 
-Backends: CUDA tensors run the Triton kernel (:mod:`tripwire.validate._triton`; triton is imported at the first CUDA
-validator, never for a CPU one). CPU tensors (CPU engines, such as vLLM's CPU build) run a plain torch implementation
-(:mod:`tripwire.validate._torch`) with the same counts, offenders, masking and arena words, and need neither triton
-nor its interpreter. Before its exact path the CPU path runs the host clean test, which each declared :class:`Rule`
-offers too (``rule.clean(values)``, ``rule.clean_lengths(counts, width)``, ``rule.clean_indptr(indptr, n)``): an
-engine adapter can read its metadata as plain integers and skip a call that would count and change nothing.
+Backends: CUDA tensors run the Triton kernel (:mod:`tripwire.validate._triton`; triton is imported at the first
+validator of that backend, never for a torch one). CPU tensors (CPU engines, such as vLLM's CPU build) run a plain
+torch implementation (:mod:`tripwire.validate._torch`) with the same counts, offenders, masking and arena words, and
+need neither triton nor its interpreter. Before its exact path the CPU path runs the host clean test, which each
+declared :class:`Rule` offers too (``rule.clean(values)``, ``rule.clean_lengths(counts, width)``,
+``rule.clean_indptr(indptr, n)``): an engine adapter can read its metadata as plain integers and skip a call that
+would count and change nothing.
+``Validator(..., backend="triton")`` on CPU tensors runs the kernel instead, under Triton's interpreter: the two
+backends compared on the same calls (:data:`BACKENDS`).
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ from ..sites import Site
 from . import _rules as _r
 from . import _torch as _validate_torch
 
-__all__ = ["POLICIES", "Rule", "Validator"]
+__all__ = ["BACKENDS", "POLICIES", "Rule", "Validator"]
 
 POLICIES = ("mask", "flag")
+BACKENDS = ("triton", "torch")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INDEX_DTYPE_SET = frozenset(_INDEX_DTYPES)
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -131,6 +135,27 @@ def _kernel() -> ModuleType:
     return _KERNEL
 
 
+def _backend(name: str, device: torch.device, backend: str | None) -> str:
+    """The backend a validator on ``device`` runs (``backend``: the one asked for, None for the device's own)."""
+    if backend is None:
+        return "torch" if device.type == "cpu" else "triton"
+    if backend == "torch" and device.type != "cpu":
+        raise ValueError(
+            f"validator {name!r}: backend='torch' reads its tensors on the host, so it takes CPU tensors only; a "
+            f"validator on {device} runs the Triton kernel (backend='triton')"
+        )
+    if backend == "triton" and device.type == "cpu":
+        from ..triton._callee import interpreting, recording
+
+        if not interpreting() and not recording():
+            raise RuntimeError(
+                f"validator {name!r}: backend='triton' on the CPU runs the kernel under Triton's interpreter, and "
+                f"Triton compiles kernels for a GPU in this process: set TRITON_INTERPRET=1 before triton is first "
+                f"imported, or build it inside tripwire.resources.capture_launches (its launches recorded, not run)"
+            )
+    return backend
+
+
 class Validator:
     """A set of rules over one step's metadata, checked (and, under ``mask``, repaired) in one launch per call.
 
@@ -140,19 +165,48 @@ class Validator:
             before capturing (declaring rules and calling allocate nothing afterwards).
         policy: ``"mask"`` (count and rewrite bad entries to the rule's safe value) or ``"flag"`` (count only).
         monitor: whose arena and registry hold the sites (default: the default monitor).
+        backend: what runs a call: ``"triton"`` (the Triton kernel, one launch) or ``"torch"`` (plain torch ops
+            with host reads: CPU only). Default: ``"triton"`` on CUDA, ``"torch"`` on the CPU. ``"triton"`` on
+            the CPU runs the kernel under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first
+            imported), or records its launch (:func:`tripwire.resources.capture_launches`): to compare the two
+            backends word for word, or to read the kernel's compiled build for a GPU from CPU tensors. Fixed here,
+            read by no call; under ``torch.compile`` the custom op runs the device's default backend.
+        fault_calls: the Triton backend's build: ``True``, its out-of-line fault functions call the record's
+            atomics (``tripwire.triton.record_hits``' ``CALLS``); ``False``, they inline them. Both count, record
+            and mask the same; they differ in the registers the compiler allocates the kernel. ``None`` (default):
+            per compiled kernel, the build that fits its twin's register allocation (the register budget compiles
+            the second only when the first does not fit). Forcing one is for comparing the two (their registers:
+            :func:`tripwire.resources.capture_launches`, ``tripwire resources``) or for keeping off a build that a
+            Triton release compiles wrongly; its register cap is still found. ``ValueError`` for the torch backend.
     """
 
     def __init__(
-        self, name: str, device: torch.device | str | int, *, policy: str = "mask", monitor: Monitor | None = None
+        self,
+        name: str,
+        device: torch.device | str | int,
+        *,
+        policy: str = "mask",
+        monitor: Monitor | None = None,
+        backend: str | None = None,
+        fault_calls: bool | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip() or name != name.strip():
             raise ValueError(f"a validator name must be a non-empty string without surrounding spaces, got {name!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is not a validator policy; expected one of {', '.join(POLICIES)}")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not a validator backend; expected one of {', '.join(BACKENDS)}")
         self.name = name
         self.policy = policy
         self.monitor = monitor if monitor is not None else default_monitor()
         self.device = normalize_device(device)
+        self.backend = _backend(name, self.device, backend)
+        if fault_calls is not None and (not isinstance(fault_calls, bool) or self.backend != "triton"):
+            raise ValueError(
+                f"validator {name!r}: fault_calls={fault_calls!r} picks a build of the Triton kernel: True, False or "
+                f"None, and only for backend='triton' (this one runs {self.backend!r})"
+            )
+        self.fault_calls = fault_calls
         # The arena never moves (captured graphs hold its address): resolve it once, here, before any capture.
         self._arena = self.monitor.prealloc(self.device)
         # The fast host check of a tensor's device (Validator._fast): attribute reads, no torch.device built.
@@ -163,7 +217,7 @@ class Validator:
         # Static for torch.compile(mode="reduce-overhead"): the op writes it in place, where the reader looks.
         torch._dynamo.mark_static_address(self._arena)
         self._offenders = self.monitor.arena.offenders(self.device)
-        if self.device.type == "cuda":
+        if self.backend == "triton":
             _kernel()  # imported (and triton with it) here, before any capture, not at the first call
         self._rules: dict[str, Rule] = {}
         self._aux_owner: dict[str, str] = {}  # lengths/indptr name -> the first rule that uses it (it checks it)
@@ -371,13 +425,13 @@ class Validator:
                 cols[field_name].append(value)
         rules = _r.Rules(**{f: tuple(v) for f, v in cols.items()})
         whats = tuple(f"validator {self.name!r}: {n!r}" for n in names)
-        # CUDA: the launch bound once per plan (the eager host cost); CPU: the torch path needs no launcher (and no
-        # triton).
+        # The Triton backend: the launch bound once per plan (the eager host cost); the torch path needs no launcher
+        # (and no triton).
         launcher = None
-        if self.device.type == "cuda":
+        if self.backend == "triton":
             from ._launcher import Launcher
 
-            launcher = Launcher(self._arena, rules, mask=self.policy == "mask")
+            launcher = Launcher(self._arena, rules, mask=self.policy == "mask", fault_calls=self.fault_calls)
         self._plan = _Plan(
             names,
             whats,
@@ -465,10 +519,9 @@ class Validator:
         mask = self.policy == "mask"
         if torch.compiler.is_compiling():
             torch.ops.tripwire.validate(ordered, self._arena, list(plan.spec), mask)
-        elif self.device.type == "cpu":
+        elif plan.launch is None:  # the torch backend
             _validate_torch.launch(self._arena, plan.rules, ordered, mask=mask, offenders=self._offenders)
         else:
-            assert plan.launch is not None
             plan.launch(ordered)  # bound once per plan (_launcher.Launcher): the eager host cost
 
 
@@ -485,7 +538,7 @@ class _Plan:
     spec: tuple[int, ...]
     with_lengths: tuple[tuple[str, str], ...]
     indptrs: tuple[str, ...]  # the CSR indptr names (each must be non-empty)
-    launch: Any  # _launcher.Launcher on CUDA, None on the CPU (the torch path)
+    launch: Any  # _launcher.Launcher for the Triton backend, None for the torch path
 
 
 # ---------------------------------------------------------------------------------------------- the custom op

@@ -39,12 +39,16 @@ class Launcher:
     fixed tensor, the rest are the rules' constexprs. Same preconditions as :func:`tripwire.validate._triton.launch`.
     """
 
-    __slots__ = ("_bound", "_consts", "_dev", "_direct", "_n_aux", "_pick", "_stream", "arena", "mask", "rules")
+    __slots__ = (
+        "_bound", "_builds", "_consts", "_dev", "_direct", "_n_aux", "_pick", "_stream", "arena", "mask", "rules"
+    )  # fmt: skip
 
-    def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool) -> None:
+    def __init__(self, arena: torch.Tensor, rules: Rules, *, mask: bool, fault_calls: bool | None = None) -> None:
         self.arena = arena
         self.rules = rules
         self.mask = mask
+        # The builds the register budget is offered (Validator's fault_calls: both, or the one forced).
+        self._builds = _triton.BUILDS[fault_calls]
         # In the kernel's parameter order (after its ten runtime arguments): what the compiled launcher is given.
         self._consts = _triton._constexprs(arena, rules, mask)
         # One operator.itemgetter per group: a call selects its tuples in C, not in generator expressions.
@@ -84,12 +88,14 @@ class Launcher:
         key = self._key(tensors, numels, widths)
         if not self._direct or _hooked():
             args = self._args(tensors, numels, widths)
-            _triton._validate[(total,)](*args, **_triton._with_cap(self.arena, self._consts, key, total, args))
+            _triton._validate[(total,)](
+                *args, **_triton._with_cap(self.arena, self._consts, key, total, args, self._builds)
+            )
             return
         bound = self._bound.get(key)
         if bound is None:
             args = self._args(tensors, numels, widths)
-            kw = _triton._with_cap(self.arena, self._consts, key, total, args)
+            kw = _triton._with_cap(self.arena, self._consts, key, total, args, self._builds)
             k = _triton._validate[(total,)](*args, **kw)
             # Bind what the JITFunction compiled (None or not a compiled kernel under the interpreter), with the
             # constexprs it was compiled with: the rules' and the CALLS the register budget chose for this key.

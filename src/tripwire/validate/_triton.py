@@ -398,7 +398,18 @@ def _constexprs(arena: torch.Tensor, rules: Rules, mask: bool) -> tuple:
     )
 
 
-def _with_cap(arena: torch.Tensor, consts: tuple, key: tuple, total: int, args: tuple) -> dict[str, Any]:
+# The builds the register budget chooses between, per Validator(fault_calls=...): the choice cache's key prefix (a
+# forced build's choice is cached apart from the free one's) and the options offered. Built once, read by reference.
+BUILDS: dict[bool | None, tuple[Any, tuple[dict[str, bool], ...]]] = {
+    None: ("validate", ({"CALLS": True}, {"CALLS": False})),
+    True: (("validate", "CALLS", True), ({"CALLS": True},)),
+    False: (("validate", "CALLS", False), ({"CALLS": False},)),
+}
+
+
+def _with_cap(
+    arena: torch.Tensor, consts: tuple, key: tuple, total: int, args: tuple, builds: tuple = BUILDS[None]
+) -> dict[str, Any]:
     """The launch's keyword arguments: the constexprs, ``CALLS`` and, where the kernel's own allocation is larger
     than its twin's (the same rules with the fault path reduced to a count: ``FAULT=False``), ``maxnreg`` at the
     twin's (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the
@@ -409,14 +420,13 @@ def _with_cap(arena: torch.Tensor, consts: tuple, key: tuple, total: int, args: 
     call's :func:`spec_key`. The choice and the cap are found per compiled kernel (device,
     constexprs, :func:`spec_key`), at the first call of that kernel, by compiling it and its twin at the call's own
     specialisation, as Triton's first launch compiles it: a cap found at one specialisation (a one-entry slot
-    mapping, whose size is a constant) is not the allocation of another."""
+    mapping, whose size is a constant) is not the allocation of another. ``builds``: the entry of :data:`BUILDS`
+    the validator was built with (both builds offered, or one forced)."""
     kw: dict[str, Any] = dict(zip(_CONST_NAMES, consts, strict=True))
+    prefix, options = builds
     kw.update(
-        budget_choice(
-            ("validate", arena.device, consts, key), _validate, (total,), args, kw, {"FAULT": False},
-            [{"CALLS": True}, {"CALLS": False}],
-        )
-    )  # fmt: skip
+        budget_choice((prefix, arena.device, consts, key), _validate, (total,), args, kw, {"FAULT": False}, options)
+    )
     return kw
 
 
