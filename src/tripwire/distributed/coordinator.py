@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._runtime.capture import relax_thread_capture_mode
 from .._default import default_monitor
+from .._runtime.capture import relax_thread_capture_mode
 from ..errors import GuardTripped
 from ..monitor import Monitor
 from ._abort import abort_groups, all_groups

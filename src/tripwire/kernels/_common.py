@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from .._runtime.arena import normalize_device
 from .._default import default_monitor
+from .._runtime.arena import normalize_device
 from ..layout import SLOTS
 from ..monitor import Monitor
 from ..sites import Site

@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from .._runtime.arena import normalize_device
 from .._default import default_monitor
+from .._runtime.arena import normalize_device
 from ..monitor import Monitor
 from ..sites import Site
 from . import _rules as _r
