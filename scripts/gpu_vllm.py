@@ -26,6 +26,7 @@ Usage: ``python scripts/gpu_vllm.py OUTDIR [--parts controls,clean,contain,mask,
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import sys
 import time
@@ -306,22 +307,28 @@ def main(argv: list[str] | None = None) -> int:
             fp8_check(results, done, runner)
     (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     if "fuzz" in parts:
-        results["fuzz"] = {}
-        for runner in runners:
-            for eager in (False, True):
-                name = f"{runner}-{'eager' if eager else 'graphs'}"
-                results["fuzz"][name] = fuzz_vllm.fuzz(
-                    args.fuzz_runs,
-                    seed=zlib.crc32(name.encode()) % 1000,  # the same seed in every process
-                    processes=2,
-                    workdir=str(work / f"fuzz-{name}"),
-                    runner=runner,
-                    most=4,
-                    gpu={**GPU, "eager": eager},
-                    env=env_for(runner),
-                    workers=3,
-                )
-                (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+        configs = [(runner, eager) for runner in runners for eager in (False, True)]
+
+        def one(runner: str, eager: bool) -> dict[str, Any]:
+            name = f"{runner}-{'eager' if eager else 'graphs'}"
+            return fuzz_vllm.fuzz(
+                args.fuzz_runs,
+                seed=zlib.crc32(name.encode()) % 1000,  # the same seed in every process
+                processes=2,
+                workdir=str(work / f"fuzz-{name}"),
+                runner=runner,
+                most=4,
+                gpu={**GPU, "eager": eager},
+                env=env_for(runner),
+                workers=3,
+            )
+
+        # The configurations at once (each its own three engine processes; the GPU holds all twelve at this
+        # memory share): one call's time limit holds them only side by side.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(configs)) as ex:
+            futures = {f"{r}-{'eager' if e else 'graphs'}": ex.submit(one, r, e) for r, e in configs}
+            results["fuzz"] = {name: f.result() for name, f in futures.items()}
+        (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     results["seconds"] = round(time.time() - t0, 1)
     (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     print(summary(results))
