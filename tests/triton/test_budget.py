@@ -280,21 +280,17 @@ def test_budget_choice_under_the_interpreter_and_on_failure(triton_interpret, ca
         _budget.budget_choice(("test_budget_none",), _Broken(), (1,), (), {}, {}, [])
 
 
-# The smallest kernel ptxas reports on (an entry function that returns).
-PTX = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
-
-
-def test_a_report_comes_from_the_cache_the_next_time(monkeypatch, tmp_path):
-    """ptxas runs once per PTX, options and binary: the next report of the same PTX is read from Triton's cache, so a
-    process start pays no ptxas at a compiled variant's first call when Triton's compiles come from that cache too.
-    Another PTX, other options, or another cache directory (the control: nothing kept there) run ptxas again."""
+def _need_ptxas() -> None:
     try:
         _budget.ptxas_path(90)
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+def _count_ptxas_runs(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every ptxas command the budget runs from here on, in order (each still runs)."""
     import subprocess
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a"))
     runs: list = []
     real = subprocess.run
 
@@ -303,6 +299,20 @@ def test_a_report_comes_from_the_cache_the_next_time(monkeypatch, tmp_path):
         return real(cmd, *a, **k)
 
     monkeypatch.setattr(_budget.subprocess, "run", counted)
+    return runs
+
+
+# The smallest kernel ptxas reports on (an entry function that returns).
+PTX = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
+
+
+def test_a_report_comes_from_the_cache_the_next_time(monkeypatch, tmp_path):
+    """ptxas runs once per PTX, options and binary: the next report of the same PTX is read from Triton's cache, so a
+    process start pays no ptxas at a compiled variant's first call when Triton's compiles come from that cache too.
+    Another PTX, other options, or another cache directory (the control: nothing kept there) run ptxas again."""
+    _need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a"))
+    runs = _count_ptxas_runs(monkeypatch)
     first = _budget.ptxas_report(PTX)
     assert _budget.ptxas_report(PTX) == first and len(runs) == 1
     assert _budget.ptxas_report(PTX + "// another kernel's text\n") == first and len(runs) == 2
@@ -321,21 +331,9 @@ def test_a_report_with_options_of_ones_own(monkeypatch, tmp_path):
     Anything but a sequence of option strings is refused before ptxas runs (the control: a string, a number)."""
     import tripwire.triton as tt
 
-    try:
-        _budget.ptxas_path(90)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    import subprocess
-
+    _need_ptxas()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    runs: list = []
-    real = subprocess.run
-
-    def counted(cmd, *a, **k):  # type: ignore[no-untyped-def]
-        runs.append(cmd)
-        return real(cmd, *a, **k)
-
-    monkeypatch.setattr(_budget.subprocess, "run", counted)
+    runs = _count_ptxas_runs(monkeypatch)
     assert tt.triton_ptxas_options() in ((), ("--regAllocOptLevel=2",))
     plain = tt.ptxas_report(PTX, options=())
     assert isinstance(plain, tt.PtxasReport) and runs[-1][1:3] == ["-v", "--gpu-name=sm_90a"]
