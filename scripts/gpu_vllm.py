@@ -307,10 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             fp8_check(results, done, runner)
     (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     if "fuzz" in parts:
-        configs = [(runner, eager) for runner in runners for eager in (False, True)]
+        configs = {f"{r}-{'eager' if e else 'graphs'}": (r, e) for r in runners for e in (False, True)}
 
-        def one(runner: str, eager: bool) -> dict[str, Any]:
-            name = f"{runner}-{'eager' if eager else 'graphs'}"
+        def one(name: str, runner: str, eager: bool) -> dict[str, Any]:
             return fuzz_vllm.fuzz(
                 args.fuzz_runs,
                 seed=zlib.crc32(name.encode()) % 1000,  # the same seed in every process
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         # The configurations at once (each its own three engine processes; the GPU holds all twelve at this
         # memory share): one call's time limit holds them only side by side.
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(configs)) as ex:
-            futures = {f"{r}-{'eager' if e else 'graphs'}": ex.submit(one, r, e) for r, e in configs}
+            futures = {name: ex.submit(one, name, r, e) for name, (r, e) in configs.items()}
             results["fuzz"] = {name: f.result() for name, f in futures.items()}
         (out / "vllm_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     results["seconds"] = round(time.time() - t0, 1)

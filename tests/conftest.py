@@ -21,6 +21,8 @@ Fixtures:
   ``triton_interpret()`` reads it. tripwire reads it at each launch (the launchers' refusal of CPU tensors, the
   register budget's search), so a test can show what a compiling process does there without compiling anything;
   kernels already imported stay in the mode they were imported in.
+* ``one_call_then_three(device, passes, **validator_kw)`` (a function): a validator's three rules in one launch or
+  pass, counted by the caller into ``passes``; the control, three validators, three more.
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
   JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). The
   script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a
@@ -274,6 +276,30 @@ def offenders_recorded(ctr: torch.Tensor, n: int) -> None:
     if addr:
         word = ctypes.c_int64.from_address(addr + OFF_DONE * 8)
         word.value += n
+
+
+def one_call_then_three(device: str, passes: list, **validator_kw) -> None:
+    """The one-launch design of a validator call, on whatever the caller counts into ``passes`` (one entry per launch
+    of the kernel or per pass of the torch path): three rules of one validator are ONE entry; the control, the same
+    rules as three validators, three more."""
+    from tripwire import Monitor, SiteRegistry
+    from tripwire.validate import Validator
+
+    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
+    v = Validator("one", device, monitor=mon, **validator_kw)
+    v.index("a", hi=10, padding=-1)
+    v.index("b", hi=10, safe=0, lengths="n")
+    v.csr("c", indptr="p", hi=10, safe=0)
+    t = torch.tensor([1, 2, 30], device=device)
+    n, p = torch.tensor([3], device=device), torch.tensor([0, 3], device=device)
+    v(a=t, b=t.reshape(1, 3).clone(), n=n, c=t.clone(), p=p)
+    assert len(passes) == 1
+    assert mon.snapshot()[(str(v.device), "one.a")].count == 1
+    for name in ("x", "y", "z"):
+        w = Validator("three", device, monitor=mon, **validator_kw)
+        w.index(name, hi=10, padding=-1)
+        w(**{name: t})
+    assert len(passes) == 4
 
 
 @pytest.fixture

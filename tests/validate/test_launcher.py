@@ -9,6 +9,7 @@ import pytest
 import torch
 import triton
 
+from conftest import one_call_then_three
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
 from tripwire.validate import _launcher as vk
@@ -108,21 +109,7 @@ def test_one_launch_per_call(monkeypatch, kernel_device):
             return real[grid]
 
     monkeypatch.setattr(_triton, "_validate", Counting())
-    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
-    v = Validator("one", kernel_device, monitor=mon, backend="triton")
-    v.index("a", hi=10, padding=-1)
-    v.index("b", hi=10, safe=0, lengths="n")
-    v.csr("c", indptr="p", hi=10, safe=0)
-    t = torch.tensor([1, 2, 30], device=kernel_device)
-    n, p = torch.tensor([3], device=kernel_device), torch.tensor([0, 3], device=kernel_device)
-    v(a=t, b=t.reshape(1, 3).clone(), n=n, c=t.clone(), p=p)
-    assert len(launches) == 1
-    assert mon.snapshot()[(str(v.device), "one.a")].count == 1
-    for name in ("x", "y", "z"):
-        w = Validator("three", kernel_device, monitor=mon, backend="triton")
-        w.index(name, hi=10, padding=-1)
-        w(**{name: t})
-    assert len(launches) == 4
+    one_call_then_three(kernel_device, launches, backend="triton")
 
 
 @pytest.mark.parametrize("dtype_key", [False, True])

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tripwire.validate._torch as _vt
+from conftest import one_call_then_three
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
 
@@ -209,17 +210,4 @@ def test_one_pass_per_call(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_vt, "launch", counting)
-    mon = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
-    v = Validator("one", "cpu", monitor=mon)
-    v.index("a", hi=10, padding=-1)
-    v.index("b", hi=10, safe=0, lengths="n")
-    v.csr("c", indptr="p", hi=10, safe=0)
-    t = torch.tensor([1, 2, 30])
-    v(a=t, b=t.reshape(1, 3).clone(), n=torch.tensor([3]), c=t.clone(), p=torch.tensor([0, 3]))
-    assert len(passes) == 1
-    assert mon.snapshot()[("cpu", "one.a")].count == 1
-    for name in ("x", "y", "z"):
-        w = Validator("three", "cpu", monitor=mon)
-        w.index(name, hi=10, padding=-1)
-        w(**{name: t})
-    assert len(passes) == 4
+    one_call_then_three("cpu", passes)
