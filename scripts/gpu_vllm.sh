@@ -26,7 +26,7 @@ case "$part" in
   bench) timeout 330 python3 benchmarks/bench_vllm_gpu.py "$OUT/bench" "$@" 2>&1 | tail -20
          timeout 240 python3 benchmarks/bench_vllm_gpu.py "$OUT/bench" --kv-cache-dtype fp8 --repeats 4 2>&1 | tail -12 ;;
   # The GPU tests of what the vLLM and numerics work touches (the whole GPU suite: scripts/gpu_check.sh).
-  tests) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/numerics tests/integrations/test_vllm_rows.py \
+  tests) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/numerics tests/kernels/test_request_rows.py \
            tests/test_verdict.py tests/integrations/test_transformers.py tests/integrations/test_transformers_numerics.py \
            tests/test_contain.py tests/_runtime tests/validate/test_launcher.py tests/test_testing.py tests/test_import.py \
            tests/test_report_api.py "$@" 2>&1 | tail -40 ;;

@@ -95,14 +95,9 @@ RUNTIME_WHITE_BOX = frozenset({
 # public name (tripwire.testing, tripwire.resources) instead. Pairs leave this list as they are cleared; none is added.
 PRIVATE_IMPORT_DEBT = frozenset({
     # The vLLM adapter's internals, which vLLM calls and no user does; the public face (tripwire.integrations.vllm:
-    # install, HOOK_POINTS, the metrics sink) is tested end to end beside them. The V2 runner's row guard and fence
-    # (V2's engine needs a GPU): their kernels against a reference, and on the CPU the fence's rewrite switched off
-    # as the control of a V2 step driven through the installed hooks (its step state set by hand, since V2's own
-    # execute_model cannot run there).
-    ("tests/integrations/test_vllm.py", "tripwire.integrations.vllm._rows"),
-    ("tests/integrations/test_vllm_rows.py", "tripwire.integrations.vllm._rows"),
-    # The V1 step validator's host clean test (its rule tests loosened one at a time as controls, twin validators
-    # with it on and off compared word for word), and the hooks' wiring on stand-in runner, scheduler and output
+    # install, HOOK_POINTS, the metrics sink) is tested end to end beside them. The V1 step validator's host clean
+    # test (its rule tests loosened one at a time as controls, twin validators with it on and off compared word for
+    # word), and the hooks' wiring on stand-in runner, scheduler and output
     # classes: the runner state, sample_tokens wrapped per step, released verdicts, the containment channel.
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._contain"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),

@@ -408,7 +408,7 @@ from types import SimpleNamespace as NS
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 import tripwire.integrations.vllm as tv
-from tripwire.integrations.vllm import _rows
+from tripwire.kernels import request_rows
 from tripwire import Monitor, SiteRegistry
 
 seen = []
@@ -543,13 +543,14 @@ out["num_blocks"] = {
 before = counts()
 batch, tables, slots = step(STATES, [1, 4, 1], [2, 0, 1], [5, 128, 7])
 out["positions"] = {"delta": delta(before), "masked": int(batch.positions[1])}
-# Control: the fence's rewrite off (its counts kept), the same idx fault.
-fence = _rows.fence
-_rows.fence = lambda *a, mask: fence(*a, mask=False)
+# Control: the fence's rewrite off (its counts kept), the same idx fault: the public launcher the adapter calls
+# through its module, wrapped.
+fence = request_rows.fence_rows
+request_rows.fence_rows = lambda *a, **k: fence(*a, **{**k, "mask": False})
 before = counts()
 batch, tables, slots = step(STATES, [1, 4, 1], [2, 100, 1], [5, 100, 7])
 out["control"] = {"delta": delta(before), "slots": slots[0, 1:2].tolist()}
-_rows.fence = fence
+request_rows.fence_rows = fence
 # The logits check: inside V2's sample (due after a step), one count for the NaN row under its batch row's request,
 # the row repaired, the verdict enqueued after it and naming that request; the model's compute_logits called outside
 # sample (prompt logprobs) checks nothing.

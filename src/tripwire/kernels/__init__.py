@@ -11,13 +11,18 @@ int32/int64 request map with one request id per unit of the kernel's rows (batch
 sequence: each launcher's docstring says which), read on the fault path only (a ``HAS_REQ`` constexpr) so that the
 offenders kept on the device name their requests. Each module registers its sites at import.
 
+:mod:`tripwire.kernels.request_rows` is the exception: the guard an engine adapter runs around the engine's own
+metadata kernels (a batch-row -> request-state-row map masked to a scratch row, and the fence after them). It counts
+at the caller's site (``ctr`` and ``requests`` required, no site of its own, not in :data:`ALL_SITES`) and has a
+``mask`` switch (rewrite or only count) instead of an unguarded twin.
+
 torch.compile: the same launchers as ``torch.ops.tripwire.*`` custom ops live in :mod:`tripwire.kernels.ops`
 (imported on demand: it registers the ops with torch.library).
 """
 
 from __future__ import annotations
 
-from . import block_table, decode_attention, kv_zero, paged_gather, rope, slot_mapping, state_copy
+from . import block_table, decode_attention, kv_zero, paged_gather, request_rows, rope, slot_mapping, state_copy
 from ._common import counters
 
 # Every site of the reference kernels, in registration order.
@@ -42,6 +47,8 @@ __all__ = [
     "state_copy",  # state_copy
     "rope",  # rope (fatal site)
     "decode_attention",  # decode_attention (split-K paged attention; alloc_workspace, Config)
+    # an engine's request-row map: guard_rows, fence_rows (the caller's site; no twin, no reference)
+    "request_rows",
     # counters
     "ALL_SITES",
     "counters",

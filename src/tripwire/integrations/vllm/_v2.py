@@ -12,11 +12,13 @@ it already: a map wrong there is not covered; the guard covers the device copy f
 and ``post_update`` included.)
 
 * :meth:`V2StepValidator.inputs`, before it: ``idx_mapping`` within the request-state rows (site
-  ``vllm.idx_mapping``: :mod:`tripwire.integrations.vllm._rows`, which masks a bad entry to a scratch row), every
-  request-state row's ``num_blocks`` within ``[0, width]`` (``vllm.num_blocks``; masked to 0), positions below
-  ``max_model_len`` per request through ``query_start_loc`` (``vllm.positions``, ``vllm.query_start_loc``).
-* :meth:`V2StepValidator.outputs`, after it: the fence of rows whose ``idx_mapping`` was bad, then the slot
-  mappings, the gathered tables' used columns and ``seq_lens`` (the same rules and sites as the V1 runner's:
+  ``vllm.idx_mapping``: :func:`tripwire.kernels.request_rows.guard_rows`, which masks a bad entry to a scratch
+  row), every request-state row's ``num_blocks`` within ``[0, width]`` (``vllm.num_blocks``; masked to 0),
+  positions below ``max_model_len`` per request through ``query_start_loc`` (``vllm.positions``,
+  ``vllm.query_start_loc``).
+* :meth:`V2StepValidator.outputs`, after it: the fence of rows whose ``idx_mapping`` was bad
+  (:func:`tripwire.kernels.request_rows.fence_rows`), then the slot mappings, the gathered tables' used columns and
+  ``seq_lens`` (the same rules and sites as the V1 runner's:
   :func:`tripwire.integrations.vllm._steps.declare_outputs`).
 
 Every offender carries its request: a batch row's through ``req`` (filled from ``input_batch.req_ids``), a
@@ -37,11 +39,12 @@ from typing import Any
 
 import torch
 
+from ...kernels import request_rows
+from ...kernels._common import check_tensor
 from ...monitor import Monitor
 from ...sites import Site
 from ...validate import Validator
 from .._staging import Staged
-from . import _rows
 from ._steps import SITE_IDX_MAPPING, SITE_NUM_BLOCKS, covers, declare_inputs, declare_outputs
 
 __all__ = ["HOOKS", "INPUT_BATCH_FIELDS", "V2StepValidator", "check_input_batch"]
@@ -158,7 +161,7 @@ class V2StepValidator:
             layout["block_tables.slot_mappings[0]"] = (tables.slot_mappings[0], torch.int64)
         if self._total_len is not None:
             layout["req_states.total_len.gpu"] = (self._total_len, torch.int32)
-        _rows.check_buffers(self.device, **layout)
+        _check_buffers(self.device, **layout)
         # The step's request numbers twice, in one copy: by request-state row, then in batch order.
         self._numbers = Staged(2 * max_reqs, self.device)
         self._req: torch.Tensor = self._numbers.tensor[max_reqs:]
@@ -183,12 +186,14 @@ class V2StepValidator:
         by_state, req = self._numbers.scatter_fill(idx_np, numbers, n)
         self._req = req
         # The scratch row: one no live request holds (V2's free list; its bottom is the row reused last). None free:
-        # a row of this step, and the hit unattributed, so the whole step fails (see _rows).
+        # a row of this step, and the hit unattributed, so the whole step fails (see tripwire.kernels.request_rows).
+        # Through the module attribute (both launchers): a wrapper set on the public launcher (instrumentation, or a
+        # control with the rewrite off) sees the adapter's launches.
         free = runner.req_states.free_indices
         scratch, attributed = (int(free[0]), True) if free else (int(idx_np[0]), False)
         idx = input_batch.idx_mapping[:n]
-        _rows.rows(
-            idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, attributed, mask=self.mask,
+        request_rows.guard_rows(
+            idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, scratch_free=attributed, mask=self.mask,
             total_len=self._total_len,
         )  # fmt: skip
         args: dict[str, torch.Tensor] = {
@@ -215,7 +220,7 @@ class V2StepValidator:
         args: dict[str, torch.Tensor] = {"req": self._req, "cu": qsl, "seq_lens": input_batch.seq_lens[:n]}
         for g, (sm, bt, cn) in enumerate(self.groups):
             counts, table, slot = self._counts[g], block_tables[g], slots[g]
-            _rows.fence(self._flags, idx, qsl, per_state[g], counts, table, slot, mask=self.mask)
+            request_rows.fence_rows(self._flags, idx, qsl, per_state[g], counts, table, slot, mask=self.mask)
             args[sm] = slot
             args[bt] = table[:n]
             args[cn] = counts[:n]
@@ -227,3 +232,13 @@ class V2StepValidator:
         before vLLM's kernels read them)."""
         self.inputs(runner, input_batch)
         return self.outputs(runner, input_batch, block_tables, slots)
+
+
+def _check_buffers(device: torch.device, **tensors: tuple[torch.Tensor, torch.dtype]) -> None:
+    """Build-time checks of the engine's persistent buffers the row guard and the fence write every step: each 1-D,
+    contiguous, of its dtype, on ``device``. The first that is not is refused naming it (an engine that lays them out
+    otherwise is refused when its runner is built, not at its first step)."""
+    for name, (t, dtype) in tensors.items():
+        check_tensor(name, t, dtypes=(dtype,), ndim=1)
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, not on {device}")
