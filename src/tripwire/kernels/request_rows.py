@@ -15,8 +15,8 @@ same-step verdict fails every request of the step (fail closed) and no request o
 * :func:`guard_rows` (before the metadata kernels): counts each bad entry at the caller's site (row ``b``, value
   the entry, request ``requests[b]``), masks it to the scratch row and flags ``b``.
 * :func:`fence_rows` (after them, per KV-cache group): for a flagged row, the gathered table row is zeroed (block 0:
-  vLLM's null block, which no request owns) and its tokens' slots set to PAD (``-1``: no KV write), since both were computed from the
-  scratch row's table; for every other row, the row's used block count is gathered from ``num_blocks`` (validated
+  vLLM's null block, which no request owns) and its tokens' slots set to PAD (``-1``: no KV write), since both were
+  computed from the scratch row's table; for every other row, the row's used block count is gathered from ``num_blocks`` (validated
   by the caller) into batch order, for a validator of the gathered tables.
 
 The site is the caller's: the launchers count at the counter row ``ctr`` they are given (an engine adapter's, such
@@ -31,8 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import SLOTS
 from ..triton import record_hits
 from ._common import INDEX_DTYPES, check_ctr, check_int_arg, check_same_device, check_tensor
+from ._common import INT64_MAX as _INT64_MAX
 
 __all__ = ["fence_rows", "guard_rows"]
 
@@ -87,6 +89,52 @@ def _fence_rows(flags_ptr, idx_ptr, qsl_ptr, nb_ptr, counts_ptr, table_ptr, widt
         tl.store(counts_ptr + b, tl.load(nb_ptr + r))
 
 
+# The launchers' step-path checks. An engine calls them every step on its persistent buffers, so a call is first
+# tested by one expression of attribute reads (exact types, dtypes, ranks, contiguity, sizes, one CUDA device):
+# whatever it passes, the named checks below pass too. Only a call it refuses (a CPU tensor under the interpreter, a
+# [1, 8] counter row, a subclass such as a FakeTensor, or a real error) pays for the named checks, which raise the
+# error naming the argument or let the call through.
+_T = torch.Tensor
+_I32, _I64 = torch.int32, torch.int64
+
+
+def _vec(t: torch.Tensor, dev: torch.device) -> bool:
+    """An index vector of ``dev``: exactly a Tensor, int32 or int64, 1-D, contiguous."""
+    return (type(t) is _T and (t.dtype is _I32 or t.dtype is _I64) and t.dim() == 1
+            and t.is_contiguous() and t.device == dev)  # fmt: skip
+
+
+def _i32(t: torch.Tensor, dev: torch.device, ndim: int = 1) -> bool:
+    return (type(t) is _T and t.dtype is _I32 and t.dim() == ndim and t.is_contiguous()
+            and t.device == dev)  # fmt: skip
+
+
+def _guard_ok(rows: torch.Tensor, flags: torch.Tensor, requests: torch.Tensor, ctr: torch.Tensor, bound: int,
+              scratch: int, total_len: torch.Tensor | None) -> bool:  # fmt: skip
+    if type(rows) is not _T or type(bound) is not int or type(scratch) is not int:
+        return False
+    dev = rows.device
+    n = rows.shape[0]
+    return (dev.type == "cuda" and _vec(rows, dev) and _i32(flags, dev) and _vec(requests, dev)
+            and 0 <= scratch < bound <= _INT64_MAX and flags.shape[0] >= n and requests.shape[0] >= n
+            and type(ctr) is _T and ctr.dtype is _I64 and ctr.shape == (SLOTS,) and ctr.is_contiguous()
+            and ctr.device == dev
+            and (total_len is None or (_vec(total_len, dev) and total_len.shape[0] >= bound)))  # fmt: skip
+
+
+def _fence_ok(flags: torch.Tensor, rows: torch.Tensor, qsl: torch.Tensor, num_blocks: torch.Tensor,
+              counts: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> bool:  # fmt: skip
+    if type(rows) is not _T:
+        return False
+    dev = rows.device
+    n = rows.shape[0]
+    return (dev.type == "cuda" and _vec(rows, dev) and _i32(flags, dev) and _vec(qsl, dev) and _vec(num_blocks, dev)
+            and _i32(counts, dev) and _i32(table, dev, 2) and type(slots) is _T and slots.dtype is _I64
+            and slots.dim() == 1 and slots.is_contiguous() and slots.device == dev
+            and flags.shape[0] >= n and qsl.shape[0] >= n + 1 and counts.shape[0] >= n
+            and table.shape[0] >= n)  # fmt: skip
+
+
 def _at_least(name: str, t: torch.Tensor, n: int, what: str) -> None:
     if t.shape[0] < n:
         raise ValueError(f"{name} has {t.shape[0]} entries, fewer than the {n} {what}")
@@ -126,6 +174,19 @@ def guard_rows(
 
     One program, no sync, no allocation.
     """
+    if not _guard_ok(rows, flags, requests, ctr, num_state_rows, scratch, total_len):
+        _check_guard(rows, flags, requests, ctr, num_state_rows, scratch, total_len)
+    n = rows.shape[0]
+    if n == 0:
+        return
+    total = flags if total_len is None else total_len  # HAS_TOTAL False: never read
+    _guard_rows[(1,)](rows, flags, requests, ctr, total, n, num_state_rows, scratch, int(scratch_free),
+                      MASK=bool(mask), HAS_TOTAL=total_len is not None, BLOCK=_BLOCK)  # fmt: skip
+
+
+def _check_guard(rows: torch.Tensor, flags: torch.Tensor, requests: torch.Tensor, ctr: torch.Tensor,
+                 num_state_rows: int, scratch: int, total_len: torch.Tensor | None) -> None:  # fmt: skip
+    """:func:`guard_rows`' preconditions, each refused naming the argument."""
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=1)
     n = rows.shape[0]
     check_tensor("flags", flags, dtypes=(torch.int32,), ndim=1)
@@ -143,11 +204,6 @@ def guard_rows(
         named["total_len"] = total_len
     dev = check_same_device(**named)
     check_ctr("ctr", ctr, dev)
-    if n == 0:
-        return
-    total = flags if total_len is None else total_len  # HAS_TOTAL False: never read
-    _guard_rows[(1,)](rows, flags, requests, ctr, total, n, bound, scratch, int(scratch_free), MASK=bool(mask),
-                      HAS_TOTAL=total_len is not None, BLOCK=_BLOCK)  # fmt: skip
 
 
 def fence_rows(
@@ -178,6 +234,18 @@ def fence_rows(
             to -1 under ``mask``.
         mask: False rewrites nothing (the counts are written all the same).
     """
+    if not _fence_ok(flags, rows, query_start_loc, num_blocks, counts, table, slots):
+        _check_fence(flags, rows, query_start_loc, num_blocks, counts, table, slots)
+    n = rows.shape[0]
+    if n == 0:
+        return
+    _fence_rows[(n,)](flags, rows, query_start_loc, num_blocks, counts, table, table.shape[1], slots,
+                      MASK=bool(mask), BLOCK=_BLOCK)  # fmt: skip
+
+
+def _check_fence(flags: torch.Tensor, rows: torch.Tensor, query_start_loc: torch.Tensor, num_blocks: torch.Tensor,
+                 counts: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> None:  # fmt: skip
+    """:func:`fence_rows`' preconditions, each refused naming the argument."""
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=1)
     n = rows.shape[0]
     check_tensor("flags", flags, dtypes=(torch.int32,), ndim=1)
@@ -192,7 +260,3 @@ def fence_rows(
     _at_least("table", table, n, "batch rows")
     check_same_device(rows=rows, flags=flags, query_start_loc=query_start_loc, num_blocks=num_blocks, counts=counts,
                       table=table, slots=slots)  # fmt: skip
-    if n == 0:
-        return
-    _fence_rows[(n,)](flags, rows, query_start_loc, num_blocks, counts, table, table.shape[1], slots,
-                      MASK=bool(mask), BLOCK=_BLOCK)  # fmt: skip
