@@ -23,6 +23,11 @@ Fixtures:
   kernels already imported stay in the mode they were imported in.
 * ``one_call_then_three(device, passes, **validator_kw)`` (a function): a validator's three rules in one launch or
   pass, counted by the caller into ``passes``; the control, three validators, three more.
+* ``triton_launches()`` (a context manager): every Triton kernel launch made inside it, as ``(name, kwargs)``, seen
+  where Triton itself sees a launch: on a GPU through a ``triton.knobs.runtime.launch_enter_hook`` (how a profiler
+  counts launches; the hook is given the launch's metadata, not its arguments, so ``kwargs`` is ``{}``), under the
+  interpreter (which calls no launch hook) at its ``InterpretedFunction.run`` (``kwargs``: the launch's keyword
+  arguments, its constexprs among them).
 * ``build_probe``: runs a script that compiles kernels ahead of time for a GPU target (no GPU needed) and prints one
   JSON line; returns it parsed, skipping the test when the script reports ``{"error": ...}`` (no bundled ptxas). The
   script may call ``sm90_usage(compiled, warps)`` (registers, shared memory, programs per SM). A script must let a
@@ -32,11 +37,13 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -300,6 +307,40 @@ def one_call_then_three(device: str, passes: list, **validator_kw) -> None:
         w.index(name, hi=10, padding=-1)
         w(**{name: t})
     assert len(passes) == 4
+
+
+@contextlib.contextmanager
+def triton_launches() -> Iterator[list[tuple[str, dict]]]:
+    """Every Triton kernel launch inside the block (the module docstring says where each is seen)."""
+    import triton
+
+    seen: list[tuple[str, dict]] = []
+    if INTERPRET:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = InterpretedFunction.run
+
+        def counted(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+            if not warmup:
+                seen.append((self.__name__, dict(kwargs)))
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = counted  # type: ignore[method-assign]
+        try:
+            yield seen
+        finally:
+            InterpretedFunction.run = run  # type: ignore[method-assign]
+        return
+
+    def hook(metadata) -> None:  # type: ignore[no-untyped-def]
+        seen.append((metadata.data["name"], {}))
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    chain.add(hook)
+    try:
+        yield seen
+    finally:
+        chain.remove(hook)
 
 
 @pytest.fixture

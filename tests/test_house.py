@@ -107,14 +107,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     # budget_choice): ptxas's output parsed, the return-address saves read from SASS, the cap's search and the choice
     # between builds with compiles replaced by reports, and its caches.
     ("tests/triton/test_budget.py", "tripwire.triton._budget"),
-    # The validator's bound launch (what decides between the compiled kernel's own launcher and the JITFunction, the
-    # key it binds under and the register budget asked per key, the launches per call counted) and the torch path's
-    # own steps (the host clean test gating its exact path, its passes counted, the word comparison's control: a
-    # claim order and a count broken on purpose). Both backends, their builds and their equality go through
-    # Validator(backend=..., fault_calls=...).
-    ("tests/validate/test_launcher.py", "tripwire.validate._launcher"),
-    ("tests/validate/test_launcher.py", "tripwire.validate._triton"),
-    ("tests/validate/test_torch.py", "tripwire.validate._torch"),
 })  # fmt: skip
 
 

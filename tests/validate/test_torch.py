@@ -1,4 +1,4 @@
-"""tripwire.validate._torch: the validator's plain torch CPU path, proven equal to the Triton kernel.
+"""The validator's torch backend (CPU tensors): its plain torch path, proven equal to the Triton kernel.
 
 The kernel runs here under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU) on the
 same calls as the torch path, and every word both leave behind is compared: the arena rows, the offender blocks, the
@@ -7,17 +7,19 @@ repaired tensors. ``tests/validate/test_validate.py`` runs the validator's seman
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import tripwire.validate._torch as _vt
-from conftest import one_call_then_three
 from tripwire import Monitor, SiteRegistry
 from tripwire.validate import Validator
 
@@ -135,39 +137,84 @@ def test_torch_path_equals_the_kernel_word_for_word(k_off, seed, mask, calls):
             assert torch.equal(a[name], b[name]), name
 
 
+def _perturbed_claim_order(off: torch.Tensor) -> torch.Tensor:
+    """``off`` (offender blocks, one row per site) with the claimed entries of the first block holding two or more
+    in reverse order: what a path that claims offenders highest first leaves."""
+    from tripwire.layout import E_KEY, OFF_ENTRY, OFF_HEADER
+
+    out = off.clone()
+    for r in range(out.shape[0]):
+        entries = out[r, OFF_HEADER:].view(-1, OFF_ENTRY)
+        claimed = int((entries[:, E_KEY] != 0).sum())
+        if claimed >= 2:
+            entries[:claimed] = entries[:claimed].flip(0).clone()
+            return out
+    raise AssertionError("no offender block holds two entries: the control would compare equal words")
+
+
 @needs_interpreter
-def test_word_comparison_can_fail(monkeypatch):
-    """Control for the comparison above: a torch path that claims offenders in another order (highest first), or
-    counts one hit too many, is caught word for word."""
-    real_claim, real_fault = _vt._claim, _vt._fault
-    monkeypatch.setattr(_vt, "_claim", lambda block, cands: real_claim(block, sorted(cands, reverse=True)))
-    (_, off_t, _), (_, off_k, _) = _twin_call(4, 11, True, 1)
-    assert not torch.equal(off_t, off_k)
-    monkeypatch.setattr(_vt, "_claim", real_claim)
+def test_word_comparison_can_fail():
+    """Control for the comparison above: the words of a torch path that claims offenders in another order (highest
+    first), or counts one hit too many, are caught word for word. The torch path's words of one run, so perturbed,
+    against the kernel's words of the same run, which they equal unperturbed."""
+    from tripwire.layout import COUNT
 
-    def one_more(ctr, block, groups, rows, vals, q):  # type: ignore[no-untyped-def]
-        real_fault(ctr, block, groups, rows, vals, q)
-        ctr[0] += 1
-
-    monkeypatch.setattr(_vt, "_fault", one_more)
-    (rows_t, _, _), (rows_k, _, _) = _twin_call(4, 11, True, 1)
-    assert not torch.equal(rows_t, rows_k)
+    (rows_t, off_t, _), (rows_k, off_k, _) = _twin_call(4, 11, True, 1)
+    assert torch.equal(rows_t, rows_k) and torch.equal(off_t, off_k)
+    assert not torch.equal(_perturbed_claim_order(off_t), off_k)
+    one_more = rows_t.clone()
+    one_more[int(one_more[:, COUNT].nonzero()[0]), COUNT] += 1
+    assert not torch.equal(one_more, rows_k)
 
 
 # ---------------------------------------------------------------------------------------------- the clean path
-@pytest.mark.parametrize("n", [8, 300])  # a list read, and a tensor's extremes (past _vt._SMALL)
-def test_clean_path_gates_the_exact_path_with_the_host_clean_test(monkeypatch, n):
-    """The torch path's clean path is the host clean test: clean calls (padding included, on a small tensor) run no
-    exact path; one entry past a bound, a count past the width or a decreasing indptr runs exactly that rule's
-    and counts it once. Control: with the shared range test loosened by one past hi, the entry at hi goes
-    uncounted."""
-    ran: list[str] = []
-    for name in ("_entries", "_lengths", "_indptr"):
-        real = getattr(_vt, name)
-        monkeypatch.setattr(_vt, name, lambda *a, _n=name, _r=real: (ran.append(_n), _r(*a))[1])
+class _Ops(TorchDispatchMode):
+    """The aten ops a block dispatches, as (op, input shapes): torch's own view of the work a call does."""
 
-    def call(slots_hi=False, count_past=False, ptr_down=False, slot_pad=True):  # type: ignore[no-untyped-def]
-        ran.clear()
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append((str(func), tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+    def searched(self) -> list[tuple[int, ...]]:
+        """The shape searched by each exact path that ran: a rule's exact path finds its bad entries with one
+        ``nonzero`` over the rule's flattened tensor (its entries, its lengths, its indptr); the clean path, the host
+        clean test, searches nothing."""
+        return [shapes[0] for op, shapes in self.ops if op == "aten.nonzero.default"]
+
+
+class _GateLooseByOne(TorchFunctionMode):
+    """The torch path's clean path loosened by one past ``hi``: its reads of a tensor (a small one's list, a larger
+    one's extremes) see ``hi`` as ``hi - 1``. The exact path (torch comparisons, no such read) is untouched."""
+
+    def __init__(self, hi: int) -> None:
+        super().__init__()
+        self.hi = hi
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.tolist:
+            return [self.hi - 1 if x == self.hi else x for x in out] if out and isinstance(out[0], int) else out
+        if func is torch.aminmax:
+            return type(out)(torch.where(t == self.hi, self.hi - 1, t) for t in out)
+        return out
+
+
+# A list read (8 entries), and a tensor's extremes (300): the torch path reads a decode step's metadata as lists, a
+# larger tensor through one aminmax; `padded_exact`: whether a clean call whose slots hold the padding takes the
+# exact path (the extremes of a large tensor whose extreme is the padding say nothing of the entries between it and
+# the range, so it does, and counts nothing).
+@pytest.mark.parametrize(("n", "padded_exact"), [(8, False), (300, True)])
+def test_clean_path_gates_the_exact_path_with_the_host_clean_test(n, padded_exact):
+    """The torch path's clean path is the host clean test (each rule's public ``clean``, ``clean_lengths``,
+    ``clean_indptr``): clean calls run no exact path; one entry past a bound, a count past the width or a decreasing
+    indptr runs exactly that rule's (the one whose clean test fails) and counts it once. Control: with the clean
+    path loosened by one past hi (its reads see the entry at hi as hi - 1), the entry at hi goes uncounted."""
+
+    def call(slots_hi=False, count_past=False, ptr_down=False, slot_pad=True, mode=None):  # type: ignore[no-untyped-def]
         m = Monitor(registry=SiteRegistry(capacity=16), capacity=16)
         v = Validator("gate", "cpu", policy="flag", monitor=m)
         v.index("slots", hi=10, padding=-1)
@@ -184,30 +231,63 @@ def test_clean_path_gates_the_exact_path_with_the_host_clean_test(monkeypatch, n
         ptr = torch.arange(n + 1)
         if ptr_down:
             ptr[4] = 2
-        v(slots=slots, table=torch.zeros(n, 4, dtype=torch.int32), n=ln, kv=torch.zeros(n, dtype=torch.int64), ptr=ptr)
-        return sorted(ran), {site: hit.count for (_d, site), hit in m.snapshot().items()}
+        table, kv = torch.zeros(n, 4, dtype=torch.int32), torch.zeros(n, dtype=torch.int64)
+        rules = v.rules
+        unclean = [
+            shape
+            for shape, clean in (
+                ((n,), rules["slots"].clean(slots.tolist())),
+                ((4 * n,), rules["table"].clean(table.view(-1).tolist())),
+                ((n,), rules["table"].clean_lengths(ln.tolist(), 4)),
+                ((n,), rules["kv"].clean(kv.tolist())),
+                ((n + 1,), rules["kv"].clean_indptr(ptr.tolist(), n)),
+            )
+            if not clean
+        ]
+        ops = _Ops()
+        with mode if mode is not None else contextlib.nullcontext(), ops:
+            v(slots=slots, table=table, n=ln, kv=kv, ptr=ptr)
+        searched = ops.searched()
+        if mode is None and not (padded_exact and slot_pad):
+            assert searched == unclean  # the exact paths that ran are the rules whose host clean test fails
+        return searched, {site: hit.count for (_d, site), hit in m.snapshot().items()}
 
-    # A large tensor whose extreme is the padding takes the exact path (its extremes cannot show the entries
-    # between the padding and the range), which counts nothing.
-    assert call() == (([] if n <= _vt._SMALL else ["_entries"]), {})
+    assert call() == (([(n,)] if padded_exact else []), {})
     assert call(slot_pad=False) == ([], {})
-    assert call(slots_hi=True) == (["_entries"], {"gate.slots": 1})
-    assert call(count_past=True, slot_pad=False) == (["_lengths"], {"gate.n": 1})
-    assert call(ptr_down=True, slot_pad=False) == (["_indptr"], {"gate.ptr": 1})
-    real_clean = _vt.entries_clean
-    monkeypatch.setattr(_vt, "entries_clean", lambda vals, lo, hi, pad=None: real_clean(vals, lo, hi + 1, pad))
-    assert call(slots_hi=True, slot_pad=False) == ([], {})
+    assert call(slots_hi=True) == ([(n,)], {"gate.slots": 1})
+    assert call(count_past=True, slot_pad=False) == ([(n,)], {"gate.n": 1})
+    assert call(ptr_down=True, slot_pad=False) == ([(n + 1,)], {"gate.ptr": 1})
+    assert call(slots_hi=True, slot_pad=False) == ([(n,)], {"gate.slots": 1})
+    assert call(slots_hi=True, slot_pad=False, mode=_GateLooseByOne(10)) == ([], {})
 
 
-def test_one_pass_per_call(monkeypatch):
-    """A CPU validator's call runs the torch path once for every rule together (as a CUDA call is one launch:
-    tests/validate/test_launcher.py). Control: the same rules as three validators are three passes."""
-    passes = []
-    real = _vt.launch
+def _rule_ops(rules: str, md: dict[str, torch.Tensor]) -> Counter:
+    """The aten ops (by name) of one call of a fresh torch-path validator with ``rules`` (of: a padded 1-D index
+    ``a``, a table ``b`` with lengths, a CSR layout ``c``, and ``d``: ``a``'s rule again over its tensor) on copies
+    of ``md``."""
+    v = Validator("pass", "cpu", policy="flag", monitor=Monitor(registry=SiteRegistry(capacity=16), capacity=16))
+    if "a" in rules:
+        v.index("a", hi=10, padding=-1)
+    if "b" in rules:
+        v.index("b", hi=10, safe=0, lengths="n")
+    if "c" in rules:
+        v.csr("c", indptr="p", hi=10, safe=0)
+    if "d" in rules:
+        v.index("d", hi=10, padding=-1)
+    ops = _Ops()
+    with ops:
+        v(**{k: md[k if k != "d" else "a"].clone() for k in v.names})
+    return Counter(op for op, _ in ops.ops)
 
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        passes.append(args[1])
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(_vt, "launch", counting)
-    one_call_then_three("cpu", passes)
+def test_a_call_is_one_pass_over_its_rules():
+    """A CPU validator's call runs the torch path once over every rule together (as a CUDA call is one launch:
+    tests/validate/test_launcher.py): the ops three rules' call dispatches are exactly those of each rule's own call,
+    nothing repeated and nothing per call beyond them. Control: a rule checked twice in a call (``d``: ``a``'s rule
+    again over the same tensor) adds a second pass of ``a``'s ops, which the same count sees."""
+    t = torch.tensor([1, 2, 30])
+    md = {"a": t, "b": t.reshape(1, 3), "n": torch.tensor([3]), "c": t, "p": torch.tensor([0, 3])}
+    alone = {r: _rule_ops(r, md) for r in "abc"}
+    assert all(alone.values())
+    assert _rule_ops("abc", md) == alone["a"] + alone["b"] + alone["c"]
+    assert _rule_ops("abcd", md) == alone["a"] + alone["a"] + alone["b"] + alone["c"]

@@ -225,6 +225,32 @@ class Validator:
         self._aux_kind: dict[str, str] = {}
         self._plan: _Plan | None = None
 
+    # ------------------------------------------------------------------ diagnostics
+    @property
+    def launch_path(self) -> str:
+        """How an eager call runs now: ``"torch"`` (the torch backend's pass of torch ops), ``"jit"`` (the Triton
+        kernel through its JITFunction: before the first call, under Triton's interpreter, and while a Triton launch
+        hook such as a profiler's is installed, so that the hook sees every launch with its metadata) or
+        ``"triton"`` (a compiled kernel's own launcher, bound at the first call of its specialisation: the cheapest
+        host path). For a kernel engineer reading a profile: a CUDA validator that stays on ``"jit"`` pays the
+        JITFunction's host cost at every call. Read when asked; no call reads it."""
+        if self.backend == "torch":
+            return "torch"
+        plan = self._plan
+        return "jit" if plan is None or plan.launch is None else plan.launch.path
+
+    @property
+    def kernels(self) -> tuple[Any, ...]:
+        """The compiled kernels the Triton backend's calls have bound (Triton ``CompiledKernel`` objects), in the
+        order their first calls came: one per specialisation Triton compiled the calls to (the tensors' dtypes, and
+        per tensor and size what Triton specialises a tuple element on: a size of 1, a multiple of 16, past int32, a
+        16-byte aligned address). Read their registers (``n_regs``, ``n_spills``), their code (``asm``) or their
+        specialisation (``src``); a count that keeps growing is a workload whose calls keep compiling. Empty for the
+        torch backend, under the interpreter, and before a first call (or while a launch hook keeps every call on
+        the JITFunction, which binds nothing)."""
+        plan = self._plan
+        return () if plan is None or plan.launch is None else plan.launch.kernels
+
     # ------------------------------------------------------------------ declaring
     @property
     def rules(self) -> Mapping[str, Rule]:

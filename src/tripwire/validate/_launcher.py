@@ -112,14 +112,18 @@ class Launcher:
         k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *consts)
 
     # The bound kernel's key: what Triton specialises the call's kernel on (_triton.spec_key says what and why).
-    # A staticmethod of its own so that a test can key the binding otherwise (its control).
     _key = staticmethod(_triton.spec_key)
 
     @property
     def path(self) -> str:
-        """How calls launch: ``"triton"`` (a bound compiled kernel's launcher) or ``"jit"`` (nothing bound yet, or no
-        compiled kernel: the interpreter)."""
-        return "triton" if self._bound else "jit"
+        """How the next call launches (Validator.launch_path): ``"triton"`` (a bound compiled kernel's launcher) or
+        ``"jit"`` (nothing bound yet, no compiled kernel under the interpreter, or a launch hook installed)."""
+        return "triton" if self._bound and not _hooked() else "jit"
+
+    @property
+    def kernels(self) -> tuple[Any, ...]:
+        """The bound compiled kernels, in binding order (Validator.kernels)."""
+        return tuple(k for k, _ in self._bound.values())
 
 
 def _getter(ix: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
