@@ -108,10 +108,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._runner"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._steps"),
-    # The register budget's own workings behind its public face (tripwire.triton.ptxas_report, register_cap,
-    # budget_choice): ptxas's output parsed, the return-address saves read from SASS, the cap's search and the choice
-    # between builds with compiles replaced by reports, and its caches.
-    ("tests/triton/test_budget.py", "tripwire.triton._budget"),
     # The validator's bound launch (what decides between the compiled kernel's own launcher and the JITFunction, the
     # key it binds under and the register budget asked per key, the launches per call counted) and the torch path's
     # own steps (the host clean test gating its exact path, its passes counted, the word comparison's control: a
