@@ -103,10 +103,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._runner"),
     ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._steps"),
-    # The register budget's own workings behind its public face (tripwire.triton.ptxas_report, register_cap,
-    # budget_choice): ptxas's output parsed, the return-address saves read from SASS, the cap's search and the choice
-    # between builds with compiles replaced by reports, and its caches.
-    ("tests/triton/test_budget.py", "tripwire.triton._budget"),
 })  # fmt: skip
 
 

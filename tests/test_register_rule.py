@@ -189,7 +189,7 @@ def test_nonfinite_within_its_twins_registers(usage: dict) -> None:
 
 
 def test_ptxas_report_reads_the_cubin_triton_builds(usage: dict) -> None:
-    """The register caps and the tools read ptxas's report of a kernel's PTX (tripwire.triton._budget.ptxas_report):
+    """The register caps and the tools read ptxas's report of a kernel's PTX (tripwire.triton.ptxas_report):
     it must be the allocation of the cubin Triton builds from it, so ptxas runs with the allocation options Triton's
     own command passes. The control: where Triton passes any (3.9: ``--regAllocOptLevel=2``), ptxas without them
     reports another allocation for some of these kernels (3.9: the validator's twin, 56 registers where the cubin
@@ -206,7 +206,7 @@ def test_ptxas_report_reads_the_cubin_triton_builds(usage: dict) -> None:
 def test_a_saved_return_address_is_not_a_spill(usage: dict) -> None:
     """A guarded kernel whose out-of-line fault path needs every register it is allocated saves the call's return
     address to its stack before the call, and ptxas counts that store as a spill of the kernel; it runs only with
-    the call, so the rule does not count it (tripwire.triton._budget.return_address_saves). On Triton 3.9 vLLM's
+    the call, so the rule does not count it (tripwire.triton.return_address_saves). On Triton 3.9 vLLM's
     adopted MHA decode stage 1 is such a kernel: it meets the rule (test_guarded_costs_no_occupancy), and the
     control, its save counted as ptxas counts it, fails the rule. On 3.6 no adopted kernel saves one."""
     saves = {(case, k): (spills, saved) for case, rows in usage["return_saves"].items() for k, spills, saved in rows}

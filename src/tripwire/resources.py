@@ -242,7 +242,7 @@ def _res_usage(binary: str) -> dict[str, dict[str, int]]:
 def _spills(ptx: str, arch: int) -> int | None:
     """Spill stores plus loads per thread of the kernel's entry function in ``ptx``, from ``ptxas -v`` (its
     out-of-line callees' spills are on their own paths, not counted, nor are its calls' saved return addresses:
-    :func:`tripwire.triton._budget.ptxas_report`; None if ptxas says nothing)."""
+    :func:`tripwire.triton.ptxas_report`; None if ptxas says nothing)."""
     from .triton._budget import ptxas_report
 
     try:
@@ -395,7 +395,7 @@ def cuda_usage(binary: str, *, block_threads: int | dict[str, int] = 256, match:
 def compare(guarded: Sequence[Usage], twin: Sequence[Usage]) -> list[tuple[Usage, Usage, bool]]:
     """Pair guarded and twin usages in order, each with whether the guard is free by the register rule: within one
     allocation unit of the twin's registers, no more spills in the entry function (a call's saved return address
-    is not one: :func:`tripwire.triton._budget.return_address_saves`), and as many programs per SM. The stack is not
+    is not one: :func:`tripwire.triton.return_address_saves`), and as many programs per SM. The stack is not
     compared: an out-of-line fault path's call frame is stack the clean path never touches."""
     if len(guarded) != len(twin):
         raise ValueError(f"{len(guarded)} guarded kernels against {len(twin)} twins: pair them one to one")

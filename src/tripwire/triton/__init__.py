@@ -41,7 +41,10 @@ Both compile at the first launch of a key (make it before a CUDA graph capture) 
 the interpreter they compile nothing. :func:`ptxas_report` ``(ptx, options=None)`` -> :class:`PtxasReport` is what
 they and ``tripwire resources`` read of a compiled kernel: ``ptxas -v``'s registers and spills of its entry function
 (its callees' spills apart), run with the options Triton's own ptxas command passes (:func:`triton_ptxas_options`),
-or with ``options`` instead.
+or with ``options`` instead. Its two readings, for output of one's own: :func:`parse_ptxas` ``(text)`` ->
+:class:`PtxasReport` of ``ptxas -v``'s text, and :func:`return_address_saves` ``(sass)`` -> the bytes of the entry
+function's spill count that are its calls' saved return addresses (``cuobjdump -sass``), which ptxas_report takes
+out of the spills.
 
 Units: a Triton program is the unit of scalar code, so ``record_hit`` counts once per program, not per thread;
 ``record_hits`` counts LANES. A count should mean bad ENTRIES: where one entry is held by several lanes (a page id
@@ -80,8 +83,10 @@ import triton.language as tl
 
 from ._budget import PtxasReport as PtxasReport
 from ._budget import budget_choice as budget_choice
+from ._budget import parse_ptxas as parse_ptxas
 from ._budget import ptxas_report as ptxas_report
 from ._budget import register_cap as register_cap
+from ._budget import return_address_saves as return_address_saves
 from ._budget import triton_ptxas_options as triton_ptxas_options
 from ._callee import _INTERP as _INTERP
 from ._callee import _PTX as _PTX
@@ -100,12 +105,14 @@ __all__ = [
     "any_outside",
     "budget_choice",
     "guard_index",
+    "parse_ptxas",
     "ptxas_report",
     "record_hit",
     "record_hits",
     "record_lanes",
     "record_tiles",
     "register_cap",
+    "return_address_saves",
     "triton_ptxas_options",
 ]
 

@@ -197,7 +197,11 @@ def return_address_saves(sass: str) -> int:
     the address of the instruction after that call. ptxas does that, and counts the store as a spill, where the
     callee needs every register the caller is allocated (its return-address register too); the callee loads it
     back before it returns. The entry function is the code before the first callee's (the lowest call target:
-    Triton places the kernel first). Other stores to the stack are spills and are not counted here."""
+    Triton places the kernel first). Other stores to the stack are spills and are not counted here.
+
+    ``sass``: ``cuobjdump -sass`` of a cubin of one kernel, as a kernel engineer reads it to tell what ptxas's
+    spill count holds. 0 where the entry function makes no call.
+    :func:`ptxas_report` takes the result out of the entry function's spills, never more than ptxas counted."""
     code = [(int(a, 16), text.strip()) for a, text in _SASS.findall(sass)]
     calls = [(i, int(m.group(1), 16)) for i, (_, t) in enumerate(code) if (m := _CALL.search(t))]
     if not calls:
@@ -238,7 +242,16 @@ def _report_cache(ptxas: str, options: tuple[str, ...], gpu: str, ptx: str) -> A
 
 
 def parse_ptxas(text: str) -> PtxasReport:
-    """``ptxas -v``'s report of one module with one entry function, parsed (see :func:`ptxas_report`)."""
+    """``ptxas -v``'s report (what it writes to stderr) of one module with one entry function, parsed: the entry
+    function's registers (``Used N registers``) and its own spill bytes (stores plus loads of its ``Function
+    properties``), and the spill bytes of every other function listed (its noinline callees) summed, in whatever
+    order ptxas lists them. For a kernel engineer's own ``ptxas -v`` output as much as for :func:`ptxas_report`,
+    which runs ptxas and calls this.
+
+    ``return_save_bytes`` is 0: the text cannot tell a call's saved return address from a spill (ptxas counts both
+    as spill stores); :func:`ptxas_report` reads the SASS for that (:func:`return_address_saves`). One entry
+    function: of a module with several, the first is read as the entry and the others' spills as its callees'. Raises RuntimeError, with the end of ``text``, where it names no
+    entry function or no register count (a ptxas error's output)."""
     entry = _ENTRY.search(text)
     regs = re.search(r"Used (\d+) registers", text)
     if entry is None or regs is None:
