@@ -101,13 +101,6 @@ PRIVATE_IMPORT_DEBT = frozenset({
     # execute_model cannot run there).
     ("tests/integrations/test_vllm.py", "tripwire.integrations.vllm._rows"),
     ("tests/integrations/test_vllm_rows.py", "tripwire.integrations.vllm._rows"),
-    # The V1 step validator's host clean test (its rule tests loosened one at a time as controls, twin validators
-    # with it on and off compared word for word), and the hooks' wiring on stand-in runner, scheduler and output
-    # classes: the runner state, sample_tokens wrapped per step, released verdicts, the containment channel.
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._contain"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._runner"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._steps"),
     # The register budget's own workings behind its public face (tripwire.triton.ptxas_report, register_cap,
     # budget_choice): ptxas's output parsed, the return-address saves read from SASS, the cap's search and the choice
     # between builds with compiles replaced by reports, and its caches.
