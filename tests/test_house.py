@@ -24,8 +24,8 @@ imports are resolved against the module that makes them.
   ``importlib.import_module`` / ``__import__`` of a constant name.
 * No test imports a private module (``tripwire._x``, ``tripwire.x._y``): tests go through the public functions.
   The white-box tests of ``_runtime`` (:data:`RUNTIME_WHITE_BOX`, by name) may import ``tripwire._runtime``'s
-  modules; :data:`PRIVATE_IMPORT_DEBT` lists, pair by pair, the private imports still to be moved off, and may only
-  shrink. Code a test runs in a subprocess (a string that parses as Python) counts as the test's own.
+  modules, and no other test imports any. Code a test runs in a subprocess (a string that parses as Python) counts
+  as the test's own.
 * Every repository path that the sources, tests, docs, benchmarks and scripts name exists (a file moved leaves
   pointers behind that send a reader nowhere).
 
@@ -89,20 +89,6 @@ RUNTIME_WHITE_BOX = frozenset({
     "tests/_runtime/test_reader.py",
     "tests/_runtime/test_report.py",
     "tests/test_import.py",
-})  # fmt: skip
-# The remaining private imports in tests, pair by pair. Each is a white-box test of the private module's own internals
-# (the reason is given per group), which no public function reaches; anything a user could share goes through a
-# public name (tripwire.testing, tripwire.resources) instead. Pairs leave this list as they are cleared; none is added.
-PRIVATE_IMPORT_DEBT = frozenset({
-    # The vLLM adapter's internals, which vLLM calls and no user does; the public face (tripwire.integrations.vllm:
-    # install, HOOK_POINTS, the metrics sink) is tested end to end beside them. The V1 step validator's host clean
-    # test (its rule tests loosened one at a time as controls, twin validators with it on and off compared word for
-    # word), and the hooks' wiring on stand-in runner, scheduler and output
-    # classes: the runner state, sample_tokens wrapped per step, released verdicts, the containment channel.
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._contain"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._hooks"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._runner"),
-    ("tests/integrations/test_vllm_steps.py", "tripwire.integrations.vllm._steps"),
 })  # fmt: skip
 
 
@@ -314,8 +300,7 @@ def test_the_package_does_not_import_the_lab():
 
 def test_tests_import_no_private_module_but_the_white_box_ones():
     debt = private_import_debt(private_test_imports(TESTS, modules(SRC)), RUNTIME_WHITE_BOX)
-    assert sorted(debt - PRIVATE_IMPORT_DEBT) == [], "tests reaching into private modules: use a public function"
-    assert sorted(PRIVATE_IMPORT_DEBT - debt) == [], "cleared: take these pairs off PRIVATE_IMPORT_DEBT"
+    assert sorted(debt) == [], "tests reaching into private modules: use a public function"
     assert all((ROOT / f).is_file() for f in RUNTIME_WHITE_BOX)
 
 
