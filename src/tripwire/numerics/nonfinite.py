@@ -195,7 +195,7 @@ def _launch(
     """The counter's launch at a given shape; ``guard=False`` compiles the twin the benchmark's sweep compares each
     shape with: the counter's loads and vote, its fault path reduced to adding 1 to slot 0 per program that saw a
     non-finite value (no exact count, no offenders). The guarded launch is compiled within the twin's register
-    allocation where its own would be larger (:func:`tripwire.triton._budget.register_cap`: the first launch of a
+    allocation where its own would be larger (:func:`tripwire.triton.register_cap`: the first launch of a
     shape compiles both)."""
     ncols = tensor.shape[1] if tensor.dim() == 2 else 1
     if ncols == 0:

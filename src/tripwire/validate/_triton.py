@@ -415,7 +415,7 @@ def _with_cap(
     twin's (tripwire.triton._budget: the out-of-line fault paths spill on their own path instead of costing the
     votes programs per SM). ``CALLS``: whether the out-of-line fault functions call the record's atomics
     (``tripwire.triton.record_hits``) or inline them: calling where that build fits the twin's allocation, else
-    the build allocated fewer registers (:func:`tripwire.triton._budget.budget_choice`, which compiles the inlining
+    the build allocated fewer registers (:func:`tripwire.triton.budget_choice`, which compiles the inlining
     build only when calling does not fit; which one fits depends on the Triton version and the rules). ``key``: the
     call's :func:`spec_key`. The choice and the cap are found per compiled kernel (device,
     constexprs, :func:`spec_key`), at the first call of that kernel, by compiling it and its twin at the call's own
