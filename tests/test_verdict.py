@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tripwire import CaptureError, GuardTripped, Monitor, SiteRegistry
+from tripwire.contain import VerdictLedger
 from tripwire.validate import Validator
 from tripwire.verdict import Verdicts
 
@@ -277,7 +278,24 @@ def test_a_report_names_the_offenders_a_later_take_consumed(monkeypatch):
     assert len(deferred) == 2 and "c" in deferred[1], deferred
     released = run(report_every=1e-6)
     assert len(released) == 2 and "c" in released[1], released
-    monkeypatch.setattr(Verdicts, "_to_ledger", lambda self, slot: None)  # the control: only the take adds them
+    # The control: the enqueue consumes the block without a ledger entry (only the take adds them). The CPU enqueue's
+    # sole ledger writes are those entries, so the ledger's public add is dropped while an enqueue runs.
+    enqueuing = [False]
+    add, enqueue = VerdictLedger.add, Verdicts.enqueue
+
+    def add_unless_enqueuing(self, device, row, offenders):  # type: ignore[no-untyped-def]
+        if not enqueuing[0]:
+            add(self, device, row, offenders)
+
+    def enqueue_flagged(self, stream=None):  # type: ignore[no-untyped-def]
+        enqueuing[0] = True
+        try:
+            return enqueue(self, stream)
+        finally:
+            enqueuing[0] = False
+
+    monkeypatch.setattr(VerdictLedger, "add", add_unless_enqueuing)
+    monkeypatch.setattr(Verdicts, "enqueue", enqueue_flagged)
     assert "c" in run(report_every=60.0)[1]
     released = run(report_every=1e-6)
     assert len(released) == 2 and "c" not in released[1], released

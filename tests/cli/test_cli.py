@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -154,60 +153,83 @@ def test_a_bad_setting_keyword_of_the_demo_is_one_line_too(capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- Triton's mode
-def _seen_by_the_command(monkeypatch, before: str | None) -> list[str | None]:
-    """TRITON_INTERPRET as a command that wants the interpreter sees it (its work replaced by a record of it), on
-    any machine: the command's own mode check is told the process's kernels allow it."""
-    import tripwire.cli as cli
+# A fresh process: Triton fixes a kernel's mode when its module is imported, so the commands' mode check passes there
+# on any machine. An import hook (stdlib) records TRITON_INTERPRET when each command's own module is imported, that
+# is inside the command; both commands then stop at a bad option, before any work.
+_SEEN_BY_THE_COMMANDS = """
+import importlib.abc, json, os, sys
 
-    monkeypatch.setenv("TRITON_INTERPRET", "x")  # recorded first: monkeypatch's teardown puts back what was here
-    if before is None:
-        monkeypatch.delenv("TRITON_INTERPRET")
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", before)
-    seen: list[str | None] = []
-    monkeypatch.setattr(cli, "_want_interpreter", lambda device: True)
-    monkeypatch.setattr(cli, "_mode_conflict", lambda cmd, want: None)
-    monkeypatch.setattr(cli, "_command", lambda cmd, extra: seen.append(os.environ.get("TRITON_INTERPRET")) or 2)
-    assert main(["bench", "--quick"]) == 2 and main(["demo", "--interval", "-1"]) == 2
-    return seen
+seen = []
+
+class Seen(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in ("tripwire.cli.demo", "tripwire.cli.bench.run"):
+            seen.append(os.environ.get("TRITON_INTERPRET"))
+        return None
+
+sys.meta_path.insert(0, Seen())
+if sys.argv[1] == "never-restored":
+    # The control: the command's switch as it would be without its restore. Putting back an unset variable is a
+    # pop of it; dropped here, the variable stays set, never restored.
+    pop = os.environ.pop
+    os.environ.pop = lambda key, *default: None if key == "TRITON_INTERPRET" else pop(key, *default)
+import torch
+from tripwire.cli import main
+
+rcs = [main(["demo", "--device", "cpu", "--interval", "-1"])]
+rcs.append(main(["bench", "--quick", "--only", "nosuch"]))
+print(json.dumps({"rcs": rcs, "seen": seen, "after": os.environ.get("TRITON_INTERPRET"),
+                  "cuda": torch.cuda.is_available()}))
+"""
+
+
+def _seen_by_the_commands(before: str | None, how: str = "as-is") -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if before is not None:
+        env["TRITON_INTERPRET"] = before
+    out = subprocess.run(
+        [sys.executable, "-c", _SEEN_BY_THE_COMMANDS, how], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("before", [None, "0"])
-def test_an_in_process_command_leaves_triton_interpret_as_it_was(monkeypatch, before):
-    """A command that wants the interpreter sets TRITON_INTERPRET for itself only: left set, every kernel module a
-    later import brings into this process would be interpreted."""
-    seen = _seen_by_the_command(monkeypatch, before)
-    assert seen == ["1" if before is None else before] * 2  # setdefault: a value the user set is kept
-    assert os.environ.get("TRITON_INTERPRET") == before
+def test_an_in_process_command_leaves_triton_interpret_as_it_was(before):
+    """A command run in-process (``main``) that wants the interpreter (the demo on the CPU; bench without CUDA) sets
+    TRITON_INTERPRET for itself only: left set, every kernel module a later import brings into the process would be
+    interpreted."""
+    got = _seen_by_the_commands(before)
+    assert got["rcs"] == [2, 2], got
+    bench = before if got["cuda"] else ("1" if before is None else before)  # bench wants compiled kernels on CUDA
+    assert got["seen"] == ["1" if before is None else before, bench], got  # setdefault: a user's value is kept
+    assert got["after"] == before, got
 
 
-def test_control_without_the_restore_the_variable_leaks(monkeypatch):
-    """The control: the command's interpreter switch as it was (set, never put back) leaves the variable behind,
-    so the restore check above can fail."""
-    import tripwire.cli as cli
-
-    @contextmanager
-    def set_only(want):  # type: ignore[no-untyped-def]
-        if want:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        yield
-
-    monkeypatch.setattr(cli, "_interpreter", set_only)
-    assert _seen_by_the_command(monkeypatch, None) == ["1", "1"]
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+def test_control_without_the_restore_the_variable_leaks():
+    """The control: the command's interpreter switch without its restore (set, never put back) leaves the variable
+    behind, so the restore check above can fail."""
+    got = _seen_by_the_commands(None, "never-restored")
+    assert got["rcs"] == [2, 2] and got["seen"][0] == "1", got
+    assert got["after"] == "1", got
 
 
-def test_a_command_needing_the_other_triton_mode_is_refused(capsys):
-    """Triton makes a kernel interpreted or compiled when its module is imported: once this process holds
-    tripwire's kernels in one mode, a command that needs the other one is refused with what to do, instead of
-    running compiled kernels on CPU tensors (or interpreted ones on GPU tensors)."""
-    import tripwire.triton as tt
-
-    other = "cuda" if tt._INTERP else "cpu"  # the device whose mode this process's kernels are not in
-    assert main(["demo", "--steps", "1", "--device", other]) == 2
-    err = capsys.readouterr().err
-    assert "already imported tripwire's Triton kernels" in err and "run it in a new process" in err, err
-    assert "Traceback" not in err
+def test_a_command_needing_the_other_triton_mode_is_refused():
+    """Triton makes a kernel interpreted or compiled when its module is imported: once a process holds tripwire's
+    kernels in one mode, a command that needs the other one is refused with what to do, instead of running compiled
+    kernels on CPU tensors (or interpreted ones on GPU tensors). Control: the same command in the mode the kernels
+    were imported in is not refused for it."""
+    code = (
+        "import sys, tripwire.triton; from tripwire.cli import main; "
+        "sys.exit(main(['demo', '--device', sys.argv[1], '--interval', '-1']))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # the kernels imported interpreted, on any machine
+    for device, refused in (("cuda", True), ("cpu", False)):
+        out = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        said = "already imported tripwire's Triton kernels" in out.stderr and "run it in a new process" in out.stderr
+        assert said == refused, (device, out.stderr)
+        assert ("expected a finite number of seconds > 0" in out.stderr) == (not refused), (device, out.stderr)
 
 
 def test_a_bad_setting_through_the_command_line_has_no_traceback():

@@ -358,9 +358,13 @@ def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
         x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in p.stdout.splitlines() if x.startswith(("RESULT", "RESTORED"))
     }
     out = json.loads(lines["RESULT"])
-    assert out["bound"] is True and out["validator"] == "V2StepValidator"
-    # A dummy batch (warm-up, capture) passes through untouched: the reader not started, no step open; a step opens.
-    assert out["seen"] == [[True, False, False], [False, True, True]]
+    assert out["bound"] is True
+    # A dummy batch (warm-up, capture) passes through untouched: the reader not started, its bad block id neither
+    # counted nor masked; the first step starts the reader.
+    assert out["seen"] == [[True, False], [False, True]]
+    assert out["dummy"] == {"counts": {}, "row": [5, 6, 7, 10_000_000]}
+    # The sites the runner's cache build registered: V2's validator (idx_mapping and num_blocks are its own) and the
+    # logits check.
     assert out["sites"] == sorted(
         [
             tw_vllm.SITE_BLOCK_COUNTS,
@@ -371,6 +375,7 @@ def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
             tw_vllm.SITE_QUERY_START_LOC,
             tw_vllm.SITE_SEQ_LENS,
             tw_vllm.SITE_SLOT_MAPPING,
+            tw_vllm.SITE_LOGITS,
         ]
     )
     assert out["clean"] == {}
@@ -394,8 +399,8 @@ def test_v2_runner_hooked_and_validated_on_its_own_prepare_attn():
     assert out["control"]["delta"] == {tw_vllm.SITE_IDX_MAPPING: 1}
     assert out["control"]["slots"] == [3 * 32 + 100 % 32]
     lg = out["logits"]
-    assert lg["outside"] == {} and lg["delta"] == {tw_vllm.SITE_LOGITS: 1}
-    assert lg["offender"] == [1, 7, True] and lg["finite"] and lg["due"] is False
+    assert lg["outside"] == {} and lg["delta"] == {tw_vllm.SITE_LOGITS: 1} and lg["again"] == {}
+    assert lg["offender"] == [1, 7, True] and lg["finite"] and lg["taken"] == 1
     assert lg["tainted"] == [[tw_vllm.SITE_LOGITS, "nonfinite_rows", True]]
     assert "numeric fault" in lg["message"] and "held NaN/Inf (column 7)" in lg["message"]
     assert lines["RESTORED"] == "True"
@@ -412,11 +417,21 @@ from tripwire.kernels import request_rows
 from tripwire import Monitor, SiteRegistry
 
 seen = []
+prepared = []
 
 
+# V2's own execute_model and sample_tokens cannot run on this CPU build (Triton's GPU backend, pinned memory): these
+# stand in for them, doing what they do with a batch, so that the plugin's wrappers around them open and close each
+# step as in an engine. The scheduler output carries the step's InputBatch and hidden states (V2 builds them).
 def execute_model(self, scheduler_output, *args, **kwargs):  # stands in for V2's own step
-    st = getattr(self, "_tripwire", None)
-    seen.append([kwargs.get("dummy_run", False), tv.installed().started, st is not None and st.in_step])
+    seen.append([kwargs.get("dummy_run", False), tv.installed().started])
+    prepared.append(self.prepare_attn(scheduler_output.input_batch))  # the step's attention metadata
+    self.execute_model_state = scheduler_output  # kept for sample_tokens, as V2 keeps its step's state
+
+
+def sample_tokens(self, grammar_output):  # stands in for V2's: the step's sample, its output handed back
+    state, self.execute_model_state = self.execute_model_state, None
+    return NS(logits=self.sample(state.hidden_states, state.input_batch, grammar_output))
 
 
 def sample(self, hidden_states, input_batch, grammar_output):  # stands in for V2's: the logits, then the sampler
@@ -433,10 +448,12 @@ class Model:
 
 
 V2.execute_model = execute_model
+V2.sample_tokens = sample_tokens
 V2.sample = sample
 V2.initialize_kv_cache = initialize_kv_cache
 own = {n: V2.__dict__[n] for n in tv.HOOK_POINTS.v2_runner}
-m = Monitor(registry=SiteRegistry(capacity=32), capacity=32)
+registry = SiteRegistry(capacity=32)
+m = Monitor(registry=registry, capacity=32)
 tv.install("mask", monitor=m)
 # sample_tokens is wrapped per runner instance, only for the call after a step that took a verdict.
 bound = all(V2.__dict__[n] is not own[n] and V2.__dict__[n].__wrapped__ is own[n] for n in own if n != "sample_tokens")
@@ -476,13 +493,10 @@ r.__dict__.update(
 )
 # As vLLM builds a runner's cache: the plugin's wrapper builds the runner's validator after it (V2's, for this class).
 V2.initialize_kv_cache(r, NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=64))
-st = r._tripwire
-V2.execute_model(r, None, dummy_run=True)  # a warm-up or capture batch: not a step
-V2.execute_model(r, None)
-out = {"seen": seen, "bound": bound, "validator": type(st.validator).__name__, "sites": sorted(s.name for s in st.validator.sites)}
+out = {"bound": bound, "sites": sorted(s.name for s in registry.all())}
 STATES = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [3, 3, 3, 3]]
 
-def step(states, counts, idx, pos):
+def step(states, counts, idx, pos, hidden=None, dummy=False):
     bt = r.block_tables
     bt.block_tables[0].gpu[:] = torch.tensor(states, dtype=torch.int32)
     bt.num_blocks.gpu[0, :3] = torch.tensor(counts, dtype=torch.int32)
@@ -491,9 +505,14 @@ def step(states, counts, idx, pos):
     batch.idx_mapping_np = np.array([2, 0, 1], dtype=np.int32)  # what the host computed (the true rows)
     batch.positions[:3] = torch.tensor(pos)
     batch.seq_lens[:3] = torch.tensor([min(x + 1, 128) for x in pos], dtype=torch.int32)
-    st.in_step, st.validated = True, False
-    tables, slots = V2.prepare_attn(r, batch)  # vLLM's own prepare_attn, between tripwire's two phases
-    st.in_step = False
+    # The steps before the logits one sample nothing (their verdicts are not taken), so its verdict also holds their
+    # rises, one of them unattributable: it fails every request the scheduler output names.
+    step_output = NS(input_batch=batch, hidden_states=hidden, num_scheduled_tokens={q: 1 for q in batch.req_ids})
+    if dummy:
+        V2.execute_model(r, step_output, dummy_run=True)  # a warm-up or capture batch: not a step
+    else:
+        V2.execute_model(r, step_output)  # vLLM's own prepare_attn inside, between tripwire's two phases
+    tables, slots = prepared.pop()
     return batch, tables, slots
 
 def counts():
@@ -503,12 +522,15 @@ def delta(before):
     now = counts()
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
-_, _, slots = step(STATES, [1, 4, 1], [2, 0, 1], [5, 100, 7])
-out["clean"] = counts()
-out["clean_slots"] = slots[0, :3].tolist()
 # State 1 uses 4 blocks (column 3 counted); state 2 uses 1 (column 1 not); in batch order [2, 0, 1].
 bad = [list(x) for x in STATES]
 bad[1][3], bad[2][1] = 10_000_000, 10_000_000
+_, tables, _ = step(bad, [1, 4, 1], [2, 0, 1], [5, 100, 7], dummy=True)
+out["dummy"] = {"counts": counts(), "row": tables[0][2].tolist()}
+_, _, slots = step(STATES, [1, 4, 1], [2, 0, 1], [5, 100, 7])
+out["seen"] = list(seen)
+out["clean"] = counts()
+out["clean_slots"] = slots[0, :3].tolist()
 batch, tables, slots = step(bad, [1, 4, 1], [2, 0, 1], [5, 100, 7])
 snap = m.snapshot()
 hit = snap[("cpu", "vllm.block_table")]
@@ -551,25 +573,33 @@ before = counts()
 batch, tables, slots = step(STATES, [1, 4, 1], [2, 100, 1], [5, 100, 7])
 out["control"] = {"delta": delta(before), "slots": slots[0, 1:2].tolist()}
 request_rows.fence_rows = fence
-# The logits check: inside V2's sample (due after a step), one count for the NaN row under its batch row's request,
-# the row repaired, the verdict enqueued after it and naming that request; the model's compute_logits called outside
-# sample (prompt logprobs) checks nothing.
-batch, _, _ = step(STATES, [1, 4, 1], [2, 0, 1], [5, 100, 7])
+# The logits check: inside V2's sample (due after a step, through sample_tokens), one count for the NaN row under its
+# batch row's request, the row repaired, the verdict enqueued after it, naming that request, and taken with the
+# step's output; the model's compute_logits called outside sample (prompt logprobs) checks nothing, and a second
+# sample of the same step checks nothing either. The verdict read where the plugin takes it: the public
+# Verdicts.take, recorded.
+from tripwire.verdict import Verdicts
+taken = []
+take = Verdicts.take
+Verdicts.take = lambda self, ticket, **kw: taken.append(take(self, ticket, **kw)) or taken[-1]
 hidden = torch.zeros(3, 40)
 hidden[1, 7] = float("nan")
+batch, _, _ = step(STATES, [1, 4, 1], [2, 0, 1], [5, 100, 7], hidden=hidden.clone())
 before = counts()
 r.model.compute_logits(hidden.clone())
 outside = delta(before)
-st.sample_due = True
-logits = V2.sample(r, hidden, batch, None)
-verdict = st.ring.take(st.ticket)
-st.ticket = None
+logits = r.sample_tokens(None).logits
+Verdicts.take = take
+after = counts()
+V2.sample(r, hidden.clone(), batch, None)
+again = delta(after)
 hit = m.snapshot()[("cpu", "vllm.logits_nonfinite")]
 out["logits"] = {
-    "outside": outside, "delta": delta(before), "finite": bool(torch.isfinite(logits).all()),
+    "outside": outside, "delta": delta(before), "again": again, "finite": bool(torch.isfinite(logits).all()),
     "offender": [hit.offenders[0].row, hit.offenders[0].value, hit.offenders[0].request == batch.req_ids[1]],
-    "tainted": [[t.site, t.kind, t.request == batch.req_ids[1]] for t in verdict.taints if t.site == "vllm.logits_nonfinite"],
-    "message": verdict.taint_of(batch.req_ids[1]).message(), "due": st.sample_due,
+    "taken": len(taken),
+    "tainted": [[t.site, t.kind, t.request == batch.req_ids[1]] for v in taken for t in v.taints if t.site == "vllm.logits_nonfinite"],
+    "message": taken[-1].taint_of(batch.req_ids[1]).message(),
 }
 print("RESULT", json.dumps(out))
 tv.uninstall()
