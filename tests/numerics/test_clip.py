@@ -161,12 +161,29 @@ def test_threshold_is_the_float32_below_the_exact_ceiling():
 
 
 def test_threshold_cache_is_used_outside_capture(make):
+    """Float scales' thresholds are filled once per counter (a ``torch.full``) and reused by later eager calls: the
+    fills are counted at torch's dispatch. K and V at one scale share one entry. Control: a new scale is a new fill."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.full.default:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
     c = make()
     x = torch.zeros(1, H, D)
-    c.count(x, x, 0.5, 0.5)
-    cached = dict(c._thresholds)
-    c.count(x, x, 0.5, 0.5)
-    assert len(cached) == 1 and all(c._thresholds[k] is v for k, v in cached.items())
+
+    def fills(k_scale: float, v_scale: float) -> int:
+        with Fills() as mode:
+            c.count(x, x, k_scale, v_scale)
+        return mode.n
+
+    assert fills(0.5, 0.5) == 1  # V finds K's entry
+    assert fills(0.5, 0.5) == 0
+    assert fills(0.5, 0.25) == 1  # control: V's new scale is filled, K's is not
 
 
 @pytest.mark.parametrize(
