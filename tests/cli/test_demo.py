@@ -35,6 +35,11 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _injected(out: str) -> list[tuple[int, str]]:
+    """The summary's "faults injected" lines: (step, kind) as the demo parsed its --faults."""
+    return [(int(ln.split()[1]), ln.split()[2]) for ln in out.splitlines() if ln.startswith("    step ")]
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if os.environ.get("TRITON_INTERPRET") != "1" else []))
 def test_demo_default_run(device):
     p = _run("--steps", "12", "--device", device)
@@ -74,6 +79,8 @@ def test_demo_default_run(device):
     assert kv_line.rstrip().endswith("drain")
     assert "tripwire demo summary" in out
     assert "every injected fault that ran (5) was masked and counted" in out
+    # The default --faults of a 12-step run as parsed: one of each kind spread over the run, 'last' on its last step.
+    assert _injected(out) == [(2, "block"), (4, "row"), (6, "count"), (7, "rope"), (11, "last")]
     # The summary's columns hold every site's name, the longest included (decode attention's).
     lines = out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.strip().startswith("site ") and "hits" in ln)
@@ -88,6 +95,7 @@ def test_demo_control_mode_off_reports_nothing():
     p = _run("--steps", "6", "--mode", "off", "--faults", "block@1")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "MASKED FAULT" not in p.stderr  # off: no reader, nothing reported
+    assert _injected(p.stdout) == [(1, "block")]
     line = next(ln for ln in p.stdout.splitlines() if ln.strip().startswith("kernels.paged_gather.page"))
     assert " 1  (" in line and "not read (mode off)" in line  # but the kernel still masked and counted
 
@@ -97,21 +105,29 @@ def test_demo_clean_run_reports_nothing():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "MASKED FAULT" not in p.stderr
     assert "every injected fault that ran (0)" in p.stdout
+    assert _injected(p.stdout) == []  # 'none' parses to no fault
 
 
-def test_parse_faults():
-    fs = demo._parse_faults("block@2,rope@5,last", 10)
-    assert [(f.kind, f.step) for f in fs] == [("block", 2), ("rope", 5), ("last", 9)]
-    assert demo._parse_faults("none", 10) == []
-    with pytest.raises(ValueError, match="unknown fault 'bogus'"):
-        demo._parse_faults("bogus@1", 10)
-    with pytest.raises(ValueError, match=r"step must be in \[0, 10\)"):
-        demo._parse_faults("row@10", 10)
-    with pytest.raises(ValueError, match="integer step"):
-        demo._parse_faults("row", 10)
-    with pytest.raises(ValueError, match="takes no step"):
-        demo._parse_faults("last@3", 10)
-    assert demo._default_faults(30) == "block@6,row@12,count@15,rope@18,last"
+@pytest.mark.parametrize(
+    "args, err",
+    [
+        (["--faults", "bogus@1"], "unknown fault 'bogus' in --faults; known: "),
+        (["--steps", "10", "--faults", "row@10"], r"fault 'row@10': step must be in [0, 10)"),
+        (["--faults", "block@2,row"], "fault 'row': expected KIND@STEP with an integer step"),
+        (["--faults", "last@3"], "the 'last' fault takes no step"),
+    ],
+)
+def test_bad_faults_exit_2_before_any_work(capsys, args, err):
+    """The --faults parse errors, through the CLI as a user types them: argparse's status 2 and the message, before
+    the demo touches a device (nothing on stdout, no monitor line on stderr)."""
+    from tripwire.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *args])
+    assert e.value.code == 2
+    out, stderr = capsys.readouterr()
+    assert out == ""
+    assert stderr.splitlines()[-1].startswith("tripwire demo: error: ") and err in stderr, stderr
 
 
 def test_bad_arguments_exit_2(capsys):
