@@ -116,7 +116,26 @@ def _spec_probe(x_ptr, T, N, M):  # the kernel whose signature is built: never c
     pass
 
 
-def test_signature_specialises_tuple_elements_as_triton_does():
+class _Handed(Exception):
+    """Raised by the stand-in of ``triton.compile``: what the tools handed to Triton, nothing compiled."""
+
+
+def _handed_to_triton(monkeypatch, launch):  # type: ignore[no-untyped-def]
+    """(signature, constants, attributes) of the ``ASTSource`` that :func:`tripwire.resources.triton_usage` hands to
+    Triton's public ``triton.compile`` for ``launch`` (stopped there: nothing is compiled)."""
+    import triton
+
+    def compile(src, **kwargs):  # type: ignore[no-untyped-def]
+        raise _Handed(src.signature, src.constants, src.attrs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(triton, "compile", compile)
+        with pytest.raises(_Handed) as e:
+            rs.triton_usage(launch)
+    return e.value.args
+
+
+def test_signature_specialises_tuple_elements_as_triton_does(monkeypatch):
     """A tuple passed to a parameter that is ``do_not_specialize`` / ``do_not_specialize_on_alignment`` has its
     elements specialised anyway: Triton applies its defaults to each element (a 1 becomes a constant, a multiple of
     16 and a 16-byte aligned address are compiled as such), and the tools' signature must be the launch's, checked
@@ -130,7 +149,7 @@ def test_signature_specialises_tuple_elements_as_triton_does():
     fn = JITFunction(_spec_probe, do_not_specialize=["N", "M"], do_not_specialize_on_alignment=["T"])
     buf = torch.zeros(8, dtype=torch.int64)
     tensors, sizes = (buf[:4], buf[1:5]), (1, 32, 7)
-    sig, consts, attrs = rs._signature(rs.Launch(fn, (buf, tensors, sizes, 32), {}))
+    sig, consts, attrs = _handed_to_triton(monkeypatch, rs.Launch(fn, (buf, tensors, sizes, 32), {}))
     assert sig == {"x_ptr": "*i64", "T": ("*i64", "*i64"), "N": ("constexpr", "i32", "i32"), "M": "i32"}
     assert consts == {(2, 0): 1}
     assert set(attrs) == {(0,), (1, 0), (2, 1)}

@@ -398,32 +398,56 @@ def test_gpu_the_final_read_names_the_offenders_of_a_verdict_never_taken(monkeyp
 
 
 def test_a_stale_reader_copy_after_the_take_reports_nothing_again(kernel_device):
-    """A reader copy that landed before the step's kernel counted, processed after the verdict's report (the lock's
-    order), must not lower what was reported (the next copy would confirm the same rise again: a second report, a
-    second arming). Control: without the floor the complete read leaves, the stale copy lowers it. Either way no
-    second event goes out (the window releases no report of 0)."""
-    import time
-
+    """A reader copy that landed before the step's kernel counted, processed after the verdict's report, must not
+    lower what was reported (the next copy would confirm the same rise again: a second report, a second arming).
+    The stale copy is made by the reader itself: the counter row is given its pre-step words for one landed copy,
+    then its own back. Control: once a copy has caught up with the verdict's complete read (the floor it leaves is
+    gone), the same stale copy lowers it. Either way no second event goes out (the window releases no report of 0)."""
     for keep_floor in (True, False):
         mon, events, v, ring = _ring_with_sink(kernel_device)
+        assert not mon.reader_alive  # no reader thread: the polls below are the only copies
         site = v.rules["slots"].site
         dev = str(torch.device(kernel_device if kernel_device == "cpu" else "cuda:0"))
+        ctr = mon.counter(site, dev)  # the site's row of the arena
         before = mon.read_rows(dev).copy()
         _step(v, mon, kernel_device, [4])
-        after = mon.read_rows(dev).copy()
         ring.take(_enqueued(ring, kernel_device))
         assert _guard(events) == [(1, "b")]
+        now = mon.read_rows(dev).copy()
+        assert [r for r in range(now.shape[0]) if (now[r] != before[r]).any()] == [site.id]  # the step's one row
         if not keep_floor:
-            mon.pipeline.confirmer._devices[dev].floor.clear()
-        with mon._lock:
-            mon.pipeline.process(dev, before, time.monotonic(), final=False)  # stale: from before the kernel
-            assert mon.pipeline.confirmer.reported(dev, site.id) == (1 if keep_floor else 0)
-            for _ in range(5):
-                mon.pipeline.process(dev, after, time.monotonic(), final=False)
+            _poll_until_processed(mon, dev, now)  # caught up: the floor is gone
+        own = ctr.clone()
+        ctr.copy_(torch.from_numpy(before[site.id]))  # the words a copy landed before the kernel would hold
+        _sync(kernel_device)
+        _poll_until_processed(mon, dev, before)
+        assert mon.pipeline.confirmer.reported(dev, site.id) == (1 if keep_floor else 0)
+        ctr.copy_(own)
+        _sync(kernel_device)
+        for _ in range(5):
+            mon.check()
+            mon.poll()
         mon.drain()
         assert _guard(events) == [(1, "b")]
         assert mon.pipeline.confirmer.reported(dev, site.id) == 1
         mon.stop()
+
+
+def _poll_until_processed(mon, dev, rows):
+    """Reader ticks (each after an engine step's check) until the rows processed last are ``rows``: a GPU copy
+    lands at a poll after the one that starts it."""
+    import time
+
+    import numpy as np
+
+    deadline = time.monotonic() + 30
+    while True:
+        mon.check()
+        mon.poll()
+        latest = mon.pipeline.confirmer.latest(dev)
+        if latest is not None and np.array_equal(latest[: rows.shape[0]], rows):
+            return
+        assert time.monotonic() < deadline, (latest, rows)
 
 
 def _enqueued(ring, kernel_device):

@@ -845,7 +845,6 @@ from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 import tripwire.triton as tt
 from tripwire import layout
-from tripwire.kernels import slot_mapping as sm
 from tripwire.numerics import nonfinite as nf
 
 _H, _E = tl.constexpr(layout.OFF_HEADER), tl.constexpr(layout.OFF_ENTRY)
@@ -858,6 +857,26 @@ def no_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     tl.atomic_add(ctr_ptr + 6, rb.to(tl.int64).sum() * 0)
 
 
+# tripwire.layout.offender_key in wrapping int64 arithmetic (KEY_MIX as the int64 numbers with their bits): the key
+# the shipped claim stores, computed here for the control's per-lane claims.
+_M1 = tl.constexpr(layout.KEY_MIX[0] - (1 << 64))
+_M2 = tl.constexpr(layout.KEY_MIX[1] - (1 << 64))
+
+
+@triton.jit
+def fmix(h):
+    h = h ^ ((h >> 33) & 0x7FFFFFFF)  # `>>` is arithmetic on int64: the mask makes it the logical shift
+    h = h * _M1
+    h = h ^ ((h >> 33) & 0x7FFFFFFF)
+    h = h * _M2
+    return h ^ ((h >> 33) & 0x7FFFFFFF)
+
+
+@triton.jit
+def offender_key(rb, vb, qb):
+    return fmix(fmix(fmix(rb) ^ vb) ^ qb) | 1
+
+
 @triton.jit
 def per_lane_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     # The control: every lane claims at once (a key and a compare-and-swap result per lane, live across the block).
@@ -866,7 +885,7 @@ def per_lane_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
         blk = addr.to(tl.pointer_type(tl.int64))
         k = tl.load(blk + 1)
         if tl.load(blk + _H + (k - 1) * _E) == 0:
-            key = tt._offender_key(rb, vb, qb)
+            key = offender_key(rb, vb, qb)
             active = b
             for j in range(0, k):
                 if tl.sum(active.to(tl.int32), axis=None) > 0:
@@ -915,13 +934,9 @@ def launched_nonfinite():
     return {"regs": u.regs, "smem": u.smem, "programs_per_sm": u.programs_per_sm}
 
 
-# The launchers' default shapes: the slot mapping's guarded path; the control's wide record. The non-finite
-# counter (a wide read) is measured as launched (launched_nonfinite).
+# The control's wide record. The non-finite counter (a wide read) is measured as launched (launched_nonfinite).
 KERNELS = {
     "wide": (wide, {"x_ptr": "*i16", "numel": "i64", "ncols": "i64"}, dict(BLOCK=2048), 8),
-    "slot_mapping": (sm._slot_mapping, {"rows_ptr": "*i32", "table_ptr": "*i32"},
-                     dict(BLOCK_T=sm._BLOCK_T, FAULT_T=32 * sm._NUM_WARPS, LOG2_BS=4, HAS_BLOCK_LIMIT=True, GUARD=True,
-                          HAS_REQ=False), sm._NUM_WARPS),
 }
 VARIANT = "@VARIANT@"  # the one this process compiles (the test runs a process per variant)
 try:
