@@ -306,10 +306,31 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tripwire.kernels import decode_attention as da
 
+import torch
+from tripwire import Monitor, SiteRegistry
+from tripwire import resources as rs
+from tripwire.kernels import counters
+
 CFG = da.Config()  # the launcher's default shape
 
+
+def launched():
+    # decode_attention's split kernel as the launcher launches it (recorded, not run: CPU tensors of the shape
+    # below): the JITFunction and the launch's own fault-path tile.
+    mon = Monitor(registry=SiteRegistry(capacity=8), capacity=8, mode="off")
+    q = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 16, 4, 128, dtype=torch.bfloat16)
+    table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    ctr = counters(da.SITES, "cpu", mon)
+    (launch,) = rs.capture_launches(lambda: da.decode_attention(q, kv, kv, table, lens, torch.empty_like(q), ctr=ctr))
+    return launch.fn, launch.kwargs["FAULT_BLOCK_N"]
+
+
+KERNEL, FAULT_BLOCK_N = launched()
+
+
 def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warps=CFG.num_warps, has_req=False):
-    k = da._decode_split
+    k = KERNEL
     names = k.arg_names
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "lens_ptr": "*i32",
              "out_ptr": "*bf16", "pout_ptr": "*fp32", "plse_ptr": "*fp32", "ctr_ptr": "*i64", "req_ptr": "*i64",
@@ -329,8 +350,8 @@ def build(guard, fault_block_n, block_n=CFG.block_n, stages=CFG.num_stages, warp
 from triton.compiler.errors import CompilationError
 
 try:
-    out = {"twin": build(False, 16), "guarded": build(True, da._FAULT_BLOCK_N), "control": build(True, 64),
-           "guarded_req": build(True, da._FAULT_BLOCK_N, has_req=True)}
+    out = {"twin": build(False, 16), "guarded": build(True, FAULT_BLOCK_N), "control": build(True, 64),
+           "guarded_req": build(True, FAULT_BLOCK_N, has_req=True)}
 except CompilationError:
     raise  # the kernel does not compile: a failure, never a skip
 except Exception as e:
