@@ -20,7 +20,14 @@ import triton.language as tl
 
 from tripwire import Monitor, SiteRegistry
 from tripwire.layout import decode
-from tripwire.numerics import FP8_DTYPES, FP8_MAX, ClipCounter, quantize_kv_to_fp8_cache, reference_quantize
+from tripwire.numerics import (
+    FP8_DTYPES,
+    FP8_MAX,
+    ClipCounter,
+    fp8_cache_launch,
+    quantize_kv_to_fp8_cache,
+    reference_quantize,
+)
 from tripwire.numerics.fused import _fp8_kv_cache_kernel, _launch, _tail_asm, _thread_tail_ok, _threshold
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -742,8 +749,6 @@ def test_several_tokens_per_program_counts_exactly(kernel_device):
     """A program handles several tokens (a partial last program, padding, guarded bad slots): the cache is bit-exact
     and the counts equal the torch path's on the same valid rows. The launcher runs 4 tokens per program on the CPU
     at this size; on the GPU it runs one, so the loop is forced there (4 warps x 4 tokens)."""
-    from tripwire.numerics.fused import _launch_config
-
     reg = SiteRegistry(capacity=16)
     m = Monitor(registry=reg, capacity=16)
     T, heads, dim, nslots = 103 if kernel_device == "cpu" else 40003, 4, 32, 200
@@ -751,7 +756,7 @@ def test_several_tokens_per_program_counts_exactly(kernel_device):
         nslots = 2 * T
     config = None if kernel_device == "cpu" else (4, 4)
     if kernel_device == "cpu":
-        assert _launch_config(T, heads * dim, torch.device(kernel_device))[1] > 1
+        assert fp8_cache_launch(T, heads, dim, kernel_device).tokens_per_program > 1
     g = torch.Generator().manual_seed(1)
     k = (torch.randn(T, heads, dim, generator=g) * 300).to(kernel_device)
     v = (torch.randn(T, heads, dim, generator=g) * 300).to(kernel_device)
@@ -930,9 +935,7 @@ def test_corrupted_negative_scale_tensor_counts_only_live_lanes(monitor, kernel_
     # Control: what a recount that also counted masked lanes would report. Masked lanes load 0.0, and 0.0 exceeds
     # a negative ceiling; padded heads load the scale 1.0 (positive ceiling). Tiles are 4 x 16, programs cover
     # whole groups of tokens_per_program tokens.
-    from tripwire.numerics.fused import _launch_config
-
-    tpp = _launch_config(tokens, 4 * 16, torch.device(kernel_device))[1]
+    tpp = fp8_cache_launch(tokens, heads, dim, kernel_device).tokens_per_program
     ceil = (scale.double().cpu().expand(heads) if kind == "1elem" else scale.double().cpu()) * FP8_MAX["e4m3"]
     ceil = torch.cat([ceil, ceil[:1] if kind == "1elem" else torch.tensor([448.0], dtype=torch.float64)])
     unmasked = 0
@@ -1020,27 +1023,45 @@ def test_maxima_grow_across_launches_and_after_reset(monitor, kernel_device):
     assert launch((40, 5.0), (41, 6.0)) == {"k": 0, "v": 0, "k_max": 5.0, "v_max": 6.0}
 
 
-def test_launch_config_rules(monkeypatch):
-    """The launch shape (see fused._launch_config), the same counted or not: one token per program; 2 warps for an
-    8 x 128 tile, 4 below 32 tokens per SM; tiles scale the warps. The SM count comes from a cache (a fake H200
-    here: no GPU needed). The interpreter runs the loop (4 tokens per program) from 64 tokens, for coverage."""
-    from tripwire.numerics import fused
-
+def test_launch_config_rules():
+    """The launch shape (fp8_cache_launch), the same counted or not: one token per program; 2 warps for an 8 x 128
+    tile, 4 below 32 tokens per SM; tiles scale the warps. Planned for an H200's 132 SMs (no GPU needed). The
+    interpreter runs the loop (4 tokens per program) from 64 tokens, for coverage."""
     dev = torch.device("cuda", 7)
-    monkeypatch.setitem(fused._DEVICE_PROPS, dev, (132, (9, 0)))
-    cfg = fused._launch_config
-    assert cfg(2048, 1024, dev) == (4, 1)
-    assert cfg(32 * 132 - 1, 1024, dev) == (4, 1)
-    assert cfg(32 * 132, 1024, dev) == (2, 1)
-    assert cfg(1 << 20, 1024, dev) == (2, 1)
-    assert cfg(1 << 20, 4096, dev) == (8, 1)
-    assert cfg(1 << 20, 64, dev) == (1, 1)
-    assert cfg(10, 8192, dev) == (8, 1)
-    assert cfg(63, 1024, torch.device("cpu")) == (4, 1)
-    assert cfg(64, 1024, torch.device("cpu")) == (4, 4)
+
+    def cfg(tokens, heads, head_dim, device=dev):  # type: ignore[no-untyped-def]
+        return tuple(fp8_cache_launch(tokens, heads, head_dim, device, sm_count=132)[:2])
+
+    assert cfg(2048, 8, 128) == (4, 1)
+    assert cfg(32 * 132 - 1, 8, 128) == (4, 1)
+    assert cfg(32 * 132, 8, 128) == (2, 1)
+    assert cfg(1 << 20, 8, 128) == (2, 1)
+    assert cfg(1 << 20, 32, 128) == (8, 1)
+    assert cfg(1 << 20, 1, 64) == (1, 1)
+    assert cfg(10, 64, 128) == (8, 1)
+    assert cfg(1 << 20, 6, 100) == (2, 1)  # padded to an 8 x 128 tile
+    assert cfg(63, 8, 128, torch.device("cpu")) == (4, 1)
+    assert cfg(64, 8, 128, torch.device("cpu")) == (4, 4)
     # The per-thread tail's placement follows the same line: after the stores below it, before them from it.
-    assert fused._small_batch(32 * 132 - 1, dev) and not fused._small_batch(32 * 132, dev)
-    assert not fused._small_batch(16, torch.device("cpu"))  # the interpreter runs no per-thread tail
+    assert fp8_cache_launch(32 * 132 - 1, 8, 128, dev, sm_count=132).tail_after_stores
+    assert not fp8_cache_launch(32 * 132, 8, 128, dev, sm_count=132).tail_after_stores
+    assert fp8_cache_launch(32 * 66 - 1, 8, 128, dev, sm_count=66).tail_after_stores  # the line scales with SMs
+    assert not fp8_cache_launch(32 * 66, 8, 128, dev, sm_count=66).tail_after_stores
+    assert not fp8_cache_launch(16, 8, 128, "cpu").tail_after_stores  # the interpreter runs no per-thread tail
+
+
+@pytest.mark.parametrize(
+    "args, sm_count, err",
+    [
+        ((-1, 8, 128, "cpu"), None, "tokens must be an int >= 0, got -1"),
+        ((4, 0, 128, "cpu"), None, "heads must be an int >= 1, got 0"),
+        ((4, 8, 1.5, "cpu"), None, "head_dim must be an int >= 1, got 1.5"),
+        ((4, 8, 128, "cuda"), 0, "sm_count must be an int >= 1, got 0"),
+    ],
+)
+def test_launch_shape_rejects_bad_sizes(args, sm_count, err):
+    with pytest.raises(ValueError, match=err):
+        fp8_cache_launch(*args, sm_count=sm_count)
 
 
 def test_launch_config_override_is_checked(monitor, kernel_device):
@@ -1059,14 +1080,16 @@ def test_inline_ptx_only_where_it_compiles(monkeypatch):
     """Inline PTX goes only to a compiled NVIDIA kernel: never to the CPU, never under the interpreter (which
     cannot run PTX: a CUDA tensor under TRITON_INTERPRET=1 runs there too), never on ROCm. The observation flips
     with the interpreter flag alone."""
-    from tripwire.numerics import fused
-
     cuda = torch.device("cuda", 0)
+
+    def ptx(device):  # type: ignore[no-untyped-def]
+        return fp8_cache_launch(16, 8, 128, device, sm_count=132).inline_ptx
+
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    assert fused._inline_ptx(cuda) and not fused._inline_ptx(torch.device("cpu"))
+    assert ptx(cuda) and not ptx(torch.device("cpu"))
     monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
-    assert not fused._inline_ptx(cuda)
+    assert not ptx(cuda)
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert not fused._inline_ptx(cuda)
+    assert not ptx(cuda)

@@ -2,7 +2,8 @@
 guards.
 
 * FP8 KV clip counter: :class:`ClipCounter` (one ``"clip"`` row per layer), its torch-ops path
-  :meth:`ClipCounter.count`, and the fused quantise-into-paged-FP8-cache kernel :func:`quantize_kv_to_fp8_cache`.
+  :meth:`ClipCounter.count`, and the fused quantise-into-paged-FP8-cache kernel :func:`quantize_kv_to_fp8_cache`
+  (its launch shape: :func:`fp8_cache_launch`).
 * Non-finite counter: :func:`count_nonfinite` into a site from :func:`register_nonfinite_site`.
 * Non-finite rows: :class:`NonFiniteRows` (one hit per row, with its request; a site from
   :func:`register_nonfinite_rows_site`), what an engine's same-step verdict fails requests by.
@@ -26,7 +27,7 @@ from .clip import (
     clip_thresholds,
     reference_quantize,
 )
-from .fused import FP8_CACHE_SLOT_SITE, quantize_kv_to_fp8_cache
+from .fused import FP8_CACHE_SLOT_SITE, FP8CacheLaunch, fp8_cache_launch, quantize_kv_to_fp8_cache
 from .nonfinite import NonFiniteReporter, count_nonfinite, register_nonfinite_site
 from .nonfinite_rows import NonFiniteRows, NonFiniteRowsReporter, register_nonfinite_rows_site
 
@@ -34,6 +35,8 @@ __all__ = [
     # FP8 clip counter
     "ClipCounter",
     "quantize_kv_to_fp8_cache",
+    "fp8_cache_launch",
+    "FP8CacheLaunch",
     "FP8_CACHE_SLOT_SITE",
     "reference_quantize",
     "clip_thresholds",

@@ -1,7 +1,7 @@
 """Fused FP8 KV-cache write: quantise K/V into a paged FP8 cache through a slot mapping and count clipping in the
 same pass.
 
-Each program handles ``TOKENS_PER_PROGRAM`` tokens (one on the GPU: see ``_launch_config``). For each it loads the
+Each program handles ``TOKENS_PER_PROGRAM`` tokens (one on the GPU: see :func:`fp8_cache_launch`). For each it loads the
 token's K and V rows and its slot, skips the token when the slot is negative (padding of a captured batch), guards
 the slot against the cache size (a slot past the cache is masked -- nothing is written -- and counted at the fatal
 site ``numerics.fp8_cache.slot``, row = token index, value = slot), then for K and V: ``y = x / scale`` (IEEE
@@ -15,7 +15,7 @@ Hot-path cost of counting, on NVIDIA sm_90+ with bf16/fp16 K and V (what the lau
 comment above ``_limit_asm``): per thread, a packed tree of maxima (one ``max.xorsign.abs`` per two elements), one
 packed compare per tensor against a 16-bit limit (the largest value not above min(threshold, stored maximum)), and
 ONE barrier that ORs the flags of the CTA (``bar.red.or``), in inline PTX: after the token's stores in a batch of
-about one wave, before them in a larger one (``_small_batch``). Only a CTA where some element clipped or
+about one wave, before them in a larger one (:func:`fp8_cache_launch`). Only a CTA where some element clipped or
 exceeded the stored maximum counts exactly (in registers, float32) and records, with one set of atomics per CTA.
 Elsewhere (other GPUs, fp32 or mixed inputs, tiles of fewer than 8 elements per thread, the interpreter) the
 block-level tail: a running max of ``|x|`` per thread, two thresholds, one block reduction of a flag, and a second
@@ -38,7 +38,7 @@ differ from torch's (count them with :func:`tripwire.numerics.count_nonfinite`).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from ..sites import register_site
 from ..triton import _callee, record_hits  # _callee: the module, see tripwire.kernels._common
 from .clip import FP8_MAX, SLOT_SITE_DESCRIPTION, SLOT_SITE_NAME, ClipCounter
 
-__all__ = ["FP8_CACHE_SLOT_SITE", "quantize_kv_to_fp8_cache"]
+__all__ = ["FP8_CACHE_SLOT_SITE", "FP8CacheLaunch", "fp8_cache_launch", "quantize_kv_to_fp8_cache"]
 
 # Registered at import, so the row exists before any capture (ClipCounter registers it in private registries too).
 FP8_CACHE_SLOT_SITE = register_site(SLOT_SITE_NAME, description=SLOT_SITE_DESCRIPTION, fatal=True)
@@ -762,25 +762,29 @@ def _device_props(device: torch.device) -> tuple[int, tuple[int, int]]:
     return props
 
 
-def _launch_config(tokens: int, tile: int, device: torch.device) -> tuple[int, int]:
+def _launch_config(tokens: int, tile: int, device: torch.device, sms: int | None = None) -> tuple[int, int]:
     """``(num_warps, tokens_per_program)`` for a batch of ``tokens`` tokens whose padded ``heads x head_dim`` tile has
     ``tile`` elements (see the sweep note above); the same with and without counting. On the CPU (the interpreter)
-    the shape only matters to coverage: small batches run one token per program, larger ones four (the loop)."""
+    the shape only matters to coverage: small batches run one token per program, larger ones four (the loop).
+    ``sms``: the SM count to plan for (None: ``device``'s own; :func:`fp8_cache_launch`)."""
     small_warps = max(1, min(8, tile // _SMALL_TILE_PER_WARP))
     if device.type != "cuda":
         return small_warps, (1 if tokens < 64 else 4)
-    if _small_batch(tokens, device):
+    if _small_batch(tokens, device, sms):
         return small_warps, 1
     return max(1, min(8, tile // _LEAN_TILE_PER_WARP)), 1
 
 
-def _small_batch(tokens: int, device: torch.device) -> bool:
+def _small_batch(tokens: int, device: torch.device, sms: int | None = None) -> bool:
     """Whether a batch of ``tokens`` tokens is small for ``device`` (fewer than _SMALL_BATCH_TOKENS_PER_SM per SM): its
     programs run in about one wave. There the per-thread tail runs after the token's stores (TAIL_LAST): a
     program's barrier between its loads and its stores lengthens the one wave by its latency, while after the
     stores it waits beside them; in a batch of many waves, where a program's end is what the next one waits for,
-    the barrier before the stores costs less (benchmarks/sweep_fused.py measures both)."""
-    return device.type == "cuda" and tokens < _SMALL_BATCH_TOKENS_PER_SM * _device_props(device)[0]
+    the barrier before the stores costs less (benchmarks/sweep_fused.py measures both). ``sms``: as in
+    :func:`_launch_config`."""
+    if device.type != "cuda":
+        return False
+    return tokens < _SMALL_BATCH_TOKENS_PER_SM * (_device_props(device)[0] if sms is None else sms)
 
 
 def _thread_tail_ok(
@@ -797,6 +801,42 @@ def _inline_ptx(device: torch.device) -> bool:
     """Whether the kernel may use inline PTX: an NVIDIA GPU, compiled (the interpreter cannot run PTX; ROCm has
     none)."""
     return device.type == "cuda" and torch.version.hip is None and not _callee.interpreting()
+
+
+class FP8CacheLaunch(NamedTuple):
+    """How :func:`quantize_kv_to_fp8_cache` launches for one batch (:func:`fp8_cache_launch`)."""
+
+    num_warps: int
+    """Warps per program."""
+    tokens_per_program: int
+    """Tokens each program handles (the grid is ``ceil(tokens / tokens_per_program)`` programs)."""
+    tail_after_stores: bool
+    """Where the per-thread counting tail goes, where it runs (sm_90+, bf16 or fp16 K and V of one dtype, at least 8
+    tile elements per thread): after the token's stores (a batch of about one wave) or before them."""
+    inline_ptx: bool
+    """Whether the kernel uses inline PTX: an NVIDIA GPU, compiled (never the CPU, the Triton interpreter or ROCm)."""
+
+
+def fp8_cache_launch(
+    tokens: int, heads: int, head_dim: int, device: torch.device | str, *, sm_count: int | None = None
+) -> FP8CacheLaunch:
+    """The launch shape :func:`quantize_kv_to_fp8_cache` picks for ``tokens`` tokens of ``heads x head_dim`` on
+    ``device``: the same with and without counting, so that what counting costs is measured against exactly what
+    ``count=False`` runs. A kernel engineer's read-only view of the launcher's decisions (what a profile's grid and
+    warps should show, where the counting tail sits and whether the PTX path runs); it launches nothing.
+
+    ``sm_count``: plan for a GPU with that many SMs instead of ``device``'s own (then no CUDA device need be
+    present); by default a CUDA ``device``'s SM count is read once and cached. ``device`` of another type: the
+    shape the Triton interpreter runs (one token per program below 64 tokens, four from 64, for coverage of the
+    kernel's loop). ValueError for a non-positive size or SM count."""
+    for name, n in (("tokens", tokens), ("heads", heads), ("head_dim", head_dim), ("sm_count", sm_count)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < (0 if name == "tokens" else 1)):
+            least = ">= 0" if name == "tokens" else ">= 1"
+            raise ValueError(f"fp8_cache_launch: {name} must be an int {least}, got {n!r}")
+    dev = torch.device(device)
+    tile = triton.next_power_of_2(heads) * triton.next_power_of_2(head_dim)
+    num_warps, tpp = _launch_config(tokens, tile, dev, sm_count)
+    return FP8CacheLaunch(num_warps, tpp, _small_batch(tokens, dev, sm_count), _inline_ptx(dev))
 
 
 def _launch(
