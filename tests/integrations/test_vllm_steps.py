@@ -759,8 +759,8 @@ def test_verdicts_of_outputs_vllm_drops_are_released(vllm, hold):
     """V2's warm-up runs real steps and drops their outputs unread: their verdicts must not hold the ring (four
     dropped outputs filled it, and the next step's enqueue killed a clean engine). Six faulty steps whose
     asynchronous outputs are dropped all run; the one output still held (vLLM reads it within two steps) keeps its
-    verdict: its victim fails when vLLM reads it. Control: with every output held (none can be released), the fifth faulty step finds no free
-    slot."""
+    verdict: its victim fails when vLLM reads it. Control: with every output held (none can be released), the
+    fifth faulty step finds no free slot."""
     m, r = engine("contain", asynchronous=True)
     s = Scheduler()
     assert step(r, decode_step)[0]  # the first step binds the buffers: a verdict, its output dropped

@@ -1000,7 +1000,8 @@ def test_maxima_grow_across_launches_and_after_reset(monitor, kernel_device):
     but a larger V max, so V must rise while K stays; an equal max changes nothing; after ``Monitor.reset()`` the
     slots are 0 again and a smaller batch is recorded. 70 tokens: several tokens per program on the CPU too, and
     each maximum sits in one program only (the others must not lower or skip it). The skip cannot change a result
-    (an atomic max it skips could not have raised the slot): what it saves is measured in the lab (benchmarks/lab/numerics.py)."""
+    (an atomic max it skips could not have raised the slot): what it saves is measured in the lab
+    (benchmarks/lab/numerics.py)."""
     tokens, heads, dim = 70, 2, 16
     c = ClipCounter("maxima.grow", kernel_device, "e4m3", monitor=monitor)
     kc = torch.zeros(tokens, heads, dim, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPES["e4m3"])

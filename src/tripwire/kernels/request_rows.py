@@ -16,8 +16,8 @@ same-step verdict fails every request of the step (fail closed) and no request o
   the entry, request ``requests[b]``), masks it to the scratch row and flags ``b``.
 * :func:`fence_rows` (after them, per KV-cache group): for a flagged row, the gathered table row is zeroed (block 0:
   vLLM's null block, which no request owns) and its tokens' slots set to PAD (``-1``: no KV write), since both were
-  computed from the scratch row's table; for every other row, the row's used block count is gathered from ``num_blocks`` (validated
-  by the caller) into batch order, for a validator of the gathered tables.
+  computed from the scratch row's table; for every other row, the row's used block count is gathered from
+  ``num_blocks`` (validated by the caller) into batch order, for a validator of the gathered tables.
 
 The site is the caller's: the launchers count at the counter row ``ctr`` they are given (an engine adapter's, such
 as ``vllm.idx_mapping``), so this module registers none. Each launcher is one launch, no sync, no allocation: they

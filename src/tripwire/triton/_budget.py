@@ -250,8 +250,9 @@ def parse_ptxas(text: str) -> PtxasReport:
 
     ``return_save_bytes`` is 0: the text cannot tell a call's saved return address from a spill (ptxas counts both
     as spill stores); :func:`ptxas_report` reads the SASS for that (:func:`return_address_saves`). One entry
-    function: of a module with several, the first is read as the entry and the others' spills as its callees'. Raises RuntimeError, with the end of ``text``, where it names no
-    entry function or no register count (a ptxas error's output)."""
+    function: of a module with several, the first is read as the entry and the others' spills as its callees'.
+    Raises RuntimeError, with the end of ``text``, where it names no entry function or no register count (a ptxas
+    error's output)."""
     entry = _ENTRY.search(text)
     regs = re.search(r"Used (\d+) registers", text)
     if entry is None or regs is None:
