@@ -116,6 +116,7 @@ def test_bad_arguments_are_refused(kernel_device, monitor):
         ({"flags": flags.long()}, TypeError, "flags must have dtype int32, got int64"),
         ({"ctr": ctr[:4]}, ValueError, r"ctr must have shape \[8\]"),
         ({"total_len": total[:8]}, ValueError, "total_len has 8 entries, fewer than the 16 state rows"),
+        ({"rows": idx[0]}, ValueError, r"rows must be 1-D, got shape \(\)"),
     ):
         with pytest.raises(error, match=match):
             request_rows.guard_rows(**{**guard, **change})
@@ -130,6 +131,7 @@ def test_bad_arguments_are_refused(kernel_device, monitor):
         ({"table": table[:, :3]}, ValueError, "table must be contiguous"),
         ({"table": table.long()}, TypeError, "table must have dtype int32, got int64"),
         ({"slots": torch.zeros(TOKENS, **i32)}, TypeError, "slots must have dtype int64, got int32"),
+        ({"rows": idx[0]}, ValueError, r"rows must be 1-D, got shape \(\)"),
     ):
         with pytest.raises(error, match=match):
             request_rows.fence_rows(**{**fence, **change})

@@ -111,8 +111,8 @@ def _i32(t: torch.Tensor, dev: torch.device, ndim: int = 1) -> bool:
 
 def _guard_ok(rows: torch.Tensor, flags: torch.Tensor, requests: torch.Tensor, ctr: torch.Tensor, bound: int,
               scratch: int, total_len: torch.Tensor | None) -> bool:  # fmt: skip
-    if type(rows) is not _T or type(bound) is not int or type(scratch) is not int:
-        return False
+    if type(rows) is not _T or rows.dim() != 1 or type(bound) is not int or type(scratch) is not int:
+        return False  # (a rank other than 1 before rows.shape[0] is read: the named check refuses it)
     dev = rows.device
     n = rows.shape[0]
     return (dev.type == "cuda" and _vec(rows, dev) and _i32(flags, dev) and _vec(requests, dev)
@@ -124,7 +124,7 @@ def _guard_ok(rows: torch.Tensor, flags: torch.Tensor, requests: torch.Tensor, c
 
 def _fence_ok(flags: torch.Tensor, rows: torch.Tensor, qsl: torch.Tensor, num_blocks: torch.Tensor,
               counts: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> bool:  # fmt: skip
-    if type(rows) is not _T:
+    if type(rows) is not _T or rows.dim() != 1:
         return False
     dev = rows.device
     n = rows.shape[0]

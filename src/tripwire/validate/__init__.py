@@ -232,7 +232,8 @@ class Validator:
         kernel through its JITFunction: before the first call, under Triton's interpreter, and while a Triton launch
         hook such as a profiler's is installed, so that the hook sees every launch with its metadata) or
         ``"triton"`` (a compiled kernel's own launcher, bound at the first call of its specialisation: the cheapest
-        host path). For a kernel engineer reading a profile: a CUDA validator that stays on ``"jit"`` pays the
+        host path; a call of a specialisation not bound yet still goes through the JITFunction once, which binds
+        it). For a kernel engineer reading a profile: a CUDA validator that stays on ``"jit"`` pays the
         JITFunction's host cost at every call. Read when asked; no call reads it."""
         if self.backend == "torch":
             return "torch"
@@ -246,8 +247,8 @@ class Validator:
         per tensor and size what Triton specialises a tuple element on: a size of 1, a multiple of 16, past int32, a
         16-byte aligned address). Read their registers (``n_regs``, ``n_spills``), their code (``asm``) or their
         specialisation (``src``); a count that keeps growing is a workload whose calls keep compiling. Empty for the
-        torch backend, under the interpreter, and before a first call (or while a launch hook keeps every call on
-        the JITFunction, which binds nothing)."""
+        torch backend, under the interpreter, and before a first call; while a launch hook keeps every call on the
+        JITFunction nothing new is bound (the kernels bound before stay)."""
         plan = self._plan
         return () if plan is None or plan.launch is None else plan.launch.kernels
 

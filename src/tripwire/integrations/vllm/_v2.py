@@ -187,11 +187,11 @@ class V2StepValidator:
         self._req = req
         # The scratch row: one no live request holds (V2's free list; its bottom is the row reused last). None free:
         # a row of this step, and the hit unattributed, so the whole step fails (see tripwire.kernels.request_rows).
-        # Through the module attribute (both launchers): a wrapper set on the public launcher (instrumentation, or a
-        # control with the rewrite off) sees the adapter's launches.
         free = runner.req_states.free_indices
         scratch, attributed = (int(free[0]), True) if free else (int(idx_np[0]), False)
         idx = input_batch.idx_mapping[:n]
+        # Both launchers are called through their module: a wrapper set on the public launcher (a profiler's, a
+        # tool's) sees the adapter's launches too. Their argument check on this path is attribute reads only.
         request_rows.guard_rows(
             idx, self._flags, req, self._rows_ctr, self.max_reqs, scratch, scratch_free=attributed, mask=self.mask,
             total_len=self._total_len,
