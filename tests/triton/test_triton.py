@@ -857,26 +857,6 @@ def no_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     tl.atomic_add(ctr_ptr + 6, rb.to(tl.int64).sum() * 0)
 
 
-# tripwire.layout.offender_key in wrapping int64 arithmetic (KEY_MIX as the int64 numbers with their bits): the key
-# the shipped claim stores, computed here for the control's per-lane claims.
-_M1 = tl.constexpr(layout.KEY_MIX[0] - (1 << 64))
-_M2 = tl.constexpr(layout.KEY_MIX[1] - (1 << 64))
-
-
-@triton.jit
-def fmix(h):
-    h = h ^ ((h >> 33) & 0x7FFFFFFF)  # `>>` is arithmetic on int64: the mask makes it the logical shift
-    h = h * _M1
-    h = h ^ ((h >> 33) & 0x7FFFFFFF)
-    h = h * _M2
-    return h ^ ((h >> 33) & 0x7FFFFFFF)
-
-
-@triton.jit
-def offender_key(rb, vb, qb):
-    return fmix(fmix(fmix(rb) ^ vb) ^ qb) | 1
-
-
 @triton.jit
 def per_lane_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
     # The control: every lane claims at once (a key and a compare-and-swap result per lane, live across the block).
@@ -885,7 +865,9 @@ def per_lane_offenders(ctr_ptr, b, rb, vb, qb, CALLS: tl.constexpr = True):
         blk = addr.to(tl.pointer_type(tl.int64))
         k = tl.load(blk + 1)
         if tl.load(blk + _H + (k - 1) * _E) == 0:
-            key = offender_key(rb, vb, qb)
+            # The shipped claim's own key function (one source for the hash: a copy here could drift from it), read
+            # by name as the claim itself is swapped by name below.
+            key = tt._offender_key(rb, vb, qb)
             active = b
             for j in range(0, k):
                 if tl.sum(active.to(tl.int32), axis=None) > 0:
