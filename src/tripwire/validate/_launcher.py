@@ -85,7 +85,8 @@ class Launcher:
             self._direct = self.arena.is_cuda and hasattr(_triton._validate, "device_caches")
             if self._direct:
                 self._stream = triton.runtime.driver.active.get_current_stream
-        key = self._key(tensors, numels, widths)
+        # The bound kernel's key: what Triton specialises the call's kernel on (_triton.spec_key says what and why).
+        key = _triton.spec_key(tensors, numels, widths)
         if not self._direct or _hooked():
             args = self._args(tensors, numels, widths)
             _triton._validate[(total,)](
@@ -110,9 +111,6 @@ class Launcher:
         stream = self._stream(self._dev)
         args = self._args(tensors, numels, widths)
         k.run(total, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *consts)
-
-    # The bound kernel's key: what Triton specialises the call's kernel on (_triton.spec_key says what and why).
-    _key = staticmethod(_triton.spec_key)
 
     @property
     def path(self) -> str:

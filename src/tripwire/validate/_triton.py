@@ -220,7 +220,7 @@ def _indptr_check(ctr_ptr, a_ptr, an, ni, MASK: tl.constexpr, ABLOCK: tl.constex
 
 # The flags ask for no value or alignment specialisation; Triton (3.6, and its native specialiser since) applies
 # them to a parameter as a whole and specialises each tuple element with its defaults all the same, so the bound
-# launch keys the compiled kernel on what those elements are (_launcher.Launcher._key).
+# launch keys the compiled kernel on what those elements are (_launcher.Launcher.__call__).
 @triton.jit(do_not_specialize=["N", "W", "AN", "RQN", "SGN"], do_not_specialize_on_alignment=["T", "A", "RQ", "SG"])
 def _validate(
     ctr_ptr,
