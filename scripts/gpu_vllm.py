@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import signal
 import sys
 import time
 import zlib
@@ -234,13 +235,17 @@ def main(argv: list[str] | None = None) -> int:
         pool = _vllm_proc.EnginePool(work, specs, workers=args.workers)
         done = {}
         for name in specs:
-            # One line per engine as it ends: a call cut short by its time limit still says which engines ran.
+            # One line per engine as it ends, with what killed one that died, and a dead engine's stderr written at
+            # once (beside the JSON, not in its deeper work folder): a call cut short by its time limit still says
+            # which engines ran and why one died.
             done[name] = run = pool.get(name)
+            died = "" if run.result is not None else f": {_death(run.rc)}{_last_error(run.stderr)}"
             print(f"{time.time() - t0:5.0f} s  {name}: rc {run.rc}, alive {run.result is not None}, "
-                  f"{len(run.injected)} faults injected", flush=True)  # fmt: skip
+                  f"{len(run.injected)} faults injected{died}", flush=True)  # fmt: skip
+            if run.result is None:
+                (out / f"{name}.stderr.txt").write_text(run.stderr[-20000:])
         pool.close()
         for name, run in done.items():
-            (out / f"{name}.stderr.txt").write_text(run.stderr[-20000:]) if run.result is None else None
             results["runs"][name] = {
                 "rc": run.rc,
                 "alive": run.result is not None,
@@ -358,6 +363,16 @@ def fp8_check(results: dict[str, Any], done: dict[str, _vllm_proc.Run], runner: 
         )
 
 
+def _death(rc: int) -> str:
+    """A signal's name for an engine a signal killed (a negative exit status), else nothing."""
+    if rc >= 0:
+        return ""
+    try:
+        return f"{signal.Signals(-rc).name}; "
+    except ValueError:
+        return f"signal {-rc}; "
+
+
 def _last_error(stderr: str) -> str:
     """What killed an engine, from its stderr: CUDA's error, a segfault, or the last error line."""
     lines = stderr.splitlines()
@@ -365,7 +380,8 @@ def _last_error(stderr: str) -> str:
         hits = [x for x in lines if key in x]
         if hits:
             return hits[-1].strip()[:300]
-    return stderr[-200:]
+    last = [x.strip() for x in lines if x.strip()]
+    return last[-1][:300] if last else "(no stderr)"
 
 
 def summary(results: dict[str, Any]) -> str:
