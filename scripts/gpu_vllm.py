@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             done[name] = run = pool.get(name)
             died = "" if run.result is not None else f": {_death(run.rc)}{_last_error(run.stderr)}"
             print(f"{time.time() - t0:5.0f} s  {name}: rc {run.rc}, alive {run.result is not None}, "
-                  f"{len(run.injected)} faults injected{died}", flush=True)  # fmt: skip
+                  f"{len(run.injected)} faults injected{died}"
+                  f"{f', {run.restarts} restarts (start-up race)' if run.restarts else ''}", flush=True)  # fmt: skip
             if run.result is None:
                 (out / f"{name}.stderr.txt").write_text(run.stderr[-20000:])
         pool.close()
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 "v2": None if run.result is None else run.result.get("v2"),
                 "hooked": None if run.result is None else run.result.get("hooked"),
                 "injected": run.injected,
+                "restarts": run.restarts,
                 "totals": run.totals(),
                 "events": len(run.events),
                 "stderr_tail": run.stderr[-600:] if run.result is None else "",

@@ -296,3 +296,53 @@ def test_gpu_jit_copy_loads_the_code_apart():
 def _add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)
     tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1, mask=o < n)
+
+
+# --------------------------------------------------------------------------- vllm_proc: vLLM's start-up race, retried
+_FAKE_ENGINE = """#!/bin/sh
+# Stands in for the vLLM environment's python: run_engine calls it as `PY -m tripwire.testing.vllm_run CONFIG`, in
+# the run's own folder. Each start is counted in ./starts; the first DIE starts die with STDERR's words.
+n=$(( $(cat starts 2>/dev/null || echo 0) + 1 )); echo $n > starts
+if [ $n -le {die} ]; then
+  {inject}
+  echo "{stderr}" >&2; exit 1
+fi
+echo '{{"hooked": true, "rounds": []}}'
+"""
+
+
+def _fake_engine(tmp_path, *, die: int, stderr: str, inject: bool = False):
+    py = tmp_path / "fake-python"
+    line = 'echo \'{"kind": "read"}\' > "$TRIPWIRE_VLLM_FAULTS_LOG"' if inject else ":"
+    py.write_text(_FAKE_ENGINE.format(die=die, stderr=stderr, inject=line))
+    py.chmod(0o755)
+    return str(py)
+
+
+_RACE = "AssertionError: Error in memory profiling. Initial free memory 70.1 GiB, current free memory 71.3 GiB."
+
+
+@pytest.mark.parametrize(
+    ("die", "stderr", "inject", "starts", "restarts", "alive"),
+    [
+        (2, _RACE, False, 3, 2, True),  # the race twice: started again twice, the third start runs
+        (5, _RACE, False, 3, 2, False),  # the race every time: given up after PROFILE_RACE_RESTARTS, the death kept
+        (1, "RuntimeError: CUDA error: an illegal memory access was encountered", False, 1, 0, False),  # control
+        (1, _RACE, True, 1, 0, False),  # control: a fault was injected before it died: the run's own outcome
+    ],
+)
+def test_run_engine_starts_again_only_a_run_lost_to_vllms_startup_race(tmp_path, die, stderr, inject, starts,
+                                                                        restarts, alive):  # fmt: skip
+    """An engine run that died of vLLM's start-up memory-profiling assertion (another process on the GPU freed
+    memory while it sized its KV cache), with no fault injected and no event written, is started again, at most
+    twice, and the restarts are counted; any other death, or one after a fault was injected, is returned as it
+    is (the controls: the observation flips to one start and no restart)."""
+    from tripwire.testing.vllm_proc import PROFILE_RACE, PROFILE_RACE_RESTARTS, run_engine
+
+    assert PROFILE_RACE in _RACE and PROFILE_RACE_RESTARTS == 2
+    py = _fake_engine(tmp_path, die=die, stderr=stderr, inject=inject)
+    run = run_engine(tmp_path / "work", "race", {"rounds": []}, python=py, timeout=60)
+    assert int((tmp_path / "work" / "race" / "starts").read_text()) == starts
+    assert run.restarts == restarts
+    assert (run.result is not None) is alive
+    assert run.rc == (0 if alive else 1)
