@@ -240,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             # which engines ran and why one died.
             done[name] = run = pool.get(name)
             died = "" if run.result is not None else f": {_death(run.rc)}{_last_error(run.stderr)}"
+            raced = f", {run.restarts} restarts (start-up race)" if run.restarts else ""
             print(f"{time.time() - t0:5.0f} s  {name}: rc {run.rc}, alive {run.result is not None}, "
-                  f"{len(run.injected)} faults injected{died}"
-                  f"{f', {run.restarts} restarts (start-up race)' if run.restarts else ''}", flush=True)  # fmt: skip
+                  f"{len(run.injected)} faults injected{died}{raced}", flush=True)  # fmt: skip
             if run.result is None:
                 (out / f"{name}.stderr.txt").write_text(run.stderr[-20000:])
         pool.close()
