@@ -34,7 +34,13 @@ import triton
 from triton.testing import do_bench
 
 from tripwire import Monitor, SiteRegistry
-from tripwire.numerics import ClipCounter, count_nonfinite, reference_quantize, register_nonfinite_site
+from tripwire.numerics import (
+    ClipCounter,
+    count_nonfinite,
+    fp8_cache_launch,
+    reference_quantize,
+    register_nonfinite_site,
+)
 from tripwire.numerics import fused as fused_mod
 from tripwire.numerics import nonfinite as nonfinite_mod
 
@@ -109,9 +115,8 @@ def _fused_case(
     ks = torch.tensor([1.0], device=dev)
     vs = torch.tensor([1.0], device=dev)
 
-    tile = triton.next_power_of_2(heads) * triton.next_power_of_2(dim)
     # What quantize_kv_to_fp8_cache launches, with or without counting (one shape for both), recorded.
-    shape = fused_mod._launch_config(tokens, tile, torch.device(dev))
+    shape = fp8_cache_launch(tokens, heads, dim, dev)[:2]
 
     # Each kernel variant over ``copies`` loads of its code (jit_copy: the same binary at other addresses), pooled:
     # one load of each measures the counting plus where the two codes happen to land (pooled_replay_ms says why).

@@ -762,15 +762,16 @@ def _device_props(device: torch.device) -> tuple[int, tuple[int, int]]:
     return props
 
 
-def _launch_config(tokens: int, tile: int, device: torch.device, sms: int | None = None) -> tuple[int, int]:
+def _launch_config(tokens: int, tile: int, device: torch.device, small: bool) -> tuple[int, int]:
     """``(num_warps, tokens_per_program)`` for a batch of ``tokens`` tokens whose padded ``heads x head_dim`` tile has
-    ``tile`` elements (see the sweep note above); the same with and without counting. On the CPU (the interpreter)
-    the shape only matters to coverage: small batches run one token per program, larger ones four (the loop).
-    ``sms``: the SM count to plan for (None: ``device``'s own; :func:`fp8_cache_launch`)."""
+    ``tile`` elements (see the sweep note above); the same with and without counting. ``small``: the batch is small
+    for the GPU it runs on (:func:`_small_batch`; the caller computes it once, since the tail's placement follows the
+    same line). On the CPU (the interpreter) the shape only matters to coverage: small batches run one token per
+    program, larger ones four (the loop)."""
     small_warps = max(1, min(8, tile // _SMALL_TILE_PER_WARP))
     if device.type != "cuda":
         return small_warps, (1 if tokens < 64 else 4)
-    if _small_batch(tokens, device, sms):
+    if small:
         return small_warps, 1
     return max(1, min(8, tile // _LEAN_TILE_PER_WARP)), 1
 
@@ -780,8 +781,9 @@ def _small_batch(tokens: int, device: torch.device, sms: int | None = None) -> b
     programs run in about one wave. There the per-thread tail runs after the token's stores (TAIL_LAST): a
     program's barrier between its loads and its stores lengthens the one wave by its latency, while after the
     stores it waits beside them; in a batch of many waves, where a program's end is what the next one waits for,
-    the barrier before the stores costs less (benchmarks/sweep_fused.py measures both). ``sms``: as in
-    :func:`_launch_config`."""
+    the barrier before the stores costs less (benchmarks/sweep_fused.py measures both). ``sms``: the SM count to plan
+    for (None: ``device``'s own; :func:`fp8_cache_launch`). The launch shape follows the same line
+    (:func:`_launch_config`)."""
     if device.type != "cuda":
         return False
     return tokens < _SMALL_BATCH_TOKENS_PER_SM * (_device_props(device)[0] if sms is None else sms)
@@ -835,8 +837,9 @@ def fp8_cache_launch(
             raise ValueError(f"fp8_cache_launch: {name} must be an int {least}, got {n!r}")
     dev = torch.device(device)
     tile = triton.next_power_of_2(heads) * triton.next_power_of_2(head_dim)
-    num_warps, tpp = _launch_config(tokens, tile, dev, sm_count)
-    return FP8CacheLaunch(num_warps, tpp, _small_batch(tokens, dev, sm_count), _inline_ptx(dev))
+    small = _small_batch(tokens, dev, sm_count)
+    num_warps, tpp = _launch_config(tokens, tile, dev, small)
+    return FP8CacheLaunch(num_warps, tpp, small, _inline_ptx(dev))
 
 
 def _launch(
@@ -877,7 +880,8 @@ def _launch(
     vs, v_mode = _scale_arg(v_scale, heads, counter.device, "v_scale")
     block_h = triton.next_power_of_2(heads)
     block_d = triton.next_power_of_2(head_dim)
-    num_warps, tpp = config if config is not None else _launch_config(tokens, block_h * block_d, counter.device)
+    small = _small_batch(tokens, counter.device)
+    num_warps, tpp = config if config is not None else _launch_config(tokens, block_h * block_d, counter.device, small)
     if num_warps < 1 or num_warps & (num_warps - 1) or tpp < 1:
         raise ValueError(f"config must be (power-of-two num_warps, tokens_per_program >= 1), got {config}")
     # The contiguous elements one thread holds along head_dim: a 16-byte load of the wider input, at most what the
@@ -956,7 +960,7 @@ def _launch(
         TAIL_PACK=tail_pack,
         TAIL_ASM=tail_asm,
         TAIL_CON=tail_con,
-        TAIL_LAST=use_tail and (_small_batch(tokens, counter.device) if tail_last is None else bool(tail_last)),
+        TAIL_LAST=use_tail and (small if tail_last is None else bool(tail_last)),
         LIMIT_ASM=limit_asm,
         CVT_ASM=_cvt_asm(counter.fmt) if use_cvt else "",
         num_warps=num_warps,
